@@ -1,0 +1,55 @@
+"""Shared helpers for the benchmark scripts: interleaved timing and peak-memory probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+
+def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call; the candidates take turns so machine noise hits all alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak() -> int:
+    """Reset the resident-memory high-water mark (Linux ≥ 4.0) and return the current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_bytes_since(baseline: int) -> int:
+    """High-water mark of resident memory since `reset_peak`, above its `baseline`."""
+    return _status_kib("VmHWM") * 1024 - baseline
+
+
+def peak_in_subprocess(module: str, args: list[str]) -> int:
+    """Run `python -m module args...` alone; it prints {"peak": bytes} as its last line.
+
+    Memory is measured in a fresh process so that one candidate's high-water mark cannot hide
+    another's; a fixed mmap threshold makes every large tensor return to the OS when freed.
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""))
+    if not env["OMP_NUM_THREADS"]:
+        del env["OMP_NUM_THREADS"]
+    out = subprocess.run([sys.executable, "-m", module, *args], check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]

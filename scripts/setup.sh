@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install hf_spanattn with its dev extras into it.
+# torch is pinned here, not in the package: a bare range would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+PY=.venv/bin/python
+$PY -m pip install -q --upgrade pip >/dev/null
+$PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==${TORCH_VERSION}"
+$PY -m pip install -q -e ".[dev]"

@@ -1,0 +1,158 @@
+"""`SpanAttentionConfig`: which gradient rule the backward pass applies, and with which α.
+
+The paper's labels name a setting in one string, and round-trip through `from_label`/`label`:
+
+    score:1000            score rule, α0..α3 = (1, 0, 0, 0)    (exact reading of ∂L/∂S^B)
+    score:1000@per_block  the same α, the paper's per-block hook reading
+    reductionistic:1100   Σ α_i Π_i on the standard dQ, dK
+    simple:10             α∥ Π_K + α⊥ Π_K^⊥ on the standard dQ, dK
+    standard:QKV101       no decomposition; (α_Q, α_K, α_V) = (1, 0, 1)
+    score:1000+QKV110     any rule with the baseline multipliers on top
+
+Alphas that are not single digits are written with commas: `score:1,0.5,0,0`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+METHODS = ("standard", "simple", "reductionistic", "score")
+SCORE_GRADS = ("exact", "per_block")
+ALPHA_COUNT = {"standard": 0, "simple": 2, "reductionistic": 4, "score": 4}
+DEFAULT_ALPHAS = {"standard": (), "simple": (1.0, 0.0), "reductionistic": (1.0, 0.0, 0.0, 0.0),
+                  "score": (1.0, 0.0, 0.0, 0.0)}
+
+_LABEL = re.compile(r"^(?P<method>[a-z]+):(?P<alphas>[0-9.,]*)(?:\+?QKV(?P<qkv>[0-9.,]+))?(?:@(?P<grad>[a-z_]+))?$")
+
+
+def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
+    try:
+        alphas = tuple(float(a) for a in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None
+    if len(alphas) != count:
+        raise ValueError(f"{name}={value!r}: expected {count} values ({what}), got {len(alphas)}")
+    for a in alphas:
+        if not math.isfinite(a) or a < 0:
+            raise ValueError(f"{name}={value!r}: every value must be a finite number >= 0, got {a}")
+    return alphas
+
+
+def _format_alphas(alphas: Sequence[float]) -> str:
+    if all(a.is_integer() and 0 <= a <= 9 for a in alphas):
+        return "".join(str(int(a)) for a in alphas)
+    return ",".join(f"{a:g}" for a in alphas)
+
+
+def _parse_alphas(text: str) -> tuple[float, ...]:
+    return tuple(float(a) for a in text.split(",")) if "," in text else tuple(float(c) for c in text)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanAttentionConfig:
+    """Settings of span-decomposed attention gradients (forward pass unchanged).
+
+    Args:
+        method: `"standard"` (the paper's QKV baseline), `"simple"` (α∥Π_K + α⊥Π_K^⊥),
+            `"reductionistic"` (Σ α_i Π_i with Π_0 = Π_KΠ_VΠ_K, ..., Π_3 = Π_K^⊥Π_V^⊥Π_K^⊥) or
+            `"score"` (the 8 score blocks S^B, weighted by the order of span violation, with
+            the paper's K cross terms).
+        alphas: α0..α3 for reductionistic and score, (α∥, α⊥) for simple, () for standard.
+            None takes the paper's best setting for the method ([1000], or (1, 0) for simple).
+        score_grad: `"exact"`: every block receives the true ∂L/∂S, so alphas (1,1,1,1) give
+            the standard gradient; `"per_block"`: block B's gradient through its own
+            softmax(mask(S^B))·V, the paper's hook procedure. Only used by `score`.
+        qkv_alphas: (α_Q, α_K, α_V) multiplying dQ, dK, dV on top of any method.
+        layers: decoder layer indices that use span gradients; None means all. Only read when
+            a model is patched.
+    """
+
+    method: str = "score"
+    alphas: tuple[float, ...] | None = None
+    score_grad: str = "exact"
+    qkv_alphas: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}: allowed values are {', '.join(METHODS)}")
+        count = ALPHA_COUNT[self.method]
+        what = {0: "standard takes no alphas", 2: "α∥, α⊥", 4: "α0, α1, α2, α3"}[count]
+        alphas = DEFAULT_ALPHAS[self.method] if self.alphas is None else self.alphas
+        object.__setattr__(self, "alphas", _alphas_field("alphas", alphas, count, what))
+        if self.score_grad not in SCORE_GRADS:
+            raise ValueError(f"score_grad={self.score_grad!r}: allowed values are {', '.join(SCORE_GRADS)}")
+        if self.score_grad != "exact" and self.method != "score":
+            raise ValueError(f"score_grad={self.score_grad!r}: only method='score' reads it; "
+                             f"method={self.method!r} allows only 'exact'")
+        qkv = _alphas_field("qkv_alphas", self.qkv_alphas, 3, "α_Q, α_K, α_V")
+        object.__setattr__(self, "qkv_alphas", qkv)
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers
+            ):
+                raise ValueError(f"layers={self.layers!r}: expected None (all layers) or a sequence "
+                                 "of non-negative layer indices")
+            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+
+    @property
+    def label(self) -> str:
+        """The paper's label, e.g. `score:1000`, `standard:QKV101`, `score:1000@per_block`."""
+        qkv = "QKV" + _format_alphas(self.qkv_alphas)
+        if self.method == "standard":
+            text = f"standard:{qkv}"
+        else:
+            text = f"{self.method}:{_format_alphas(self.alphas)}"
+            if self.qkv_alphas != (1.0, 1.0, 1.0):
+                text += f"+{qkv}"
+        return text + ("@per_block" if self.score_grad == "per_block" else "")
+
+    @classmethod
+    def from_label(cls, label: str, **overrides: Any) -> SpanAttentionConfig:
+        """Parse a label such as `score:1000`; keyword arguments set the remaining fields."""
+        match = _LABEL.match(label.strip()) if isinstance(label, str) else None
+        if match is None:
+            raise ValueError(
+                f"label={label!r}: expected '<method>:<alphas>[+QKV<abc>][@per_block]' with method in "
+                f"{', '.join(METHODS)}, e.g. 'score:1000', 'reductionistic:1100', 'simple:10', "
+                "'standard:QKV101'"
+            )
+        method = match["method"]
+        fields: dict[str, Any] = {"method": method}
+        if match["alphas"]:
+            fields["alphas"] = _parse_alphas(match["alphas"])
+        elif method != "standard":
+            raise ValueError(f"label={label!r}: method {method!r} needs its alphas after the colon")
+        if match["qkv"]:
+            fields["qkv_alphas"] = _parse_alphas(match["qkv"])
+        if match["grad"]:
+            fields["score_grad"] = match["grad"]
+        return cls(**{**fields, **overrides})
+
+    def replace(self, **changes: Any) -> SpanAttentionConfig:
+        """A copy with some fields changed (and validated)."""
+        if "method" in changes and "alphas" not in changes:
+            changes["alphas"] = None
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (tuples as lists)."""
+        return {f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpanAttentionConfig:
+        """Inverse of `to_dict`. Unknown keys (from a newer version) raise; see `from_pretrained`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown SpanAttentionConfig fields {unknown}; known fields are {sorted(known)}")
+        fields = dict(data)
+        for name in ("alphas", "qkv_alphas", "layers"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
+        return cls(**fields)

@@ -1,0 +1,192 @@
+"""The backward rules for dQ and dK, per (batch, key/value head).
+
+Shapes: query-side tensors are (B, H_kv, g, T, ·) with g query heads per key/value head,
+key-side tensors (B, H_kv, 1, T, ·); spans are per key/value head and broadcast over g.
+G = ∂L/∂S is (B, H_kv, g, T, T) with S = scale·QKᵀ, and already carries the factor `scale`,
+so every rule returns dQ = Σ … G K and dK = Σ … Gᵀ Q directly. Π_K and Π_V are the spans of
+the masked K̃ and Ṽ (padded key positions zeroed), Π_X^⊥ = I − Π_X.
+
+The order of a score block S^B = scale·Π_V^a Π_K^b Q Kᵀ Π_K Π_V^δ is its count of ⊥ among
+(a, b, δ); block B is weighted by α_order(B). Terms whose weight is zero are never computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hf_spanattn.ops.spans import Span
+
+Alphas = Sequence[float]
+Part = torch.Tensor | None  # None: a part whose weight is zero
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in a's dtype (the T×T side), returned in b's dtype (the projector side)."""
+    return (a @ b.to(a.dtype)).to(b.dtype)
+
+
+def group_sum(x: Part) -> Part:
+    """Sum over the g query heads that share a key/value head (GQA)."""
+    return x.sum(dim=2, keepdim=True) if x is not None and x.shape[2] > 1 else x
+
+
+def lincomb(*terms: tuple[float, Part]) -> Part:
+    """Σ c·x over the terms with c ≠ 0 and x present; None when nothing is left.
+
+    The result may alias an input (a single term with c = 1): never modify it in place.
+    """
+    terms = tuple((c, x) for c, x in terms if c and x is not None)
+    if not terms:
+        return None
+    (c0, x0), rest = terms[0], terms[1:]
+    first = x0 if c0 == 1 else x0 * c0
+    if not rest:
+        return first
+    out = torch.add(first, rest[0][1], alpha=rest[0][0])
+    for c, x in rest[1:]:
+        out.add_(x, alpha=c)
+    return out
+
+
+def standard(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dQ = G K, dK = Gᵀ Q."""
+    return matmul(g, k), group_sum(matmul(g.mT, q))
+
+
+def simple_operator(span_k: Span, alphas: Alphas) -> Callable[[torch.Tensor], torch.Tensor]:
+    """X ↦ (α∥ Π_K + α⊥ Π_K^⊥) X = α⊥ X + (α∥ − α⊥) Π_K X."""
+    a_par, a_perp = alphas
+    return lambda x: _zero_if_none(lincomb((a_perp, x), (a_par - a_perp, span_k.project(x))), x)
+
+
+def reductionistic_operator(span_k: Span, span_v: Span, alphas: Alphas) -> Callable[[torch.Tensor], torch.Tensor]:
+    """X ↦ Σ_i α_i Π_i X with Π_0 = Π_KΠ_VΠ_K, Π_1 = Π_KΠ_V^⊥Π_K, Π_2 = Π_K^⊥Π_VΠ_K^⊥, Π_3 = Π_K^⊥Π_V^⊥Π_K^⊥.
+
+    With X∥ = Π_K X and X⊥ = X − X∥:
+    Σ α_i Π_i X = B + Π_K (A − B),  A = α1 X∥ + (α0−α1) Π_V X∥,  B = α3 X⊥ + (α2−α3) Π_V X⊥.
+    """
+    a0, a1, a2, a3 = alphas
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        x_par = span_k.project(x)
+        x_perp = x - x_par
+        inside = lincomb((a1, x_par), (a0 - a1, span_v.project(x_par) if a0 != a1 else None))
+        outside = lincomb((a3, x_perp), (a2 - a3, span_v.project(x_perp) if a2 != a3 else None))
+        diff = lincomb((1.0, inside), (-1.0, outside))
+        return _zero_if_none(lincomb((1.0, outside), (1.0, span_k.project(diff) if diff is not None else None)), x)
+
+    return apply
+
+
+def _zero_if_none(x: Part, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if x is None else x
+
+
+def _order_mix(span_v: Span, par: Part, perp: Part, alphas: Alphas) -> tuple[Part, Part]:
+    """Weight the four (a, b) combinations by order and return (Y_∥, Y_⊥), the sums that the
+    third factor's ∥ and ⊥ receive, where `par`, `perp` are the operand's parts along the
+    second factor (b, or δ for the dQ side):
+
+    Y_∥ = Π_V X_0 + Π_V^⊥ X_1,  Y_⊥ = Π_V X_1 + Π_V^⊥ X_2,  X_n = α_n par + α_{n+1} perp.
+    """
+    a0, a1, a2, a3 = alphas
+    v_par = span_v.project(par) if par is not None and (a0 != a1 or a1 != a2) else None
+    v_perp = span_v.project(perp) if perp is not None and (a1 != a2 or a2 != a3) else None
+    y_par = lincomb((a1, par), (a2, perp), (a0 - a1, v_par), (a1 - a2, v_perp))
+    y_perp = lincomb((a2, par), (a3, perp), (a1 - a2, v_par), (a2 - a3, v_perp))
+    return y_par, y_perp
+
+
+def _split(span: Span, par: Part, perp: Part, like: torch.Tensor) -> torch.Tensor:
+    """Π par + Π^⊥ perp = perp + Π (par − perp)."""
+    diff = lincomb((1.0, par), (-1.0, perp))
+    return _zero_if_none(lincomb((1.0, perp), (1.0, span.project(diff) if diff is not None else None)), like)
+
+
+def _products(g: torch.Tensor, *rights: Part) -> list[Part]:
+    """[g @ r for r in rights] as one product; a missing right gives None."""
+    used = [r for r in rights if r is not None]
+    if not used:
+        return [None] * len(rights)
+    out = iter(matmul(g, torch.cat(used, dim=-1) if len(used) > 1 else used[0]).split(
+        [r.shape[-1] for r in used], dim=-1))
+    return [next(out) if r is not None else None for r in rights]
+
+
+def score_exact(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, span_k: Span, span_v: Span,
+                alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score rule with ∂L/∂S^B = G for every block (no cross terms: G_∥ − G_⊥ = 0).
+
+    dQ = Σ_B α (Π_V^aΠ_K^b)ᵀ G (Π_V^δ K) = Π_K Y_∥ + Π_K^⊥ Y_⊥ from G·Π_V K and G·Π_V^⊥ K;
+    dK = Σ_B α Π_V^δ Gᵀ Π_V^a Π_K^b Q = Π_V Gᵀ R_∥ + Π_V^⊥ Gᵀ R_⊥.
+    Two T×T·d products beyond the standard backward, none for [1000].
+    """
+    use_par, use_perp = any(alphas[:3]), any(alphas[1:])  # weights of the ∥ and ⊥ parts of a mix
+    k_par = span_v.project(k) if use_par else None
+    k_perp = (k - k_par if k_par is not None else k) if use_perp else None
+    g_par, g_perp = _products(g, k_par, k_perp)
+    dq = _split(span_k, *_order_mix(span_v, g_par, g_perp, alphas), like=q)
+
+    q_par = span_k.project(q)
+    r_par, r_perp = _order_mix(span_v, q_par, q - q_par, alphas)
+    h_par, h_perp = (group_sum(h) for h in _products(g.mT, r_par, r_perp))
+    return dq, _split(span_v, h_par, h_perp, like=k)
+
+
+def score_per_block(block_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], q: torch.Tensor,
+                    k: torch.Tensor, key_valid: torch.Tensor | None, span_k: Span, span_v: Span,
+                    alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score rule with the paper's hook reading: G_B = block_grad(Q_ab, K_δ), the gradient of
+    softmax(mask(S^B))·V at S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q, K_δ = Π_V^δ K.
+
+    dQ, dK direct as in `score_exact` with G_B in place of G, plus for each pair (b=∥, b=⊥) of
+    equal (a, δ), with D = G_∥ − G_⊥ and α of the ⊥ member's order, the K cross terms
+    Π_K^⊥ Q K_δᵀ Dᵀ Π_V^a (K⁺)ᵀ + Π_K^⊥ Π_V^a D K_δ Qᵀ (K⁺)ᵀ   (from ∂Π_K/∂K).
+    """
+    q_par = span_k.project(q)
+    q_perp = q - q_par
+    vq_par, vq_perp = span_v.project(q_par), span_v.project(q_perp)
+    q_blocks = {(0, 0): vq_par, (1, 0): q_par - vq_par, (0, 1): vq_perp, (1, 1): q_perp - vq_perp}  # (a, b)
+    k_par = span_v.project(k)
+    k_blocks = (k_par, k - k_par)  # δ
+    pinv = span_k.pinv_t()
+    v_pinv = span_v.project(pinv)
+    pinv_blocks = (v_pinv, pinv - v_pinv)  # Π_V^a (K⁺)ᵀ
+
+    acc_q: dict[tuple[int, int], Part] = dict.fromkeys(q_blocks)
+    acc_k: list[Part] = [None, None]
+    cross_e: list[Part] = [None, None]  # Σ_δ α D K_δ, per a
+    cross_c: Part = None  # Σ α K_δᵀ Dᵀ Π_V^a (K⁺)ᵀ, d×d per query head
+    for a in (0, 1):
+        for delta in (0, 1):
+            alpha_par, alpha_perp = alphas[a + delta], alphas[a + delta + 1]
+            if not (alpha_par or alpha_perp):
+                continue
+            kd = k_blocks[delta]
+            g_par = block_grad(q_blocks[a, 0], kd)  # also needed by the cross term
+            gk_par = matmul(g_par, kd)
+            acc_q[a, 0] = lincomb((1.0, acc_q[a, 0]), (alpha_par, gk_par))
+            if alpha_par:
+                acc_k[delta] = lincomb((1.0, acc_k[delta]), (alpha_par, matmul(g_par.mT, q_blocks[a, 0])))
+            if not alpha_perp:
+                continue
+            g_perp = block_grad(q_blocks[a, 1], kd)
+            gk_perp = matmul(g_perp, kd)
+            acc_q[a, 1] = lincomb((1.0, acc_q[a, 1]), (alpha_perp, gk_perp))
+            acc_k[delta] = lincomb((1.0, acc_k[delta]), (alpha_perp, matmul(g_perp.mT, q_blocks[a, 1])))
+            d_block = g_par.sub_(g_perp)
+            del g_perp
+            cross_e[a] = lincomb((1.0, cross_e[a]), (alpha_perp, gk_par), (-alpha_perp, gk_perp))
+            cross_c = lincomb((1.0, cross_c), (alpha_perp, kd.mT @ matmul(d_block.mT, pinv_blocks[a])))
+
+    y_par = _split(span_v, acc_q[0, 0], acc_q[1, 0], like=q)
+    y_perp = _split(span_v, acc_q[0, 1], acc_q[1, 1], like=q)
+    dq = _split(span_k, y_par, y_perp, like=q)
+    dk = _split(span_v, group_sum(acc_k[0]), group_sum(acc_k[1]), like=k)
+    if cross_c is not None:
+        cross = group_sum(q @ cross_c + _split(span_v, cross_e[0], cross_e[1], like=q) @ (q.mT @ pinv))
+        cross = span_k.reject(cross)
+        dk = dk + (cross * key_valid if key_valid is not None else cross)
+    return dq, dk

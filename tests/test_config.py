@@ -1,0 +1,60 @@
+"""SpanAttentionConfig: validation, the paper's labels, dict round trips."""
+
+import pytest
+
+from hf_spanattn import SpanAttentionConfig
+
+LABELS = ["score:1000", "score:1000@per_block", "reductionistic:1100", "simple:10", "standard:QKV101",
+          "standard:QKV111", "score:1000+QKV110", "score:1,0.5,0,0", "simple:0.3,1.7"]
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_label_round_trip(label):
+    config = SpanAttentionConfig.from_label(label)
+    assert config.label == label
+    assert SpanAttentionConfig.from_label(config.label) == config
+    assert SpanAttentionConfig.from_dict(config.to_dict()) == config
+
+
+def test_label_fields():
+    c = SpanAttentionConfig.from_label("score:1100@per_block")
+    assert (c.method, c.alphas, c.score_grad, c.qkv_alphas) == ("score", (1, 1, 0, 0), "per_block", (1, 1, 1))
+    c = SpanAttentionConfig.from_label("standard:QKV101")
+    assert (c.method, c.alphas, c.qkv_alphas) == ("standard", (), (1, 0, 1))
+    assert SpanAttentionConfig.from_label("score:1000", layers=[3, 1]).layers == (1, 3)
+
+
+def test_defaults_are_the_papers_best():
+    assert SpanAttentionConfig().label == "score:1000"
+    assert SpanAttentionConfig(method="simple").alphas == (1.0, 0.0)
+    assert SpanAttentionConfig().replace(method="reductionistic").label == "reductionistic:1000"
+
+
+@pytest.mark.parametrize("kwargs,field,allowed", [
+    (dict(method="fancy"), "method='fancy'", "standard, simple, reductionistic, score"),
+    (dict(method="score", alphas=(1, 0)), "alphas=(1, 0)", "4 values"),
+    (dict(method="simple", alphas=(1, 0, 0, 0)), "alphas=(1, 0, 0, 0)", "2 values"),
+    (dict(method="standard", alphas=(1,)), "alphas=(1,)", "standard takes no alphas"),
+    (dict(alphas=(1, -1, 0, 0)), "alphas=(1, -1, 0, 0)", ">= 0"),
+    (dict(alphas=(1, float("nan"), 0, 0)), "alphas=", "finite"),
+    (dict(alphas="1000"), "alphas='1000'", "4 values"),
+    (dict(score_grad="hooks"), "score_grad='hooks'", "exact, per_block"),
+    (dict(method="reductionistic", score_grad="per_block"), "score_grad='per_block'", "only method='score'"),
+    (dict(qkv_alphas=(1, 1)), "qkv_alphas=(1, 1)", "3 values"),
+    (dict(layers=[0, -1]), "layers=[0, -1]", "non-negative"),
+])
+def test_invalid_values_name_the_field(kwargs, field, allowed):
+    with pytest.raises(ValueError) as err:
+        SpanAttentionConfig(**kwargs)
+    assert field in str(err.value) and allowed in str(err.value)
+
+
+@pytest.mark.parametrize("label", ["score:10", "bogus:1", "score:", "score:1000@x", "simple:10@per_block", "1000"])
+def test_bad_labels(label):
+    with pytest.raises(ValueError):
+        SpanAttentionConfig.from_label(label)
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="unknown SpanAttentionConfig fields"):
+        SpanAttentionConfig.from_dict({"method": "score", "shiny": 1})

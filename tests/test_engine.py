@@ -1,0 +1,266 @@
+"""span_attention against SDPA and against the float64 reference of tests/reference.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import reference
+
+from hf_spanattn import SpanAttentionConfig, span_attention
+
+LABELS = [
+    "standard:QKV111", "standard:QKV101", "standard:QKV001",
+    "simple:10", "simple:11", "simple:0.3,1.7",
+    "reductionistic:1000", "reductionistic:1100", "reductionistic:1111", "reductionistic:0.5,2,0,1.5",
+    "score:1000", "score:1100", "score:1111", "score:0000", "score:0.5,2,0,1.5", "score:0111",
+    "score:1000@per_block", "score:1100@per_block", "score:1111@per_block", "score:0.5,2,0,1.5@per_block",
+    "score:1100+QKV011",
+]
+UNIFORM = ["score:1111", "reductionistic:1111", "simple:11", "standard:QKV111"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor, floor: torch.Tensor | None = None) -> float:
+    """‖a − b‖ / ‖b‖; `floor` (the standard gradient) sets the scale where b's parts cancel to ~0."""
+    scale = b.double().norm() if floor is None else torch.maximum(b.double().norm(), floor.double().norm())
+    return ((a.double() - b.double()).norm() / scale.clamp_min(1e-300)).item()
+
+
+def make(b=2, h_q=4, h_kv=4, t=12, d=5, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h_q, t, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, h_kv, t, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, h_kv, t, d, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(b, h_q, t, d, generator=gen, dtype=torch.float64)
+    return [x.to(dtype) for x in (q, k, v)], d_out.to(dtype)
+
+
+def run(inputs, d_out, config, **kwargs):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = span_attention(*leaves, config=config, **kwargs)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    return out, grads
+
+
+def padding_mask(lengths, t):
+    """Left padding and causal, as a (B, 1, T, T) bool mask."""
+    pos = torch.arange(t)
+    valid = pos[None, :] >= (t - torch.tensor(lengths))[:, None]
+    return (torch.ones(t, t, dtype=torch.bool).tril() & valid[:, None, :])[:, None]
+
+
+def random_float_mask(b, t, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(b, 1, t, t, generator=gen, dtype=torch.float64)
+    m[torch.rand(b, 1, t, t, generator=gen) < 0.3] = float("-inf")
+    m[..., 0] = 0.0  # every row attends somewhere
+    return m
+
+
+CASES = {
+    "causal": dict(shape={}, kwargs=dict(is_causal=True)),
+    "full": dict(shape={}, kwargs={}),
+    "padded": dict(shape={}, kwargs=dict(attn_mask=padding_mask([12, 8], 12))),
+    "float_mask": dict(shape={}, kwargs=dict(attn_mask=random_float_mask(2, 12))),
+    "gqa": dict(shape=dict(h_q=4, h_kv=2), kwargs=dict(is_causal=True)),
+    "t_lt_d": dict(shape=dict(t=6, d=8), kwargs=dict(is_causal=True)),
+    "t_gg_d": dict(shape=dict(t=40, d=4), kwargs=dict(is_causal=True)),
+    "gqa_padded_scale": dict(shape=dict(h_q=6, h_kv=2, t=10), kwargs=dict(attn_mask=padding_mask([10, 4], 10),
+                                                                          scale=0.7)),
+}
+
+
+def rank_deficient(kind):
+    (q, k, v), d_out = make(t=12, d=5)
+    if kind == "repeated":
+        k[:, :, 7] = k[:, :, 2]
+        v[:, :, 7] = v[:, :, 2]
+        k[:, :, :, 4] = k[:, :, :, 0] - k[:, :, :, 1]  # rank 4 < d
+    else:
+        k[:, :, 3] = 0.0
+        v[:, :, 5] = 0.0
+        v[:, :, :, 2] = 0.0
+    return (q, k, v), d_out
+
+
+@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows"])
+def test_matches_float64_reference(label, case):
+    config = SpanAttentionConfig.from_label(label)
+    if case in CASES:
+        inputs, d_out = make(**CASES[case]["shape"])
+        kwargs = CASES[case]["kwargs"]
+    else:
+        inputs, d_out = rank_deficient(case.split("_")[0])
+        kwargs = dict(is_causal=True)
+    ref_out, ref_grads = reference(*inputs, d_out, config, **kwargs)
+    _, std_grads = reference(*inputs, d_out, SpanAttentionConfig(method="standard"), **kwargs)
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 1e-4)):
+        cast = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kwargs.items()}
+        out, grads = run([x.to(dtype) for x in inputs], d_out.to(dtype), config, **cast)
+        assert rel(out, ref_out) < tol
+        for name, g, r, std in zip("qkv", grads, ref_grads, std_grads):
+            assert g.dtype == dtype
+            assert rel(g, r, std) < tol, f"d{name} {dtype}: {rel(g, r, std):.2e}"
+
+
+@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize("case", ["causal", "padded", "float_mask", "gqa"])
+def test_forward_equals_sdpa(label, case):
+    inputs, d_out = make(dtype=torch.float32, **CASES[case]["shape"])
+    kwargs = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
+              for k, v in CASES[case]["kwargs"].items()}
+    out, _ = run(inputs, d_out, SpanAttentionConfig.from_label(label), **kwargs)
+    gqa = inputs[0].shape[1] != inputs[1].shape[1]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*inputs, enable_gqa=gqa, **kwargs)
+    assert (out - expected).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("label", UNIFORM)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("case", ["causal", "padded", "gqa", "t_gg_d"])
+def test_uniform_alphas_give_sdpa_gradients(label, dtype, tol, case):
+    inputs, d_out = make(dtype=dtype, **CASES[case]["shape"])
+    kwargs = CASES[case]["kwargs"]
+    _, grads = run(inputs, d_out, SpanAttentionConfig.from_label(label), **kwargs)
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    gqa = inputs[0].shape[1] != inputs[1].shape[1]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, enable_gqa=gqa, **kwargs), leaves, d_out)
+    for g, e in zip(grads, expected):
+        assert rel(g, e) < tol
+
+
+def test_padded_batch_matches_each_sequence_alone():
+    lengths, t = [9, 5], 9
+    for label in ["score:1100", "score:1100@per_block", "reductionistic:1100", "simple:10"]:
+        config = SpanAttentionConfig.from_label(label)
+        inputs, d_out = make(t=t, d=4, seed=5)
+        mask = padding_mask(lengths, t)
+        d_out = d_out * mask[:, 0].any(-1)[:, None, :, None]  # padded positions carry no loss
+        _, grads = run(inputs, d_out, config, attn_mask=mask)
+        for i, n in enumerate(lengths):
+            alone = [x[i : i + 1, :, t - n :] for x in inputs]
+            _, alone_grads = run(alone, d_out[i : i + 1, :, t - n :], config, is_causal=True)
+            for g, a in zip(grads, alone_grads):
+                assert rel(g[i : i + 1, :, t - n :], a) < 1e-10, label
+                if n < t:
+                    assert g[i, :, : t - n].abs().max() < 1e-12  # no gradient into padding
+
+
+@pytest.mark.parametrize("label", ["score:1111", "score:1000", "reductionistic:1100"])
+def test_dropout_uses_the_forward_mask(label):
+    config = SpanAttentionConfig.from_label(label)
+    (q, k, v), d_out = make(h_q=4, h_kv=2)
+    p = 0.3
+    torch.manual_seed(11)
+    out, grads = run((q, k, v), d_out, config, is_causal=True, dropout_p=p)
+    torch.manual_seed(11)
+    keep = torch.empty(2, 2, 2, 12, 12, dtype=torch.float64).bernoulli_(1 - p).bool().reshape(2, 4, 12, 12)
+    ref_out, ref_grads = reference(q, k, v, d_out, config, is_causal=True, keep=keep, dropout_p=p)
+    assert rel(out, ref_out) < 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 1e-9
+    if label == "score:1111":  # and this is autograd's gradient of the same (dropped-out) forward
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        kk, vv = (x.repeat_interleave(2, dim=1) for x in leaves[1:])
+        causal = torch.zeros(12, 12, dtype=torch.float64).masked_fill(~torch.ones(12, 12).bool().tril(), -torch.inf)
+        scores = leaves[0] @ kk.mT / 5**0.5 + causal
+        expected = torch.autograd.grad(torch.softmax(scores, -1) * keep / (1 - p) @ vv, leaves, d_out)
+        for g, e in zip(grads, expected):
+            assert rel(g, e) < 1e-12
+
+
+@pytest.mark.parametrize("label", UNIFORM)
+def test_gradcheck_where_the_rule_is_a_true_gradient(label):
+    config = SpanAttentionConfig.from_label(label)
+    (q, k, v), _ = make(b=1, h_q=2, h_kv=1, t=7, d=3)
+    mask = padding_mask([5], 7)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *x: span_attention(*x, attn_mask=mask, config=config), leaves)
+
+
+@pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block", "reductionistic:1100", "simple:10"])
+def test_bf16_inputs(label):
+    config = SpanAttentionConfig.from_label(label)
+    inputs, d_out = make(t=32, d=8)
+    _, ref_grads = reference(*inputs, d_out, config, is_causal=True)
+    out, grads = run([x.bfloat16() for x in inputs], d_out.bfloat16(), config, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    # bf16 keeps 8 significant bits (unit roundoff 2^-9); 2e-2 allows for sums over T.
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.bfloat16 and torch.isfinite(g).all()
+        assert rel(g, r) < 2e-2
+
+
+def test_no_grad_and_eval_paths_are_sdpa():
+    (q, k, v), _ = make(dtype=torch.float32)
+    config = SpanAttentionConfig.from_label("score:1000")
+    with torch.no_grad():
+        out = span_attention(q, k, v, is_causal=True, config=config)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_bad_calls_raise_clear_errors():
+    (q, k, v), _ = make()
+    q.requires_grad_(True)
+    config = SpanAttentionConfig.from_label("score:1000")
+    with pytest.raises(ValueError, match="self-attention"):
+        span_attention(q, k[:, :, :6], v[:, :, :6], config=config)
+    with pytest.raises(ValueError, match="multiple"):
+        span_attention(q, k[:, :3], v[:, :3], config=config)
+    with pytest.raises(ValueError, match="not both"):
+        span_attention(q, k, v, attn_mask=padding_mask([12, 8], 12), is_causal=True, config=config)
+
+
+# ---- the paper's structural facts, on explicit T×T projectors -------------------------------
+
+def test_score_blocks_structure():
+    from reference import projector, score_blocks
+
+    gen = torch.Generator().manual_seed(2)
+    Q, K, V = (torch.randn(16, 5, generator=gen, dtype=torch.float64) for _ in range(3))
+    PK, PV, eye = projector(K), projector(V), torch.eye(16, dtype=torch.float64)
+    blocks = score_blocks(Q, K, PK, PV, eye, 0.5)
+    assert all(b.norm() > 1e-3 for b in blocks.values())
+    assert rel(sum(blocks.values()), 0.5 * Q @ K.T) < 1e-12
+    # the 8 blocks with Π_K^⊥ on the right vanish: Kᵀ Π_K^⊥ = 0
+    assert (K.T @ (eye - PK)).abs().max() < 1e-12
+    non_orthogonal = {frozenset(p) for p in [((0, 0, 0), (0, 1, 0)), ((0, 0, 1), (0, 1, 1)),
+                                             ((1, 0, 0), (1, 1, 0)), ((1, 0, 1), (1, 1, 1))]}
+    for x, y in itertools.combinations(blocks, 2):
+        inner = (blocks[x] * blocks[y]).sum() / (blocks[x].norm() * blocks[y].norm())
+        assert (abs(inner) > 1e-6) == (frozenset((x, y)) in non_orthogonal), (x, y)
+
+
+def test_reductionistic_projectors_sum_to_identity():
+    from reference import projector
+
+    gen = torch.Generator().manual_seed(4)
+    K, V = (torch.randn(10, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    PK, PV, eye = projector(K), projector(V), torch.eye(10, dtype=torch.float64)
+    total = sum(a @ b @ a for a in (PK, eye - PK) for b in (PV, eye - PV))
+    assert (total - eye).abs().max() < 1e-12
+
+
+def test_cross_terms_are_the_derivative_of_pi_k():
+    """Autograd of Σ_B ⟨G_B, S^B(K)⟩ with the G_B held fixed = the direct terms + the paper's cross terms."""
+    from reference import cross_terms, projector, score_blocks
+
+    gen = torch.Generator().manual_seed(6)
+    Q, K, V = (torch.randn(9, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    grads = {key: torch.randn(9, 9, generator=gen, dtype=torch.float64) for key in itertools.product((0, 1), repeat=3)}
+    eye, PV = torch.eye(9, dtype=torch.float64), projector(V)
+    Kvar = K.clone().requires_grad_(True)
+    blocks = score_blocks(Q, Kvar, projector(Kvar), PV, eye, 0.5)
+    total = sum((grads[key] * blocks[key]).sum() for key in blocks)
+    (auto,) = torch.autograd.grad(total, Kvar)
+    PK = projector(K)
+    pk, pv = (PK, eye - PK), (PV, eye - PV)
+    direct = sum(0.5 * pv[dl] @ grads[a, b, dl].T @ pv[a] @ pk[b] @ Q for a, b, dl in grads)
+    cross = cross_terms(grads, Q, K, PK, PV, eye, 0.5, (1, 1, 1, 1))
+    assert rel(direct + cross, auto) < 1e-10
+    assert rel(direct, auto) > 1e-2  # the cross terms matter
