@@ -37,7 +37,7 @@ def test_defaults_are_the_papers_best():
     (dict(method="standard", alphas=(1,)), "alphas=(1,)", "standard takes no alphas"),
     (dict(alphas=(1, -1, 0, 0)), "alphas=(1, -1, 0, 0)", ">= 0"),
     (dict(alphas=(1, float("nan"), 0, 0)), "alphas=", "finite"),
-    (dict(alphas="1000"), "alphas='1000'", "4 values"),
+    (dict(alphas="1000"), "alphas='1000'", "sequence of 4 numbers"),
     (dict(score_grad="hooks"), "score_grad='hooks'", "exact, per_block"),
     (dict(method="reductionistic", score_grad="per_block"), "score_grad='per_block'", "only method='score'"),
     (dict(qkv_alphas=(1, 1)), "qkv_alphas=(1, 1)", "3 values"),
@@ -55,6 +55,50 @@ def test_bad_labels(label):
         SpanAttentionConfig.from_label(label)
 
 
-def test_from_dict_rejects_unknown_fields():
-    with pytest.raises(ValueError, match="unknown SpanAttentionConfig fields"):
-        SpanAttentionConfig.from_dict({"method": "score", "shiny": 1})
+def test_unknown_fields_from_a_newer_version_warn():
+    data = {**SpanAttentionConfig.from_label("score:1100").to_dict(), "shiny": 1, "hf_spanattn_version": "9.0"}
+    with pytest.warns(UserWarning, match=r"ignoring unknown fields \['shiny'\].*9.0"):
+        config = SpanAttentionConfig.from_dict(data)
+    assert config.label == "score:1100"
+
+
+def test_save_and_load_records_the_version(tmp_path):
+    import json
+
+    import hf_spanattn
+
+    config = SpanAttentionConfig.from_label("score:1100@per_block", layers=[2, 3])
+    path = config.save_pretrained(tmp_path)
+    saved = json.loads(open(path).read())
+    assert saved["hf_spanattn_version"] == hf_spanattn.__version__
+    assert SpanAttentionConfig.from_pretrained(tmp_path) == config
+    assert SpanAttentionConfig.from_pretrained(path) == config
+
+
+def test_hub_round_trip_with_only_the_network_stubbed(tmp_path, monkeypatch):
+    """push_to_hub and from_pretrained(repo_id) run for real down to huggingface_hub's HTTP layer."""
+    import huggingface_hub
+
+    store: dict[str, bytes] = {}
+    calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        calls.append(("create_repo", repo_id, kwargs.get("private")))
+
+    def upload_file(self, *, path_or_fileobj, path_in_repo, repo_id, **kwargs):
+        store[f"{repo_id}/{path_in_repo}"] = path_or_fileobj
+        return f"https://huggingface.co/{repo_id}/commit/0"
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        out = tmp_path / "cache" / filename
+        out.parent.mkdir(exist_ok=True)
+        out.write_bytes(store[f"{repo_id}/{filename}"])
+        return str(out)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_file", upload_file)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    config = SpanAttentionConfig.from_label("reductionistic:1100+QKV101")
+    url = config.push_to_hub("me/recipe", private=True)
+    assert url.endswith("/commit/0") and calls == [("create_repo", "me/recipe", True)]
+    assert SpanAttentionConfig.from_pretrained("me/recipe") == config

@@ -1,8 +1,11 @@
 """hf_spanattn: attention with span-decomposed gradients for Hugging Face Transformers."""
 
-from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.ops.attention import span_attention
-
 __version__ = "0.1.0"
 
-__all__ = ["SpanAttentionConfig", "__version__", "span_attention"]
+from hf_spanattn.config import SpanAttentionConfig  # noqa: E402
+from hf_spanattn.integration import load_pretrained, patch_model, register, unpatch_model  # noqa: E402
+from hf_spanattn.ops.attention import span_attention  # noqa: E402
+
+register()
+
+__all__ = ["SpanAttentionConfig", "__version__", "load_pretrained", "patch_model", "span_attention", "unpatch_model"]

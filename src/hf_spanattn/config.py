@@ -15,11 +15,16 @@ Alphas that are not single digits are written with commas: `score:1,0.5,0,0`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+CONFIG_NAME = "span_attention_config.json"
+VERSION_KEY = "hf_spanattn_version"
 METHODS = ("standard", "simple", "reductionistic", "score")
 SCORE_GRADS = ("exact", "per_block")
 ALPHA_COUNT = {"standard": 0, "simple": 2, "reductionistic": 4, "score": 4}
@@ -31,6 +36,8 @@ _LABEL = re.compile(r"^(?P<method>[a-z]+):(?P<alphas>[0-9.,]*)(?:\+?QKV(?P<qkv>[
 
 def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         alphas = tuple(float(a) for a in value)
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None
@@ -140,19 +147,57 @@ class SpanAttentionConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (tuples as lists)."""
-        return {f.name: (list(v) if isinstance(v, tuple) else v)
+        """JSON-ready fields (tuples as lists) and the package version that wrote them."""
+        from hf_spanattn import __version__
+
+        data = {f.name: (list(v) if isinstance(v, tuple) else v)
                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        return {**data, VERSION_KEY: __version__}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpanAttentionConfig:
-        """Inverse of `to_dict`. Unknown keys (from a newer version) raise; see `from_pretrained`."""
+        """Inverse of `to_dict`. Keys this version does not know (from a newer one) warn and are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        fields = {k: v for k, v in data.items() if k != VERSION_KEY}
+        unknown = sorted(set(fields) - known)
         if unknown:
-            raise ValueError(f"unknown SpanAttentionConfig fields {unknown}; known fields are {sorted(known)}")
-        fields = dict(data)
-        for name in ("alphas", "qkv_alphas", "layers"):
-            if isinstance(fields.get(name), list):
-                fields[name] = tuple(fields[name])
+            warnings.warn(f"SpanAttentionConfig: ignoring unknown fields {unknown} (written by hf_spanattn "
+                          f"{data.get(VERSION_KEY, '?')}; known fields are {sorted(known)})", stacklevel=2)
+        fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items() if k in known}
         return cls(**fields)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs: Any) -> str:
+        """Write `span_attention_config.json` into `save_directory` (and push it if asked)."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        if push_to_hub:
+            self.push_to_hub(hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory))), **hub_kwargs)
+        return path
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs: Any) -> SpanAttentionConfig:
+        """Read the settings from a local folder (or file), or from a Hub repository."""
+        path = os.fspath(name_or_path)
+        if os.path.isdir(path):
+            path = os.path.join(path, CONFIG_NAME)
+        elif not os.path.isfile(path):
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                    commit_message: str = "Upload span attention config", revision: str | None = None) -> str:
+        """Upload `span_attention_config.json` to a Hub repository (created if missing). Returns the commit URL."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        payload = (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+        info = api.upload_file(path_or_fileobj=payload, path_in_repo=CONFIG_NAME, repo_id=repo_id,
+                               commit_message=commit_message, revision=revision)
+        return str(info)

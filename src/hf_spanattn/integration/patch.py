@@ -1,0 +1,140 @@
+"""Turn span gradients on and off for a Transformers model, and load patched models.
+
+Models whose attention goes through Transformers' attention registry are switched to the
+registered `span_attention` implementation. GPT-Neo, whose eager attention bypasses the
+registry, gets a small adapter on its attention modules.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, CONFIG_KEY, config_of, layer_index, register
+from hf_spanattn.ops.attention import span_attention
+
+SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
+            "Qwen2, Mistral, ...) and GPT-Neo"
+_ORIGINAL = "_hf_spanattn_original"  # model attribute: what patch_model changed, for unpatch_model
+
+
+def _base_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The Transformers model under a PEFT wrapper (or the model itself)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(f"patch_model needs a transformers PreTrainedModel (or a PEFT model around one), "
+                        f"got {type(model).__name__}")
+    return base
+
+
+def _neo_attentions(model: PreTrainedModel) -> list[torch.nn.Module]:
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    return [m for m in model.modules() if isinstance(m, GPTNeoSelfAttention)]
+
+
+def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if layer_index(m) is not None and hasattr(m, "config")
+            and any(isinstance(p, torch.nn.Linear) for p in m.children())]
+
+
+def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
+                layers: list[int] | None = None) -> torch.nn.Module:
+    """Give `model` span-decomposed attention gradients; the forward pass is unchanged.
+
+    Args:
+        model: a Transformers model, or a PEFT model around one (patched through its base model).
+        config: a SpanAttentionConfig or a label such as `"score:1000"`; None keeps the settings
+            already on the model config, or takes the default.
+        layers: decoder layer indices that use span gradients (the others keep stock ones);
+            overrides `config.layers`.
+
+    The settings are written to `model.config.span_attention`, so `save_pretrained` and
+    `push_to_hub` carry them. Patching again replaces them. Returns `model`.
+    """
+    register()
+    base = _base_model(model)
+    if isinstance(config, str):
+        config = SpanAttentionConfig.from_label(config)
+    config = config or config_of(base.config) or SpanAttentionConfig()
+    if layers is not None:
+        config = config.replace(layers=tuple(layers))
+    neo = _neo_attentions(base)
+    if not neo and not getattr(base, "_supports_attention_backend", False):
+        raise ValueError(f"{type(base).__name__} does not route its attention through Transformers' attention "
+                         f"registry, so span gradients cannot be attached. Supported: {SUPPORTED}.")
+    n_layers = base.config.get_text_config().num_hidden_layers
+    if config.layers is not None and max(config.layers, default=-1) >= n_layers:
+        raise ValueError(f"layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
+
+    if not hasattr(base, _ORIGINAL):
+        original = {"attn_implementation": base.config._attn_implementation, "reorder_and_upcast_attn": None}
+        if getattr(base.config, "reorder_and_upcast_attn", False):
+            warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
+                          "while patched (span_attention already takes the softmax in float32 for half "
+                          "precision). unpatch_model restores it.", stacklevel=2)
+            original["reorder_and_upcast_attn"] = True
+            _set_reorder(base, False)
+        setattr(base, _ORIGINAL, original)
+    setattr(base.config, CONFIG_KEY, config.to_dict())
+    if neo:
+        for module in neo:
+            module._attn = types.MethodType(_neo_attn, module)
+    else:
+        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Restore exactly the attention implementation the model had before `patch_model`."""
+    base = _base_model(model)
+    original = getattr(base, _ORIGINAL, None)
+    if original is None and base.config._attn_implementation != ATTN_IMPLEMENTATION:
+        return model  # not patched
+    if hasattr(base.config, CONFIG_KEY):
+        delattr(base.config, CONFIG_KEY)
+    for module in _neo_attentions(base):
+        module.__dict__.pop("_attn", None)
+    implementation = original["attn_implementation"] if original else "sdpa"
+    if base.config._attn_implementation != implementation:
+        base.set_attn_implementation(implementation)
+    if original and original["reorder_and_upcast_attn"]:
+        _set_reorder(base, True)
+    if original:
+        delattr(base, _ORIGINAL)
+    return model
+
+
+def _set_reorder(model: PreTrainedModel, value: bool) -> None:
+    model.config.reorder_and_upcast_attn = value
+    for module in model.modules():
+        if hasattr(module, "reorder_and_upcast_attn"):
+            module.reorder_and_upcast_attn = value
+
+
+def _neo_attn(self, query, key, value, attention_mask=None):
+    """GPTNeoSelfAttention._attn through span_attention: unscaled scores, the layer's global or
+    local causal window, the padding mask added on top, as in the stock eager code."""
+    config = config_of(self.config)
+    if config.layers is not None and self.layer_id not in config.layers:
+        return type(self)._attn(self, query, key, value, attention_mask)
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    window = self.bias[:, :, k_len - q_len : k_len, :k_len]
+    mask = torch.zeros(window.shape, dtype=torch.float32, device=query.device).masked_fill_(~window, float("-inf"))
+    if attention_mask is not None:
+        mask = mask + attention_mask.to(torch.float32)
+    out = span_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=1.0,
+                         dropout_p=self.attn_dropout.p if self.training else 0.0, config=config)
+    return out.to(value.dtype), None
+
+
+def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
+                    model_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
+    """Load a model and patch it: with `config` if given, else with the settings saved in its config."""
+    model = model_class.from_pretrained(name_or_path, **kwargs)
+    return patch_model(model, config)

@@ -1,0 +1,105 @@
+"""`span_attention` in Transformers' attention registry.
+
+The attention function reads its settings from the model config (`config.span_attention`,
+a dict saved in config.json) and the layer index of the calling attention module, so the
+config is the single source of truth: saving, loading and pushing a model carries them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
+
+from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.ops.attention import span_attention
+
+ATTN_IMPLEMENTATION = "span_attention"
+CONFIG_KEY = "span_attention"
+logger = logging.get_logger("hf_spanattn")
+
+
+def register() -> None:
+    """Register the attention function and its mask function (SDPA's masks: bool, or None when
+    pure causal). Without the mask registration a padded batch would get no padding mask.
+    Idempotent: an entry already registered under the name is kept."""
+    if ATTN_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, span_attention_forward)
+    if ATTN_IMPLEMENTATION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(frozen: str) -> SpanAttentionConfig:
+    return SpanAttentionConfig.from_dict(json.loads(frozen))
+
+
+def config_of(model_config: Any) -> SpanAttentionConfig | None:
+    """The settings stored on a PretrainedConfig, or None."""
+    data = getattr(model_config, CONFIG_KEY, None)
+    if data is None:
+        return None
+    if isinstance(data, SpanAttentionConfig):
+        return data
+    return _parse(json.dumps(data, sort_keys=True))
+
+
+def layer_index(module: torch.nn.Module) -> int | None:
+    for name in ("layer_idx", "layer_id"):
+        value = getattr(module, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
+    """The settings that apply to this attention module; None where it keeps stock gradients."""
+    config = config_of(module.config)
+    if config is None:
+        logger.warning_once(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} but the model config has no {CONFIG_KEY!r} settings; "
+            f"using the default {SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model."
+        )
+        config = SpanAttentionConfig()
+    if config.layers is not None and layer_index(module) not in config.layers:
+        return None
+    return config
+
+
+def span_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registry's call: (B, H, T, D) in, (B, T, H, D) out. Without autograd, or in a layer
+    that keeps stock gradients, this is Transformers' SDPA attention itself."""
+    config = settings_for(module)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if config is None or not needs_grad:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    for unsupported in ("softcap", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"span_attention does not support {unsupported!r} "
+                                      f"(attention of {type(module).__name__})")
+    q_length = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    out = span_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
+                         scale=scaling, config=config)
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,48 @@
+"""Tiny models of each supported family, built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 97
+
+
+def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        config = GPT2Config(n_embd=32, n_head=4, n_layer=layers, vocab_size=VOCAB, n_positions=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config)
+    if family == "gpt_neo":
+        config = GPTNeoConfig(hidden_size=32, num_heads=4, num_layers=layers, vocab_size=VOCAB,
+                              attention_types=[[["global", "local"], layers // 2]] if layers > 1 else [[["global"], 1]],
+                              max_position_embeddings=64, window_size=6, resid_dropout=0.0, embed_dropout=0.0,
+                              attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+        return GPTNeoForCausalLM(config)
+    if family == "gpt_neox":
+        config = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=layers, intermediate_size=64,
+                               vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                               bos_token_id=0, eos_token_id=0)
+        return GPTNeoXForCausalLM(config)
+    kwargs = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
+                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**kwargs))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    raise ValueError(family)
+
+
+FAMILIES = ["gpt2", "gpt_neo", "gpt_neox", "llama", "qwen2"]

@@ -1,0 +1,226 @@
+"""Patching Transformers models: forward unchanged, gradients per the engine, masks, layers, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from models import FAMILIES, VOCAB, tiny
+from reference import reference
+from transformers import AttentionInterface
+
+import hf_spanattn
+from hf_spanattn import SpanAttentionConfig, patch_model, unpatch_model
+from hf_spanattn.integration import registry
+
+LABELS = ["standard:QKV101", "simple:10", "reductionistic:1100", "score:1000", "score:1111", "score:1100@per_block"]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def tokens(batch=2, length=16, seed=1):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def grads(model, ids, **kwargs):
+    model.zero_grad()
+    model(ids, labels=ids, **kwargs).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_unchanged_and_uniform_alphas_give_stock_gradients(family):
+    model, ids = tiny(family), tokens()
+    model.eval()
+    with torch.no_grad():
+        stock_logits = model(ids).logits
+    model.train()
+    stock = grads(model, ids)
+    for label in LABELS:
+        patch_model(model, label)
+        model.eval()
+        assert (model(ids).logits - stock_logits).abs().max() <= 1e-6, label  # with autograd on
+        with torch.no_grad():
+            assert (model(ids).logits - stock_logits).abs().max() <= 1e-6, label
+        model.train()
+    patch_model(model, "score:1111")
+    patched = grads(model, ids)
+    assert patched.keys() == stock.keys()
+    for name in stock:
+        assert rel(patched[name], stock[name]) <= 1e-5, name
+    patch_model(model, "score:1000")
+    assert any(rel(g, stock[n]) > 1e-3 for n, g in grads(model, ids).items())  # the rule does act
+
+
+class Recorder:
+    """Wraps the registered attention function to keep each call's q, k, v, mask and dO."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        for t in (query, key, value):
+            t.retain_grad()
+        out, weights = registry.span_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        call = dict(q=query, k=key, v=value, mask=attention_mask, scale=kwargs.get("scaling"),
+                    causal=attention_mask is None, module=module)
+        out.register_hook(lambda g: call.__setitem__("d_out", g.transpose(1, 2)))
+        self.calls.append(call)
+        return out, weights
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block", "reductionistic:1100"])
+def test_gradient_entering_q_and_k_is_the_rule(family, label, monkeypatch):
+    """Each attention layer's dQ, dK, dV against the float64 reference on the tensors it saw."""
+    recorder = Recorder()
+    monkeypatch.setitem(AttentionInterface._global_mapping, "span_attention", recorder)
+    model = patch_model(tiny(family), label)
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # right padding in the second sequence
+    model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    config = SpanAttentionConfig.from_label(label)
+    assert len(recorder.calls) == 2
+    for call in recorder.calls:
+        out, (dq, dk, dv) = reference(call["q"], call["k"], call["v"], call["d_out"], config, attn_mask=call["mask"],
+                                      is_causal=call["causal"], scale=call["scale"])
+        assert rel(call["q"].grad.double(), dq) < 1e-4
+        assert rel(call["k"].grad.double(), dk) < 1e-4
+        assert rel(call["v"].grad.double(), dv) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_one_layer_value_weights_get_stock_gradients_under_score_1000(family):
+    model, ids = tiny(family, layers=1), tokens()
+    stock = grads(model, ids)
+    patch_model(model, "score:1000")
+    patched = grads(model, ids)
+    value_names = [n for n in stock if "v_proj" in n] or ["transformer.h.0.attn.c_attn.weight"]
+    for name in value_names:
+        if name.endswith("c_attn.weight"):  # GPT-2 packs Q, K, V: compare the V columns
+            assert rel(patched[name][:, 64:], stock[name][:, 64:]) < 1e-5
+            assert rel(patched[name][:, :64], stock[name][:, :64]) > 1e-3
+        else:
+            assert rel(patched[name], stock[name]) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_matches_sequences_alone(family):
+    model = patch_model(tiny(family), "score:1100")
+    ids, lengths = tokens(length=14), [14, 9]
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    model.zero_grad()
+    logits = model(ids, attention_mask=mask).logits
+    loss = sum(torch.nn.functional.cross_entropy(logits[i, : n - 1], ids[i, 1:n], reduction="sum")
+               for i, n in enumerate(lengths))
+    loss.backward()
+    padded = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for i, n in enumerate(lengths):
+        alone = model(ids[i : i + 1, :n]).logits
+        assert (alone[0] - logits[i, :n]).abs().max() < 1e-5
+        torch.nn.functional.cross_entropy(alone[0, :-1], ids[i, 1:n], reduction="sum").backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert rel(padded[name], p.grad) < 1e-4, name
+
+
+def test_layer_selection_keeps_stock_gradients_elsewhere(monkeypatch):
+    recorder = Recorder()
+    monkeypatch.setitem(AttentionInterface._global_mapping, "span_attention", recorder)
+    model = patch_model(tiny("gpt2", layers=3), "score:1000", layers=[1])
+    assert model.config.span_attention["layers"] == [1]
+    ids = tokens()
+    model(ids, labels=ids).loss.backward()
+    for call in recorder.calls:
+        index = call["module"].layer_idx
+        label = "score:1000" if index == 1 else "standard:QKV111"
+        _, (dq, dk, _) = reference(call["q"], call["k"], call["v"], call["d_out"],
+                                   SpanAttentionConfig.from_label(label), is_causal=True, scale=call["scale"])
+        assert rel(call["q"].grad.double(), dq) < 1e-4 and rel(call["k"].grad.double(), dk) < 1e-4, index
+
+
+def test_patch_twice_replaces_and_unpatch_restores_exactly():
+    model = tiny("gpt2")
+    model.set_attn_implementation("eager")
+    patch_model(model, "score:1000")
+    patch_model(model, "reductionistic:1100", layers=[0])
+    assert SpanAttentionConfig.from_dict(model.config.span_attention) == \
+        SpanAttentionConfig.from_label("reductionistic:1100", layers=[0])
+    assert model.config._attn_implementation == "span_attention"
+    unpatch_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert not hasattr(model.config, "span_attention")
+
+
+def test_gpt_neo_adapter_unpatches():
+    model = tiny("gpt_neo")
+    patch_model(model, "score:1000")
+    attn = model.transformer.h[0].attn.attention
+    assert "_attn" in attn.__dict__
+    unpatch_model(model)
+    assert "_attn" not in attn.__dict__
+
+
+def test_reorder_and_upcast_attn_is_switched_off_with_a_warning():
+    model = tiny("gpt2")
+    model.config.reorder_and_upcast_attn = True
+    for block in model.transformer.h:
+        block.attn.reorder_and_upcast_attn = True
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
+        patch_model(model, "score:1000")
+    assert not model.transformer.h[0].attn.reorder_and_upcast_attn
+    unpatch_model(model)
+    assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
+
+
+def test_unsupported_model_gets_a_clear_error():
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64))
+    model._supports_attention_backend = False
+    with pytest.raises(ValueError, match="BertModel does not route its attention.*Supported"):
+        patch_model(model, "score:1000")
+    with pytest.raises(ValueError, match="layers=\\[5\\]"):
+        patch_model(tiny("gpt2"), "score:1000", layers=[5])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generation_runs_patched(family):
+    model = patch_model(tiny(family), "score:1000").eval()
+    out = model.generate(tokens(batch=1, length=5), max_new_tokens=4, do_sample=False)
+    unpatch_model(model)
+    assert torch.equal(out, model.generate(tokens(batch=1, length=5), max_new_tokens=4, do_sample=False))
+
+
+def test_peft_lora_on_a_patched_gpt2_trains():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny("gpt2"), LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0))
+    patch_model(model, "score:1000")
+    assert model.get_base_model().config._attn_implementation == "span_attention"
+    ids = tokens()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_missing_settings_warn_and_use_the_default():
+    model = tiny("gpt2")
+    model.set_attn_implementation("span_attention")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(tokens(), labels=tokens()).loss.backward()
+    assert hf_spanattn.integration.registry.settings_for(model.transformer.h[0].attn) == SpanAttentionConfig()
