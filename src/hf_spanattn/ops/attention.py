@@ -189,14 +189,16 @@ def span_attention(
                          f"as keys, got {t} queries and {s} keys")
     groups = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA under autocast: run in the autocast dtype
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"span_attention: query, key and value must share a dtype, got "
+                         f"{query.dtype}, {key.dtype}, {value.dtype}")
     mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype)
-    out = SpanAttentionFunction.apply(
-        query.reshape(b, h_kv, groups, t, d),
-        key.unsqueeze(2),
-        value.unsqueeze(2),
-        mask,
-        dropout_p,
-        scale,
-        config,
-    )
+    with torch.autocast(device, enabled=False):
+        out = SpanAttentionFunction.apply(
+            query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2), mask, dropout_p, scale, config
+        )
     return out.reshape(b, h_q, t, value.shape[-1])

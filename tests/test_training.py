@@ -1,0 +1,125 @@
+"""Saving, loading and training patched models with the stock Trainer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from models import VOCAB, tiny
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model
+from hf_spanattn.integration.registry import config_of
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=16, length=16, seed=0):
+        self.ids = torch.randint(1, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def args(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_steps=4, learning_rate=1e-3, logging_steps=1, save_steps=2, report_to=[], use_cpu=True,
+                seed=7, data_seed=7, disable_tqdm=True)
+    return TrainingArguments(**{**base, **overrides})
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+CONFIG = SpanAttentionConfig.from_label("score:1100@per_block", layers=[1])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neo"])
+def test_save_load_round_trip(family, tmp_path):
+    model = patch_model(tiny(family), CONFIG)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["span_attention"]
+    assert SpanAttentionConfig.from_dict(saved) == CONFIG
+    ids = torch.randint(1, VOCAB, (2, 12))
+    loaders = [lambda: load_pretrained(str(tmp_path))]
+    if family != "gpt_neo":  # GPT-Neo's attention classes are not looked up in the registry
+        loaders.append(lambda: AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                                    attn_implementation="span_attention"))
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    for load in loaders:
+        loaded = load()
+        assert config_of(loaded.config) == CONFIG  # dataclass equality: field by field
+        loaded.train()
+        loaded(ids, labels=ids).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_checkpoint_loads_as_a_plain_model_without_the_package(tmp_path):
+    model = patch_model(tiny("gpt2"), "score:1000").eval()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(1, VOCAB, (1, 10))
+    with torch.no_grad():
+        expected = model(ids).logits
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}).eval()\n"
+        "assert 'hf_spanattn' not in sys.modules and m.config._attn_implementation != 'span_attention'\n"
+        f"ids = torch.tensor({ids.tolist()})\n"
+        "print(m(ids).logits.flatten().tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    logits = torch.tensor(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert (logits - expected.flatten()).abs().max() < 1e-5
+
+
+def test_trainer_trains_and_resumes_with_the_same_settings(tmp_path):
+    full = patch_model(tiny("gpt2"), CONFIG)
+    Trainer(model=full, args=args(tmp_path / "full"), train_dataset=Tokens()).train()
+    stock = tiny("gpt2")
+    Trainer(model=stock, args=args(tmp_path / "stock"), train_dataset=Tokens()).train()
+    assert any((p - q).abs().max() > 1e-6 for p, q in zip(full.parameters(), stock.parameters()))
+
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    resumed = load_pretrained(str(checkpoint))
+    assert config_of(resumed.config) == CONFIG
+    trainer = Trainer(model=resumed, args=args(tmp_path / "resumed"), train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert config_of(resumed.config) == CONFIG and resumed.config._attn_implementation == "span_attention"
+    for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_gradient_checkpointing_gives_the_same_gradients(family, reentrant):
+    ids = torch.randint(1, VOCAB, (2, 16))
+    model = patch_model(tiny(family), "score:1100")
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[name], rtol=1e-5, atol=1e-8), name
+
+
+def test_bf16_autocast_on_cpu_trains_finite(tmp_path):
+    model = patch_model(tiny("llama"), "score:1000")
+    trainer = Trainer(model=model, args=args(tmp_path, bf16=True, max_steps=3, save_steps=100),
+                      train_dataset=Tokens())
+    result = trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
