@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""Train a GPT-2 language model from scratch on WikiText-2 with span-decomposed attention gradients.
+
+The conventions of Transformers' examples/pytorch/language-modeling/run_clm.py: argument
+dataclasses read by HfArgumentParser (command line, or one .yaml/.json file), the stock
+Trainer, plus a span-attention argument group. Defaults are the paper's setup: WikiText-2 raw
+with the GPT-2 tokenizer, blocks of 512 tokens with 50 % overlap, GPT-2 with d = 256,
+4 heads, 6 layers, dropout 0.1, effective batch 128, evaluation every epoch.
+
+    python recipes/run_clm.py --span score:1000 --output_dir runs/score-1000
+    python recipes/run_clm.py --data_dir ../shared/data/wikitext-2-raw-v1 \\
+        --train_file train.PARTIAL-first-1MB.txt --tokenizer_name ../shared/data/gpt2-tokenizer ...
+    accelerate launch --num_processes 2 recipes/run_clm.py ...
+
+Writes `metrics.json` (the full configuration, per-epoch losses, best validation loss,
+perplexity and next-token accuracy) into --output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import datasets
+import evaluate
+import torch
+import transformers
+from transformers import (
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+import hf_spanattn
+from hf_spanattn import SpanAttentionConfig
+
+logger = logging.getLogger(__name__)
+METRIC_PATH = str(Path(__file__).parent / "metrics" / "next_token")
+
+
+@dataclass
+class ModelArguments:
+    n_embd: int = field(default=256, metadata={"help": "Model dimension d."})
+    n_head: int = field(default=4, metadata={"help": "Attention heads."})
+    n_layer: int = field(default=6, metadata={"help": "Transformer layers."})
+    ffn_mult: int = field(default=4, metadata={"help": "Feed-forward width as a multiple of d."})
+    dropout: float = field(default=0.1, metadata={"help": "Dropout of embeddings, residuals and attention."})
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n_embd {self.n_embd} must be a multiple of --n_head {self.n_head}")
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str = field(default="wikitext", metadata={"help": "Hub dataset (ignored with --data_dir)."})
+    dataset_config_name: str = field(default="wikitext-2-raw-v1", metadata={"help": "Hub dataset configuration."})
+    data_dir: str | None = field(default=None, metadata={"help": "Folder with local text files (offline)."})
+    train_file: str = field(default="train.txt", metadata={"help": "Train file name inside --data_dir."})
+    validation_file: str = field(default="validation.txt", metadata={"help": "Validation file inside --data_dir."})
+    tokenizer_name: str = field(default="openai-community/gpt2", metadata={"help": "Hub name or local folder."})
+    block_size: int = field(default=512, metadata={"help": "Sequence length T."})
+    overlap: float = field(default=0.5, metadata={"help": "Overlap of consecutive blocks (stride = T·(1−overlap))."})
+    max_train_tokens: int | None = field(default=None, metadata={"help": "Use only the first N train tokens."})
+    max_eval_tokens: int | None = field(default=None, metadata={"help": "Use only the first N validation tokens."})
+
+    def __post_init__(self):
+        if not 0 <= self.overlap < 1:
+            raise ValueError(f"--overlap {self.overlap}: allowed values are 0 <= overlap < 1")
+        if self.data_dir is not None:
+            for name in (self.train_file, self.validation_file):
+                if not os.path.isfile(os.path.join(self.data_dir, name)):
+                    raise ValueError(f"--data_dir {self.data_dir} has no {name}; pass --train_file/--validation_file")
+
+
+@dataclass
+class SpanArguments:
+    span: str = field(default="standard:QKV111", metadata={
+        "help": "Gradient rule in the paper's labels: standard:QKV111, score:1000, reductionistic:1100, simple:10, "
+                "score:1000@per_block, ..."})
+    span_grad: Literal["exact", "per_block"] | None = field(default=None, metadata={
+        "help": "Reading of dL/dS^B for the score rule (overrides the label's)."})
+    span_layers: str | None = field(default=None, metadata={"help": "Comma-separated layer indices (default all)."})
+
+    def __post_init__(self):
+        self.config()  # a bad label fails here, before any data is read
+
+    def config(self) -> SpanAttentionConfig:
+        overrides = {}
+        if self.span_grad is not None:
+            overrides["score_grad"] = self.span_grad
+        if self.span_layers:
+            try:
+                overrides["layers"] = tuple(int(i) for i in self.span_layers.split(","))
+            except ValueError:
+                raise ValueError(f"--span_layers {self.span_layers!r}: expected comma-separated integers") from None
+        return SpanAttentionConfig.from_label(self.span, **overrides)
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, SpanArguments, TrainingArguments))
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+        return parser.parse_yaml_file(os.path.abspath(argv[0]))
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def training_defaults(argv: list[str]) -> list[str]:
+    """The paper's training setup where the command line does not say otherwise."""
+    defaults = {"--per_device_train_batch_size": "8", "--gradient_accumulation_steps": "16",
+                "--eval_strategy": "epoch", "--save_strategy": "epoch", "--logging_strategy": "epoch",
+                "--num_train_epochs": "50", "--learning_rate": "5e-4", "--load_best_model_at_end": "true",
+                "--metric_for_best_model": "eval_loss", "--save_total_limit": "2", "--report_to": "none"}
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    return [*argv, *(x for k, v in defaults.items() if k not in given for x in (k, v))]
+
+
+def load_texts(data: DataArguments) -> datasets.DatasetDict:
+    if data.data_dir is None:
+        return datasets.load_dataset(data.dataset_name, data.dataset_config_name)
+    files = {"train": os.path.join(data.data_dir, data.train_file),
+             "validation": os.path.join(data.data_dir, data.validation_file)}
+    raw = datasets.load_dataset("text", data_files=files, keep_linebreaks=True)
+    # as the Hub's wikitext rows: a whitespace-only line is an empty row
+    return raw.map(lambda row: {"text": row["text"] if row["text"].strip() else ""})
+
+
+def blocks(ids: list[int], size: int, overlap: float) -> dict[str, list[list[int]]]:
+    """Windows of `size` tokens every size·(1 − overlap) tokens; labels are the inputs.
+
+    The first label, which no position predicts, is -100: the Trainer counts the labels it
+    averages over before the model shifts them, so the losses are exact token means.
+    """
+    stride = max(1, int(size * (1 - overlap)))
+    starts = range(0, max(len(ids) - size, 0) + 1, stride)
+    windows = [ids[s : s + size] for s in starts if len(ids[s : s + size]) == size]
+    return {"input_ids": windows, "labels": [[-100, *w[1:]] for w in windows]}
+
+
+def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) -> dict[str, datasets.Dataset]:
+    raw = load_texts(data)
+    out = {}
+    limits = {"train": data.max_train_tokens, "validation": data.max_eval_tokens}
+    for split in ("train", "validation"):
+        with training.main_process_first(desc=f"tokenizing {split}"):
+            ids = [t for row in tokenizer(list(raw[split]["text"]))["input_ids"] for t in row]
+        ids = ids[: limits[split]] if limits[split] else ids
+        out[split] = datasets.Dataset.from_dict(blocks(ids, data.block_size, data.overlap)).with_format("torch")
+    return out
+
+
+def build_model(model_args: ModelArguments, data: DataArguments, vocab_size: int) -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=vocab_size, n_positions=data.block_size, n_embd=model_args.n_embd, n_head=model_args.n_head,
+        n_layer=model_args.n_layer, n_inner=model_args.ffn_mult * model_args.n_embd, activation_function="gelu",
+        resid_pdrop=model_args.dropout, embd_pdrop=model_args.dropout, attn_pdrop=model_args.dropout,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def token_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per position: the argmax and the NLL of the next token (keeps evaluation memory O(T))."""
+    logits, targets = logits[:, :-1].float(), labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none")
+    return torch.stack([logits.argmax(-1).float(), nll], dim=-1)
+
+
+def make_compute_metrics():
+    metric = evaluate.load(METRIC_PATH)
+
+    def compute(eval_pred):
+        scores, labels = eval_pred.predictions, eval_pred.label_ids[:, 1:]
+        return metric.compute(predictions=scores[..., 0].astype("int64").ravel(),
+                              references=labels.ravel(), nlls=scores[..., 1].ravel())
+
+    return compute
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if not (len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json"))):
+        argv = training_defaults(argv)
+    model_args, data_args, span_args, training_args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
+                        if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    span = span_args.config()
+    set_seed(training_args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(data_args.tokenizer_name)
+    splits = build_datasets(data_args, tokenizer, training_args)
+    model = build_model(model_args, data_args, len(tokenizer))
+    hf_spanattn.patch_model(model, span)
+    logger.info("span %s, %d train and %d validation blocks of %d tokens", span.label, len(splits["train"]),
+                len(splits["validation"]), data_args.block_size)
+
+    trainer = Trainer(model=model, args=training_args, train_dataset=splits["train"],
+                      eval_dataset=splits["validation"], data_collator=default_data_collator,
+                      compute_metrics=make_compute_metrics(), preprocess_logits_for_metrics=token_scores)
+    last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+    resume = training_args.resume_from_checkpoint or last
+    start = time.time()
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    if not any("eval_loss" in h for h in trainer.state.log_history):
+        trainer.evaluate()
+    metrics = summarize(trainer, train_result, span, (model_args, data_args, span_args, training_args),
+                        time.time() - start, resumed_from=resume)
+    if trainer.is_world_process_zero():
+        trainer.save_model()
+        with open(os.path.join(training_args.output_dir, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+    return metrics
+
+
+def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> dict:
+    history = trainer.state.log_history
+    train = [{"epoch": h["epoch"], "step": h["step"], "loss": h["loss"]} for h in history if "loss" in h]
+    evals = [{"epoch": h["epoch"], "step": h["step"], "loss": h["eval_loss"], "accuracy": h.get("eval_accuracy"),
+              "perplexity": h.get("eval_perplexity")} for h in history if "eval_loss" in h]
+    best = min(evals, key=lambda e: e["loss"])
+    model_args, data_args, span_args, training_args = all_args
+    return {
+        "span": span.label,
+        "span_config": span.to_dict(),
+        "final_train_loss": train[-1]["loss"] if train else train_result.training_loss,
+        "min_val_loss": best["loss"],
+        "best_epoch": best["epoch"],
+        "val_perplexity": best["perplexity"],
+        "val_accuracy": best["accuracy"],
+        "train_history": train,
+        "eval_history": evals,
+        "train_runtime_s": seconds,
+        "resumed_from": resumed_from,
+        "world_size": training_args.world_size,
+        "config": {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
+                   "training": training_args.to_dict(), "hf_spanattn": hf_spanattn.__version__,
+                   "transformers": transformers.__version__, "torch": torch.__version__},
+    }
+
+
+if __name__ == "__main__":
+    main()

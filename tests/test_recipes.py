@@ -1,0 +1,148 @@
+"""The recipes end to end on the offline WikiText-2 copy: training, sweep, report, two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import report  # noqa: E402
+import run_clm  # noqa: E402
+import sweep  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (DATA / "wikitext-2-raw-v1").is_dir(), reason="needs ../shared/data")
+
+TINY = {"data_dir": str(DATA / "wikitext-2-raw-v1"), "train_file": "train.PARTIAL-first-1MB.txt",
+        "tokenizer_name": str(DATA / "gpt2-tokenizer"), "n_embd": 32, "n_head": 2, "n_layer": 1, "block_size": 32,
+        "max_train_tokens": 1200, "max_eval_tokens": 600, "num_train_epochs": 1, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2, "per_device_eval_batch_size": 16, "disable_tqdm": True, "dropout": 0.0}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+def flags(args: dict) -> list[str]:
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def test_training_writes_the_metrics_json(tmp_path):
+    metrics = run_clm.main(flags({**TINY, "span": "score:1000@per_block", "span_layers": "0",
+                                  "output_dir": tmp_path, "num_train_epochs": 2}))
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["span"] == metrics["span"] == "score:1000@per_block"
+    assert saved["span_config"]["layers"] == [0]
+    assert [e["epoch"] for e in saved["eval_history"]] == [1.0, 2.0]
+    assert saved["min_val_loss"] == min(e["loss"] for e in saved["eval_history"])
+    assert abs(saved["val_perplexity"] - 2.718281828 ** saved["min_val_loss"]) < 1e-3 * saved["val_perplexity"]
+    assert 0 <= saved["val_accuracy"] <= 1
+    assert saved["config"]["model"]["n_embd"] == 32 and saved["config"]["data"]["block_size"] == 32
+    assert json.loads((tmp_path / "config.json").read_text())["span_attention"]["score_grad"] == "per_block"
+
+
+def test_blocks_overlap_by_half_and_mark_the_unpredicted_label():
+    out = run_clm.blocks(list(range(10)), size=4, overlap=0.5)
+    assert out["input_ids"] == [[0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, 7], [6, 7, 8, 9]]
+    assert out["labels"][1] == [-100, 3, 4, 5]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--span", "score:12"], "expected 4 values"),
+    (["--span", "fancy:1000"], "allowed values are standard, simple, reductionistic, score"),
+    (["--span_grad", "hooks"], "exact"),
+    (["--span_layers", "1,x"], "comma-separated integers"),
+    (["--overlap", "1.5"], "0 <= overlap < 1"),
+    (["--no_such_flag", "1"], "not used by the HfArgumentParser"),
+])
+def test_bad_flags_fail_before_any_data_is_read(argv, message, monkeypatch, tmp_path):
+    monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    with pytest.raises((ValueError, SystemExit)) as err:
+        run_clm.main([*argv, "--output_dir", str(tmp_path)])
+    assert message in str(err.value) or err.type is SystemExit
+
+
+def write_sweep(tmp_path: Path, spans: list[str], seeds: list[int]) -> Path:
+    config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": spans, "seeds": seeds,
+              "shapes": [{"n_head": 2, "n_layer": 1}]}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_sweep_report_and_resume_after_two_interruptions(tmp_path):
+    config = write_sweep(tmp_path, ["standard:QKV111", "score:1000"], [0, 1])
+    # a launcher that dies on its 2nd and 4th call, as an interrupted machine would
+    counter = tmp_path / "calls"
+    launcher = tmp_path / "flaky.py"
+    launcher.write_text(
+        "import os, sys, runpy\n"
+        f"n = int(open({str(counter)!r}).read()) + 1 if os.path.exists({str(counter)!r}) else 1\n"
+        f"open({str(counter)!r}, 'w').write(str(n))\n"
+        "if n in (2, 4): sys.exit(3)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    argv = [str(config), "--launcher", f"{sys.executable} {launcher}"]
+    finished = {}
+    for attempt in range(3):
+        env_before = dict(os.environ)
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
+        try:
+            code = sweep.main(argv)
+        finally:
+            os.environ.clear()
+            os.environ.update(env_before)
+        assert code == (3 if attempt < 2 else 0)
+        for path in sorted((tmp_path / "runs").glob("*/*/*/metrics.json")):
+            text = path.read_text()
+            assert finished.setdefault(path, text) == text  # a finished run is never redone
+    assert len(finished) == 4
+    assert not list((tmp_path / "runs").glob("*/*/*/checkpoint-*"))  # pruned after finishing
+
+    report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "report")])
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "| standard:QKV111 | 2 |" in table and "| score:1000 | 2 |" in table
+    rows = (tmp_path / "report" / "report.csv").read_text().splitlines()
+    assert rows[0].startswith("shape,span,runs") and len(rows) == 3
+    for png in ("loss_curves_H2xL1.png", "improvements_H2xL1.png"):
+        assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):
+    run_clm.main(flags({**TINY, "span": "score:1000", "output_dir": tmp_path}))
+    (tmp_path / "metrics.json").unlink()  # as if killed after the epoch-1 checkpoint
+    metrics = run_clm.main(flags({**TINY, "span": "score:1000", "output_dir": tmp_path, "num_train_epochs": 2}))
+    assert metrics["resumed_from"].endswith("checkpoint-" + str(metrics["train_history"][0]["step"]))
+    assert [e["epoch"] for e in metrics["eval_history"]] == [1.0, 2.0]
+
+
+def test_two_processes_match_one_process_step_by_step(tmp_path):
+    """accelerate launch --multi_gpu --num_processes 2 with --use_cpu (gloo) and the same global batch gives
+    the same losses as one process."""
+    # 2448 tokens make 152 blocks: full batches of 4 only, so no process pads its last batch
+    common = {**TINY, "span": "score:1100", "max_train_tokens": 2448, "gradient_accumulation_steps": 1,
+              "logging_strategy": "steps", "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no",
+              "load_best_model_at_end": False, "seed": 3, "data_seed": 3}
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    subprocess.run([sys.executable, str(ROOT / "recipes" / "run_clm.py"),
+                    *flags({**common, "per_device_train_batch_size": 4, "output_dir": one})], env=ENV, check=True,
+                   capture_output=True)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    result = subprocess.run([*launch, str(ROOT / "recipes" / "run_clm.py"),
+                             *flags({**common, "per_device_train_batch_size": 2, "output_dir": two, "use_cpu": True})],
+                            env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [json.loads((d / "metrics.json").read_text())["train_history"] for d in (one, two)]
+    assert json.loads((two / "metrics.json").read_text())["world_size"] == 2
+    assert len(losses[0]) == len(losses[1]) >= 8
+    for a, b in zip(*losses):
+        assert a["step"] == b["step"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"])  # fp32 sums in another order
