@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="sweep YAML file")
     parser.add_argument("--data_dir", help="override args.data_dir (local WikiText-2 text files)")
+    parser.add_argument("--train_file", help="override args.train_file (its name inside --data_dir)")
     parser.add_argument("--tokenizer_name", help="override args.tokenizer_name (local tokenizer folder)")
     parser.add_argument("--launcher", default=f"{shlex.quote(sys.executable)}",
                         help="command that runs run_clm.py, e.g. 'accelerate launch --num_processes 2'")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry_run", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
     config = yaml.safe_load(Path(args.config).read_text())
-    for key in ("data_dir", "tokenizer_name"):
+    for key in ("data_dir", "train_file", "tokenizer_name"):
         if getattr(args, key):
             config.setdefault("args", {})[key] = getattr(args, key)
     runs = plan(config)

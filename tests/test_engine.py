@@ -15,8 +15,9 @@ LABELS = [
     "standard:QKV111", "standard:QKV101", "standard:QKV001",
     "simple:10", "simple:11", "simple:0.3,1.7",
     "reductionistic:1000", "reductionistic:1100", "reductionistic:1111", "reductionistic:0.5,2,0,1.5",
-    "score:1000", "score:1100", "score:1111", "score:0000", "score:0.5,2,0,1.5", "score:0111",
+    "score:1000", "score:1100", "score:1111", "score:0000", "score:0.5,2,0,1.5", "score:0111", "score:0001",
     "score:1000@per_block", "score:1100@per_block", "score:1111@per_block", "score:0.5,2,0,1.5@per_block",
+    "score:0001@per_block", "reductionistic:0001", "simple:01",
     "score:1100+QKV011",
 ]
 UNIFORM = ["score:1111", "reductionistic:1111", "simple:11", "standard:QKV111"]

@@ -15,7 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, CONFIG_KEY, config_of, layer_index, register
+from hf_spanattn.integration.registry import (
+    ATTN_IMPLEMENTATION,
+    CONFIG_KEY,
+    PROBE_ATTR,
+    config_of,
+    register,
+    settings_for,
+)
 from hf_spanattn.ops.attention import span_attention
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
@@ -36,11 +43,6 @@ def _neo_attentions(model: PreTrainedModel) -> list[torch.nn.Module]:
     from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
     return [m for m in model.modules() if isinstance(m, GPTNeoSelfAttention)]
-
-
-def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if layer_index(m) is not None and hasattr(m, "config")
-            and any(isinstance(p, torch.nn.Linear) for p in m.children())]
 
 
 def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
@@ -120,8 +122,8 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
 def _neo_attn(self, query, key, value, attention_mask=None):
     """GPTNeoSelfAttention._attn through span_attention: unscaled scores, the layer's global or
     local causal window, the padding mask added on top, as in the stock eager code."""
-    config = config_of(self.config)
-    if config.layers is not None and self.layer_id not in config.layers:
+    config = settings_for(self)
+    if config is None:
         return type(self)._attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
     window = self.bias[:, :, k_len - q_len : k_len, :k_len]
@@ -129,7 +131,8 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if attention_mask is not None:
         mask = mask + attention_mask.to(torch.float32)
     out = span_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=1.0,
-                         dropout_p=self.attn_dropout.p if self.training else 0.0, config=config)
+                         dropout_p=self.attn_dropout.p if self.training else 0.0, config=config,
+                         probe=getattr(self, PROBE_ATTR, None))
     return out.to(value.dtype), None
 
 

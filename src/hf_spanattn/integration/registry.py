@@ -23,6 +23,8 @@ from hf_spanattn.ops.attention import span_attention
 
 ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
+OVERRIDE_ATTR = "span_attention_override"  # module attribute: settings set at run time (schedules)
+PROBE_ATTR = "span_attention_probe"  # module attribute: diagnostics probe for the backward pass
 logger = logging.get_logger("hf_spanattn")
 
 
@@ -59,8 +61,24 @@ def layer_index(module: torch.nn.Module) -> int | None:
     return None
 
 
+def attention_modules(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """The modules of each decoder layer that carry its index (where overrides and probes go)."""
+    layers: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        index = layer_index(module)
+        if index is not None and hasattr(module, "config"):
+            layers.setdefault(index, []).append(module)
+    return layers
+
+
 def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
-    """The settings that apply to this attention module; None where it keeps stock gradients."""
+    """The settings that apply to this attention module; None where it keeps stock gradients.
+
+    A run-time override on the module (set by `SpanAttentionCallback`) comes first, then the
+    model config's settings restricted to their `layers`."""
+    override = getattr(module, OVERRIDE_ATTR, None)
+    if override is not None:
+        return override
     config = config_of(module.config)
     if config is None:
         logger.warning_once(
@@ -101,5 +119,5 @@ def span_attention_forward(
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     out = span_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-                         scale=scaling, config=config)
+                         scale=scaling, config=config, probe=getattr(module, PROBE_ATTR, None))
     return out.transpose(1, 2).contiguous(), None

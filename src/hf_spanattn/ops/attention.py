@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.ops import rules
 from hf_spanattn.ops.spans import span_of
 
+Probe = Callable[[dict], None]
 _HALF = (torch.float16, torch.bfloat16)
 _BACKWARD_CHUNKS = 4
 
@@ -75,7 +77,8 @@ class SpanAttentionFunction(torch.autograd.Function):
     """Attention on (B, H_kv, g, T, d) queries and (B, H_kv, 1, S, d) keys/values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig):
+    def forward(ctx, q, k, v, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
+                probe: Probe | None):
         probs = _probs(q, k, mask, scale, q.dtype)
         weights = probs
         keep = None
@@ -85,7 +88,7 @@ class SpanAttentionFunction(torch.autograd.Function):
             weights = probs * keep / (1 - dropout_p)
         out = weights @ v
         ctx.save_for_backward(q, k, v, probs, keep, out)
-        ctx.mask, ctx.dropout_p, ctx.scale, ctx.config = mask, dropout_p, scale, config
+        ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
         return out
 
     @staticmethod
@@ -99,15 +102,15 @@ class SpanAttentionFunction(torch.autograd.Function):
             rows = slice(start, start + step)
             chunk = _backward(
                 *(x[rows] if x is not None else None for x in (q, k, v, probs, keep, out, d_out)),
-                ctx.mask.select(rows), ctx.dropout_p, ctx.scale, ctx.config,
+                ctx.mask.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe,
             )
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, scale: float,
-              config: SpanAttentionConfig):
+              config: SpanAttentionConfig, probe: Probe | None):
     weights = probs if keep is None else probs * keep / (1 - dropout_p)
     dv = rules.group_sum(weights.mT @ d_out)
     del weights
@@ -118,37 +121,60 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
 
     work = torch.float32 if q.dtype in _HALF else q.dtype
     q_w, k_w = q.to(work), _masked(k.to(work), mask)
+    needs_v = config.method in ("reductionistic", "score")
+    span_k = span_of(k_w) if config.method != "standard" else None
+    span_v = span_of(_masked(v.to(work), mask)) if needs_v else None
+
+    def softmax_grad() -> torch.Tensor:
+        """G = P ⊙ (dP − rowsum(dP ⊙ P)), with rowsum(dP ⊙ P) = rowsum(dO ⊙ O); in dP's buffer."""
+        delta = (d_out.to(work) * out.to(work)).sum(dim=-1, keepdim=True).mul_(scale)
+        return d_probs.sub_(delta.to(d_probs.dtype)).mul_(probs)
+
     if config.method == "score" and config.score_grad == "per_block":
-        span_k, span_v = span_of(k_w), span_of(_masked(v.to(work), mask))
 
         def block_grad(qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
             block_probs = _probs(qb, kb, mask, scale, q.dtype)
             return torch.ops.aten._softmax_backward_data(d_probs, block_probs, -1, q.dtype)
 
-        dq, dk = rules.score_per_block(block_grad, q_w, k_w, mask.key_valid, span_k, span_v, config.alphas)
+        def rule(alphas):
+            return rules.score_per_block(block_grad, q_w, k_w, mask.key_valid, span_k, span_v, alphas)
+
+        dq, dk = rule(config.alphas)
+        # for the probe's standard gradient, in a fresh buffer: the blocks still read dP
+        g = torch.ops.aten._softmax_backward_data(d_probs, probs, -1, q.dtype) if probe is not None else None
     else:
-        # G = P ⊙ (dP − rowsum(dP ⊙ P)), and rowsum(dP ⊙ P) = rowsum(dO ⊙ O).
-        delta = (d_out.to(work) * out.to(work)).sum(dim=-1, keepdim=True).mul_(scale)
-        g = d_probs.sub_(delta.to(d_probs.dtype)).mul_(probs)
-        dq, dk = _rule(config, g, q_w, k_w, v.to(work), mask)
-    return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), config.qkv_alphas)]
+        g = softmax_grad()
+
+        def rule(alphas):
+            return _rule(config.method, alphas, g, q_w, k_w, span_k, span_v)
+
+        dq, dk = rule(config.alphas)
+    alpha_q, alpha_k, alpha_v = config.qkv_alphas
+    if probe is not None:
+        orders = [rule(tuple(a if i == o else 0.0 for i, a in enumerate(config.alphas)))
+                  for o in range(len(config.alphas))] if config.alphas else [(dq, dk)]
+        dq_std, dk_std = rules.standard(g, q_w, k_w)
+        probe({
+            "dq_orders": [alpha_q * x for x, _ in orders], "dk_orders": [alpha_k * x for _, x in orders],
+            "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": dq_std, "dk_standard": dk_std,
+            "rank_k": torch.linalg.matrix_rank(k_w), "rank_v": torch.linalg.matrix_rank(_masked(v.to(work), mask)),
+        })
+    return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), (alpha_q, alpha_k, alpha_v))]
 
 
 def _masked(x: torch.Tensor, mask: _Mask) -> torch.Tensor:
     return x * mask.key_valid if mask.key_valid is not None else x
 
 
-def _rule(config: SpanAttentionConfig, g, q, k, v, mask: _Mask):
-    if config.method == "standard":
+def _rule(method: str, alphas, g, q, k, span_k, span_v):
+    if method == "standard":
         return rules.standard(g, q, k)
-    span_k = span_of(k)
-    if config.method == "simple":
-        op = rules.simple_operator(span_k, config.alphas)
+    if method == "score":
+        return rules.score_exact(g, q, k, span_k, span_v, alphas)
+    if method == "simple":
+        op = rules.simple_operator(span_k, alphas)
     else:
-        span_v = span_of(_masked(v, mask))
-        if config.method == "score":
-            return rules.score_exact(g, q, k, span_k, span_v, config.alphas)
-        op = rules.reductionistic_operator(span_k, span_v, config.alphas)
+        op = rules.reductionistic_operator(span_k, span_v, alphas)
     dq, dk = rules.standard(g, q, k)
     return op(dq), op(dk)
 
@@ -164,6 +190,7 @@ def span_attention(
     enable_gqa: bool = False,
     *,
     config: SpanAttentionConfig,
+    probe: Probe | None = None,
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` whose backward pass applies
     `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's.
@@ -174,13 +201,18 @@ def span_attention(
     Spans are per (batch, key/value head), over the key positions that at least one query may
     attend to. Span rules need self-attention (T == S). Without autograd, or with the plain
     standard gradient (`standard:QKV111`), this is SDPA itself.
+
+    `probe`, when given, is called in the backward pass (once per chunk of the batch) with the
+    applied dQ, dK, their components per order (α_o-weighted: they sum to the applied ones),
+    the standard dQ, dK and the ranks of K̃ and Ṽ per (batch, head). Diagnostics only: it
+    costs one rule evaluation per order.
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     b, h_q, t, d = query.shape
     h_kv, s = key.shape[1], key.shape[2]
     if h_q % h_kv:
         raise ValueError(f"span_attention: query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
-    plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0)
+    plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None
     if not needs_grad or plain:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
@@ -199,6 +231,7 @@ def span_attention(
     mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype)
     with torch.autocast(device, enabled=False):
         out = SpanAttentionFunction.apply(
-            query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2), mask, dropout_p, scale, config
+            query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2), mask, dropout_p, scale, config,
+            probe,
         )
     return out.reshape(b, h_q, t, value.shape[-1])

@@ -124,9 +124,8 @@ def score_exact(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, span_k: Span,
     Two T×T·d products beyond the standard backward, none for [1000].
     """
     use_par, use_perp = any(alphas[:3]), any(alphas[1:])  # weights of the ∥ and ⊥ parts of a mix
-    k_par = span_v.project(k) if use_par else None
-    k_perp = (k - k_par if k_par is not None else k) if use_perp else None
-    g_par, g_perp = _products(g, k_par, k_perp)
+    k_par = span_v.project(k)
+    g_par, g_perp = _products(g, k_par if use_par else None, k - k_par if use_perp else None)
     dq = _split(span_k, *_order_mix(span_v, g_par, g_perp, alphas), like=q)
 
     q_par = span_k.project(q)

@@ -1,0 +1,131 @@
+"""α schedules over training: keyframes of settings, piecewise or linearly ramped, per layer.
+
+    Schedule([Keyframe(0, "standard:QKV111"), Keyframe("20%", "score:1000")])      # switch at 20 %
+    Schedule([Keyframe(0, "score:1111"), Keyframe(500, "score:1000", ramp=True)])  # α ramp to step 500
+    Schedule([Keyframe(0, {"0-2": "standard:QKV111", "3-5": "score:1000"})])       # a layer table
+
+`at` is a step (int), a share of training ("20%") or an epoch ("2ep"). A keyframe's `span` is a
+label (all layers) or a table {layers: label} with layers as "3-5", "0,2" or "*"; layers a
+table leaves out keep the model config's settings. With `ramp=True`, every α moves linearly
+from the previous keyframe's setting to this one's, which requires the same rule per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hf_spanattn.config import SpanAttentionConfig
+
+LayerSettings = dict[int, SpanAttentionConfig]
+
+
+@dataclasses.dataclass(frozen=True)
+class Keyframe:
+    at: int | str
+    span: str | dict[str, str]
+    ramp: bool = False
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Keyframe:
+        unknown = set(data) - {"at", "span", "ramp"}
+        if unknown or not {"at", "span"} <= set(data):
+            raise ValueError(f"schedule keyframe {data!r}: expected keys 'at', 'span' and optionally 'ramp'")
+        return cls(**data)
+
+    def step(self, max_steps: int, steps_per_epoch: float) -> int:
+        """The optimizer step at which this keyframe is reached."""
+        at = self.at
+        try:
+            if isinstance(at, str) and at.endswith("%"):
+                value = round(float(at[:-1]) / 100 * max_steps)
+            elif isinstance(at, str) and at.endswith("ep"):
+                value = round(float(at[:-2]) * steps_per_epoch)
+            elif isinstance(at, int) and not isinstance(at, bool):
+                value = at
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"keyframe at={at!r}: expected a step (int), a share ('20%') or an epoch ('2ep')") \
+                from None
+        if value < 0:
+            raise ValueError(f"keyframe at={at!r}: must not be negative")
+        return value
+
+    def settings(self, n_layers: int) -> LayerSettings:
+        if isinstance(self.span, str):
+            config = SpanAttentionConfig.from_label(self.span)
+            return dict.fromkeys(range(n_layers), config)
+        if not isinstance(self.span, dict):
+            raise ValueError(f"keyframe span={self.span!r}: expected a label or a {{layers: label}} table")
+        table: LayerSettings = {}
+        for layers, label in self.span.items():
+            config = SpanAttentionConfig.from_label(label)
+            for index in _layer_list(str(layers), n_layers):
+                table[index] = config
+        return table
+
+
+def _layer_list(spec: str, n_layers: int) -> list[int]:
+    if spec.strip() == "*":
+        return list(range(n_layers))
+    indices = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            indices += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"layer spec {spec!r}: expected '*', 'a-b' or 'a,b,c'") from None
+    bad = [i for i in indices if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"layer spec {spec!r}: layers {bad} are outside 0..{n_layers - 1}")
+    return indices
+
+
+@dataclasses.dataclass
+class Schedule:
+    keyframes: list[Keyframe]
+
+    def __post_init__(self):
+        self.keyframes = [k if isinstance(k, Keyframe) else Keyframe.from_dict(k) for k in self.keyframes]
+        if not self.keyframes:
+            raise ValueError("schedule: needs at least one keyframe")
+
+    def resolve(self, max_steps: int, steps_per_epoch: float, n_layers: int) -> list[tuple[int, LayerSettings, bool]]:
+        """(step, per-layer settings, ramp) per keyframe, validated; raises ValueError with the cause."""
+        frames = [(k.step(max_steps, steps_per_epoch), k.settings(n_layers), k.ramp) for k in self.keyframes]
+        for (s0, _, _), (s1, _, _) in zip(frames, frames[1:]):
+            if s1 < s0:
+                raise ValueError(f"schedule: keyframes must be in order of time, got step {s1} after {s0}")
+        for i, (step, table, ramp) in enumerate(frames):
+            if ramp and i == 0:
+                raise ValueError("schedule: the first keyframe cannot ramp (there is nothing to ramp from)")
+            if ramp:
+                prev = frames[i - 1][1]
+                for layer, config in table.items():
+                    before = prev.get(layer)
+                    if before is None or (before.method, before.score_grad) != (config.method, config.score_grad):
+                        raise ValueError(f"schedule: keyframe at step {step} ramps layer {layer} from "
+                                         f"{before.label if before else 'the model setting'} to {config.label}; "
+                                         "a ramp needs the same method and score_grad on both ends")
+        return frames
+
+    @staticmethod
+    def at_step(frames: list[tuple[int, LayerSettings, bool]], step: int) -> LayerSettings:
+        """The per-layer settings in force at `step` (layers no keyframe names are absent)."""
+        current: LayerSettings = {}
+        for i, (start, table, ramp) in enumerate(frames):
+            if start <= step:
+                current = {**current, **table}
+                continue
+            if ramp:  # on the way from the previous keyframe to this one
+                t = (step - frames[i - 1][0]) / (start - frames[i - 1][0])
+                current = {**current, **{layer: _mix(current[layer], config, t) for layer, config in table.items()}}
+            break
+        return current
+
+
+def _mix(a: SpanAttentionConfig, b: SpanAttentionConfig, t: float) -> SpanAttentionConfig:
+    """Linear interpolation of the alphas (and the QKV multipliers) of two settings of one rule."""
+    lerp = lambda x, y: tuple((1 - t) * u + t * v for u, v in zip(x, y))  # noqa: E731
+    return b.replace(alphas=lerp(a.alphas, b.alphas), qkv_alphas=lerp(a.qkv_alphas, b.qkv_alphas))

@@ -1,0 +1,191 @@
+"""SpanAttentionCallback: schedules checked through gradients, resume, diagnostics."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from models import VOCAB, tiny
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_spanattn import SpanAttentionConfig, patch_model, span_attention
+from hf_spanattn.training import Keyframe, OrderRecorder, Schedule, SpanAttentionCallback
+
+BATCH = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+# the first label is never predicted; -100 there makes the Trainer's token count exact
+LABELS = BATCH.masked_fill(torch.arange(16) == 0, -100)
+
+
+class Same(torch.utils.data.Dataset):
+    """The same batch every step (a permutation of 4 sequences): with lr = 0 each step's gradient
+    depends on the rule alone."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"input_ids": BATCH[i % 4], "labels": LABELS[i % 4]}
+
+
+class GradRecorder(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def train(model, tmp_path, callbacks, **overrides):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=0.0,
+                report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+                max_grad_norm=0.0)  # the recorded gradients are the raw ones
+    trainer = Trainer(model=model, args=TrainingArguments(**{**base, **overrides}), train_dataset=Same(),
+                      callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+def expected_grads(label_or_config, **patch_kwargs):
+    model = patch_model(tiny("gpt2"), label_or_config, **patch_kwargs)
+    model.train()
+    model(BATCH, labels=LABELS).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b, tol=1e-5):
+    for name in b:
+        assert torch.allclose(a[name], b[name], rtol=tol, atol=1e-8), name
+
+
+@pytest.mark.parametrize("schedule,expected", [
+    ([Keyframe(0, "standard:QKV111"), Keyframe(2, "score:1000")],
+     ["standard:QKV111", "standard:QKV111", "score:1000", "score:1000"]),
+    ([Keyframe(0, "score:1111"), Keyframe("100%", "score:1000", ramp=True)],
+     ["score:1111", "score:1,0.75,0.75,0.75", "score:1,0.5,0.5,0.5", "score:1,0.25,0.25,0.25"]),
+    ([{"at": 0, "span": "standard:QKV111"}, {"at": "50%", "span": {"1": "score:1000"}}],
+     ["standard:QKV111", "standard:QKV111", ("score:1000", [1]), ("score:1000", [1])]),
+])
+def test_schedule_changes_the_rule_exactly_at_its_step(schedule, expected, tmp_path):
+    recorder = GradRecorder()
+    train(patch_model(tiny("gpt2"), "score:1100"), tmp_path, [SpanAttentionCallback(schedule), recorder])
+    assert len(recorder.grads) == 4
+    for step, (grads, want) in enumerate(zip(recorder.grads, expected)):
+        label, layers = want if isinstance(want, tuple) else (want, None)
+        if layers:  # the other layer keeps the model's setting from the last keyframe naming it
+            config = SpanAttentionConfig.from_label(label)
+            model = patch_model(tiny("gpt2"), "standard:QKV111")
+            cb = SpanAttentionCallback([Keyframe(0, {"0": "standard:QKV111", "1": label})])
+            want_grads = _grads_with_callback(model, cb, tmp_path / f"ref{step}")
+            assert config.label == label
+        else:
+            want_grads = expected_grads(label)
+        assert_same(grads, want_grads), step
+
+
+def _grads_with_callback(model, callback, path):
+    recorder = GradRecorder()
+    train(model, path, [callback, recorder], max_steps=1)
+    return recorder.grads[0]
+
+
+def test_resume_from_a_mid_schedule_checkpoint_continues_it(tmp_path):
+    schedule = [Keyframe(0, "standard:QKV111"), Keyframe(3, "score:1100")]
+    kwargs = dict(learning_rate=1e-2, save_strategy="steps", save_steps=2, max_steps=5, max_grad_norm=0.0)
+    full = patch_model(tiny("gpt2"), "score:1000")
+    train(full, tmp_path / "full", [SpanAttentionCallback(schedule)], **kwargs)
+    resumed = patch_model(tiny("gpt2"), "score:1000")
+    trainer = Trainer(model=resumed, train_dataset=Same(), callbacks=[SpanAttentionCallback(schedule)],
+                      args=TrainingArguments(output_dir=str(tmp_path / "full"), per_device_train_batch_size=4,
+                                             report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **kwargs))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    no_switch = patch_model(tiny("gpt2"), "score:1000")
+    train(no_switch, tmp_path / "other", [SpanAttentionCallback([Keyframe(0, "standard:QKV111")])], **kwargs)
+    for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+    assert any((p - r).abs().max() > 1e-5 for p, r in zip(full.parameters(), no_switch.parameters()))
+
+
+@pytest.mark.parametrize("label", ["score:1000", "score:0.5,2,0,1.5", "reductionistic:1100", "simple:0.3,1.7",
+                                   "score:1100@per_block", "score:1100+QKV101"])
+def test_order_components_sum_to_the_applied_gradient(label):
+    config = SpanAttentionConfig.from_label(label)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 24, 8, generator=gen).requires_grad_(True) for _ in range(3))
+    records = []
+    out = span_attention(q, k, v, is_causal=True, config=config, probe=records.append)
+    d_out = torch.randn(out.shape, generator=gen)
+    dq, dk, _ = torch.autograd.grad(out, (q, k, v), d_out)
+    assert len(records) == 2  # the backward runs in chunks of the batch; each is reported
+    rec = {key: [torch.cat(parts, dim=0) for parts in zip(*(r[key] for r in records))] if key.endswith("orders")
+           else torch.cat([r[key] for r in records], dim=0) for key in records[0]}
+    total_q, total_k = sum(rec["dq_orders"]), sum(rec["dk_orders"])
+    for total, applied, grad in ((total_q, rec["dq"], dq), (total_k, rec["dk"], dk)):
+        assert (total - applied).norm() <= 1e-5 * applied.norm()  # both 0 where α_K = 0
+        assert (applied.reshape(grad.shape) - grad).norm() <= 1e-6 * grad.norm()
+    std_q, _, _ = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                      (q, k, v), d_out)
+    assert ((rec["dq_standard"].reshape(std_q.shape) - std_q).norm() / std_q.norm()).item() <= 1e-5
+    assert rec["rank_k"].shape == (2, 4, 1) and (rec["rank_k"] == 8).all()
+
+
+class Collect(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def test_diagnostics_off_or_on_leave_training_unchanged_and_log(tmp_path):
+    kwargs = dict(learning_rate=1e-2, max_steps=4, max_grad_norm=0.0)
+    plain = patch_model(tiny("gpt2"), "score:1100")
+    train(plain, tmp_path / "plain", [], **kwargs)
+    for every in (0, 2):
+        model = patch_model(tiny("gpt2"), "score:1100")
+        callback = SpanAttentionCallback(diagnostics_every=every, diagnostics_per_head=True)
+        trainer = Trainer(model=model, train_dataset=Same(), args=TrainingArguments(
+            output_dir=str(tmp_path / f"every{every}"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+            save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, **kwargs))
+        callback.add_to(trainer)
+        collect = Collect()
+        trainer.add_callback(collect)
+        trainer.train()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p, q), (every, name)
+        path = tmp_path / f"every{every}" / "span_diagnostics.jsonl"
+        if every == 0:
+            assert not path.exists()
+            continue
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [(r["step"], r["layer"]) for r in records] == [(1, 0), (1, 1), (3, 0), (3, 1)]
+        for r in records:
+            assert r["span"] == "score:1100" and len(r["dq_share"]) == 4
+            assert abs(sum(r["dq_share"]) - 1) < 1e-9 and r["dq_share"][2] == 0 == r["dq_share"][3]
+            assert 0 < r["cos_q"] <= 1 and r["rank_k"] == 8 and len(r["dq_norm_per_head"]) == 4
+        assert any("span/layer1/dq_share0" in entry for entry in collect.logs)
+
+
+def test_settings_are_validated_when_training_starts(tmp_path):
+    with pytest.raises(ValueError, match="not patched"):
+        train(tiny("gpt2"), tmp_path, [SpanAttentionCallback([Keyframe(0, "score:1000")])])
+    bad = [
+        ([Keyframe(0, "score:1000"), Keyframe("50%", "reductionistic:1000", ramp=True)], "same method"),
+        ([Keyframe(0, {"0-5": "score:1000"})], "outside 0..1"),
+        ([Keyframe("soon", "score:1000")], "expected a step"),
+        ([Keyframe(3, "score:1000"), Keyframe(1, "score:1100")], "in order of time"),
+        ([Keyframe(0, "score:10")], "4 values"),
+    ]
+    for schedule, message in bad:
+        with pytest.raises(ValueError, match=message):
+            train(patch_model(tiny("gpt2"), "score:1000"), tmp_path, [SpanAttentionCallback(schedule)])
+    with pytest.raises(ValueError, match="diagnostics_every"):
+        SpanAttentionCallback(diagnostics_every=-1)
+    with pytest.raises(ValueError, match="'at', 'span'"):
+        Schedule([{"when": 0}])
+
+
+def test_recorder_summary_without_records_is_empty():
+    assert OrderRecorder().summary() == {}
+    assert copy.copy(OrderRecorder()).summary() == {}
