@@ -31,6 +31,7 @@ import datasets
 import evaluate
 import torch
 import transformers
+import yaml
 from transformers import (
     AutoTokenizer,
     GPT2Config,
@@ -45,6 +46,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
+from hf_spanattn.training import Schedule, SpanAttentionCallback
 
 logger = logging.getLogger(__name__)
 METRIC_PATH = str(Path(__file__).parent / "metrics" / "next_token")
@@ -93,9 +95,34 @@ class SpanArguments:
     span_grad: Literal["exact", "per_block"] | None = field(default=None, metadata={
         "help": "Reading of dL/dS^B for the score rule (overrides the label's)."})
     span_layers: str | None = field(default=None, metadata={"help": "Comma-separated layer indices (default all)."})
+    span_schedule: str | None = field(default=None, metadata={
+        "help": "α schedule: a YAML/JSON file or inline JSON list of keyframes {at, span, ramp}, e.g. "
+                '\'[{"at": 0, "span": "standard:QKV111"}, {"at": "20%", "span": "score:1000"}]\'; a keyframe\'s '
+                'span may be a per-layer table {"3-5": "score:1000"}.'})
+    span_diagnostics_every: int = field(default=0, metadata={
+        "help": "Every N steps, log per-order norms and shares of dQ, dK per layer (0 = off)."})
+    span_diagnostics_per_head: bool = field(default=False, metadata={"help": "Diagnostics per head too."})
 
     def __post_init__(self):
-        self.config()  # a bad label fails here, before any data is read
+        self.config()  # a bad label or schedule fails here, before any data is read
+        self.callback()
+
+    def callback(self) -> SpanAttentionCallback | None:
+        if self.span_schedule is None and not self.span_diagnostics_every:
+            return None
+        schedule = None
+        if self.span_schedule is not None:
+            text = Path(self.span_schedule).read_text() if os.path.isfile(self.span_schedule) else self.span_schedule
+            try:
+                keyframes = yaml.safe_load(text)
+            except yaml.YAMLError as err:
+                raise ValueError(f"--span_schedule: not valid YAML/JSON ({err})") from None
+            if not isinstance(keyframes, list):
+                raise ValueError(f"--span_schedule {self.span_schedule!r}: expected a list of keyframes")
+            schedule = Schedule(keyframes)
+            for keyframe in schedule.keyframes:  # labels and tables checked now; steps when training starts
+                keyframe.settings(n_layers=10**6)
+        return SpanAttentionCallback(schedule, self.span_diagnostics_every, self.span_diagnostics_per_head)
 
     def config(self) -> SpanAttentionConfig:
         overrides = {}
@@ -211,6 +238,9 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = Trainer(model=model, args=training_args, train_dataset=splits["train"],
                       eval_dataset=splits["validation"], data_collator=default_data_collator,
                       compute_metrics=make_compute_metrics(), preprocess_logits_for_metrics=token_scores)
+    callback = span_args.callback()
+    if callback is not None:
+        callback.add_to(trainer)
     last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
     resume = training_args.resume_from_checkpoint or last
     start = time.time()

@@ -146,3 +146,27 @@ def test_two_processes_match_one_process_step_by_step(tmp_path):
     for a, b in zip(*losses):
         assert a["step"] == b["step"]
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"])  # fp32 sums in another order
+
+
+def test_schedule_and_diagnostics_flags_write_the_jsonl_and_the_plot(tmp_path):
+    import plot_diagnostics
+
+    schedule = '[{"at": 0, "span": "score:1111"}, {"at": "100%", "span": "score:1000", "ramp": true}]'
+    run_clm.main(flags({**TINY, "n_layer": 2, "span": "score:1111", "span_schedule": schedule,
+                        "span_diagnostics_every": 2, "output_dir": tmp_path}))
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert {r["layer"] for r in records} == {0, 1} and records[0]["span"] == "score:1111"
+    assert records[-1]["span"].startswith("score:1,") and records[-1]["dq_share"][3] < records[0]["dq_share"][3]
+    png = plot_diagnostics.plot(records, tmp_path / "diagnostics.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("schedule,message", [
+    ('[{"at": 0, "span": "score:12"}]', "4 values"),
+    ('{"at": 0}', "expected a list of keyframes"),
+    ('[{"at": 0, "span": {"0-x": "score:1000"}}]', "layer spec"),
+])
+def test_bad_schedules_fail_before_any_data_is_read(schedule, message, monkeypatch, tmp_path):
+    monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    with pytest.raises(ValueError, match=message):
+        run_clm.main(["--span_schedule", schedule, "--output_dir", str(tmp_path)])

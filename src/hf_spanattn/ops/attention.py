@@ -151,8 +151,14 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
         dq, dk = rule(config.alphas)
     alpha_q, alpha_k, alpha_v = config.qkv_alphas
     if probe is not None:
-        orders = [rule(tuple(a if i == o else 0.0 for i, a in enumerate(config.alphas)))
-                  for o in range(len(config.alphas))] if config.alphas else [(dq, dk)]
+        alphas = config.alphas
+        if config.method == "standard":  # split the standard gradient into the exact score rule's orders
+            span_k, span_v, alphas = span_of(k_w), span_of(_masked(v.to(work), mask)), (1.0, 1.0, 1.0, 1.0)
+
+            def rule(alphas):
+                return rules.score_exact(g, q_w, k_w, span_k, span_v, alphas)
+
+        orders = [rule(tuple(a if i == o else 0.0 for i, a in enumerate(alphas))) for o in range(len(alphas))]
         dq_std, dk_std = rules.standard(g, q_w, k_w)
         probe({
             "dq_orders": [alpha_q * x for x, _ in orders], "dk_orders": [alpha_k * x for _, x in orders],
@@ -203,7 +209,8 @@ def span_attention(
     standard gradient (`standard:QKV111`), this is SDPA itself.
 
     `probe`, when given, is called in the backward pass (once per chunk of the batch) with the
-    applied dQ, dK, their components per order (α_o-weighted: they sum to the applied ones),
+    applied dQ, dK, their components per order (α_o-weighted: they sum to the applied ones; the
+    standard rule is split into the exact score rule's orders, simple into Π_K and Π_K^⊥),
     the standard dQ, dK and the ranks of K̃ and Ṽ per (batch, head). Diagnostics only: it
     costs one rule evaluation per order.
     """

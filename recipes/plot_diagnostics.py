@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Draw span diagnostics over training: one panel per layer, the order shares of dQ stacked
+(and of dK in a second row), with the cosine between applied and standard gradient on top.
+
+    python recipes/plot_diagnostics.py runs/x/span_diagnostics.jsonl -o diagnostics.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ORDER_NAMES = {2: ["∥ (Π_K)", "⊥ (Π_K^⊥)"], 4: ["order 0", "order 1", "order 2", "order 3"]}
+
+
+def plot(records: list[dict], out: Path) -> Path:
+    by_layer: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        by_layer[r["layer"]].append(r)
+    layers = sorted(by_layer)
+    fig, axes = plt.subplots(2, len(layers), figsize=(3.2 * len(layers), 5.5), sharex=True, sharey=True,
+                             squeeze=False)
+    for col, layer in enumerate(layers):
+        rows = sorted(by_layer[layer], key=lambda r: r["step"])
+        steps = [r["step"] for r in rows]
+        for row, side in enumerate(("dq", "dk")):
+            ax = axes[row][col]
+            width = max(len(r[f"{side}_share"]) for r in rows)
+            shares = list(zip(*(r[f"{side}_share"] + [0.0] * (width - len(r[f"{side}_share"])) for r in rows)))
+            names = ORDER_NAMES.get(len(shares), [f"part {i}" for i in range(len(shares))])
+            ax.stackplot(steps, *shares, labels=names, alpha=0.85)
+            twin = ax.twinx()
+            twin.plot(steps, [r[f"cos_{side[1]}"] for r in rows], color="black", linewidth=1.2)
+            twin.set_ylim(-1.05, 1.05)
+            if col < len(layers) - 1:
+                twin.set_yticklabels([])
+            ax.set_title(f"layer {layer}: {side} ({rows[-1]['span']})", fontsize=9)
+            ax.set_ylim(0, 1)
+            if row == 1:
+                ax.set_xlabel("step")
+            if col == 0:
+                ax.set_ylabel("share of order norms")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles + [plt.Line2D([], [], color="black")], labels + ["cos(applied, standard)"],
+               loc="lower center", ncol=len(labels) + 1, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("jsonl", type=Path)
+    parser.add_argument("-o", "--output", type=Path, help="PNG path (default: next to the JSONL)")
+    args = parser.parse_args(argv)
+    records = [json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]
+    if not records:
+        raise SystemExit(f"{args.jsonl}: no diagnostics records")
+    print(plot(records, args.output or args.jsonl.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
