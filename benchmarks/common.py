@@ -48,8 +48,6 @@ def peak_in_subprocess(module: str, args: list[str]) -> int:
     Memory is measured in a fresh process so that one candidate's high-water mark cannot hide
     another's; a fixed mmap threshold makes every large tensor return to the OS when freed.
     """
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""))
-    if not env["OMP_NUM_THREADS"]:
-        del env["OMP_NUM_THREADS"]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, "-m", module, *args], check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
