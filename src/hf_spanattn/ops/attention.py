@@ -132,9 +132,25 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
 
     if config.method == "score" and config.score_grad == "per_block":
 
-        def block_grad(qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-            block_probs = _probs(qb, kb, mask, scale, q.dtype)
-            return torch.ops.aten._softmax_backward_data(d_probs, block_probs, -1, q.dtype)
+        buffers: dict = {}  # T×T buffers reused by every block: CPU tensors are not cached by an allocator
+
+        def block_grad(qb: torch.Tensor, kb: torch.Tensor, slot: int) -> torch.Tensor:
+            """∂L/∂S^B into buffer `slot`, which stays valid until the next call with that slot."""
+            if q.dtype in _HALF:
+                block_probs = _probs(qb, kb, mask, scale, q.dtype)
+                return torch.ops.aten._softmax_backward_data(d_probs, block_probs, -1, q.dtype)
+            def buffer(name):  # each buffer its own tensor: an `out=` of size 0 is resized in place
+                return buffers[name] if name in buffers else q.new_empty(0)
+
+            scores = buffers["scores"] = torch.matmul(qb * scale, kb.mT, out=buffer("scores"))
+            if mask.additive is not None:
+                scores.add_(mask.additive)
+            block_probs = buffers["probs"] = torch.ops.aten._softmax.out(scores, -1, False, out=buffer("probs"))
+            if mask.dead_rows is not None:
+                block_probs.masked_fill_(mask.dead_rows, 0.0)
+            buffers[slot] = torch.ops.aten._softmax_backward_data.out(d_probs, block_probs, -1, q.dtype,
+                                                                      grad_input=buffer(slot))
+            return buffers[slot]
 
         def rule(alphas):
             return rules.score_per_block(block_grad, q_w, k_w, mask.key_valid, span_k, span_v, alphas)

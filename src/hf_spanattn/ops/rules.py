@@ -134,11 +134,12 @@ def score_exact(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, span_k: Span,
     return dq, _split(span_v, h_par, h_perp, like=k)
 
 
-def score_per_block(block_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], q: torch.Tensor,
+def score_per_block(block_grad: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], q: torch.Tensor,
                     k: torch.Tensor, key_valid: torch.Tensor | None, span_k: Span, span_v: Span,
                     alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score rule with the paper's hook reading: G_B = block_grad(Q_ab, K_δ), the gradient of
-    softmax(mask(S^B))·V at S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q, K_δ = Π_V^δ K.
+    """Score rule with the paper's hook reading: G_B = block_grad(Q_ab, K_δ, b), the gradient of
+    softmax(mask(S^B))·V at S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q, K_δ = Π_V^δ K. It may
+    reuse one buffer per b: G_{b=∥} stays valid while G_{b=⊥} is computed, until the next pair.
 
     dQ, dK direct as in `score_exact` with G_B in place of G, plus for each pair (b=∥, b=⊥) of
     equal (a, δ), with D = G_∥ − G_⊥ and α of the ⊥ member's order, the K cross terms
@@ -164,19 +165,18 @@ def score_per_block(block_grad: Callable[[torch.Tensor, torch.Tensor], torch.Ten
             if not (alpha_par or alpha_perp):
                 continue
             kd = k_blocks[delta]
-            g_par = block_grad(q_blocks[a, 0], kd)  # also needed by the cross term
+            g_par = block_grad(q_blocks[a, 0], kd, 0)  # also needed by the cross term
             gk_par = matmul(g_par, kd)
             acc_q[a, 0] = lincomb((1.0, acc_q[a, 0]), (alpha_par, gk_par))
             if alpha_par:
                 acc_k[delta] = lincomb((1.0, acc_k[delta]), (alpha_par, matmul(g_par.mT, q_blocks[a, 0])))
             if not alpha_perp:
                 continue
-            g_perp = block_grad(q_blocks[a, 1], kd)
+            g_perp = block_grad(q_blocks[a, 1], kd, 1)
             gk_perp = matmul(g_perp, kd)
             acc_q[a, 1] = lincomb((1.0, acc_q[a, 1]), (alpha_perp, gk_perp))
             acc_k[delta] = lincomb((1.0, acc_k[delta]), (alpha_perp, matmul(g_perp.mT, q_blocks[a, 1])))
             d_block = g_par.sub_(g_perp)
-            del g_perp
             cross_e[a] = lincomb((1.0, cross_e[a]), (alpha_perp, gk_par), (-alpha_perp, gk_perp))
             cross_c = lincomb((1.0, cross_c), (alpha_perp, kd.mT @ matmul(d_block.mT, pinv_blocks[a])))
 
