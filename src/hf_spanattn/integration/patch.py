@@ -30,7 +30,7 @@ SUPPORTED = "models whose attention goes through Transformers' AttentionInterfac
 _ORIGINAL = "_hf_spanattn_original"  # model attribute: what patch_model changed, for unpatch_model
 
 
-def _base_model(model: torch.nn.Module) -> PreTrainedModel:
+def base_model(model: torch.nn.Module) -> PreTrainedModel:
     """The Transformers model under a PEFT wrapper (or the model itself)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel):
@@ -60,7 +60,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     `push_to_hub` carry them. Patching again replaces them. Returns `model`.
     """
     register()
-    base = _base_model(model)
+    base = base_model(model)
     if isinstance(config, str):
         config = SpanAttentionConfig.from_label(config)
     config = config or config_of(base.config) or SpanAttentionConfig()
@@ -94,7 +94,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Restore exactly the attention implementation the model had before `patch_model`."""
-    base = _base_model(model)
+    base = base_model(model)
     original = getattr(base, _ORIGINAL, None)
     if original is None and base.config._attn_implementation != ATTN_IMPLEMENTATION:
         return model  # not patched

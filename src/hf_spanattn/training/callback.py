@@ -9,10 +9,10 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from hf_spanattn.integration.patch import _base_model
+from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import OVERRIDE_ATTR, PROBE_ATTR, attention_modules, config_of, settings_for
 from hf_spanattn.training.diagnostics import OrderRecorder
-from hf_spanattn.training.schedule import Keyframe, Schedule
+from hf_spanattn.training.schedule import Schedule
 
 
 class SpanAttentionCallback(TrainerCallback, ExportableState):
@@ -59,7 +59,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     # -- the Trainer's events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        base = _base_model(model)
+        base = base_model(model)
         self._layers = attention_modules(base)
         if config_of(base.config) is None:
             raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
@@ -143,5 +143,3 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                          "diagnostics_file": self.diagnostics_file},
                 "attributes": {"last_step": self.last_step}}
 
-
-__all__ = ["Keyframe", "Schedule", "SpanAttentionCallback"]
