@@ -123,7 +123,8 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
     q_w, k_w = q.to(work), _masked(k.to(work), mask)
     needs_v = config.method in ("reductionistic", "score")
     span_k = span_of(k_w) if config.method != "standard" else None
-    span_v = span_of(_masked(v.to(work), mask)) if needs_v else None
+    v_w = _masked(v.to(work), mask) if needs_v or probe is not None else None
+    span_v = span_of(v_w) if needs_v else None
 
     def softmax_grad() -> torch.Tensor:
         """G = P ⊙ (dP − rowsum(dP ⊙ P)), with rowsum(dP ⊙ P) = rowsum(dO ⊙ O); in dP's buffer."""
@@ -169,7 +170,7 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
     if probe is not None:
         alphas = config.alphas
         if config.method == "standard":  # split the standard gradient into the exact score rule's orders
-            span_k, span_v, alphas = span_of(k_w), span_of(_masked(v.to(work), mask)), (1.0, 1.0, 1.0, 1.0)
+            span_k, span_v, alphas = span_of(k_w), span_of(v_w), (1.0, 1.0, 1.0, 1.0)
 
             def rule(alphas):
                 return rules.score_exact(g, q_w, k_w, span_k, span_v, alphas)
@@ -179,7 +180,7 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
         probe({
             "dq_orders": [alpha_q * x for x, _ in orders], "dk_orders": [alpha_k * x for _, x in orders],
             "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": dq_std, "dk_standard": dk_std,
-            "rank_k": torch.linalg.matrix_rank(k_w), "rank_v": torch.linalg.matrix_rank(_masked(v.to(work), mask)),
+            "rank_k": torch.linalg.matrix_rank(k_w), "rank_v": torch.linalg.matrix_rank(v_w),
         })
     return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), (alpha_q, alpha_k, alpha_v))]
 
