@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from reference import reference
 
 from hf_spanattn import SpanAttentionConfig, span_attention
+from hf_spanattn.ops import blocks
 
 LABELS = [
     "standard:QKV111", "standard:QKV101", "standard:QKV001",
@@ -20,6 +21,7 @@ LABELS = [
     "score:0001@per_block", "reductionistic:0001", "simple:01",
     "score:1100+QKV011",
 ]
+PER_BLOCK = [label for label in LABELS if label.endswith("@per_block")]
 UNIFORM = ["score:1111", "reductionistic:1111", "simple:11", "standard:QKV111"]
 
 
@@ -70,6 +72,7 @@ CASES = {
     "t_gg_d": dict(shape=dict(t=40, d=4), kwargs=dict(is_causal=True)),
     "gqa_padded_scale": dict(shape=dict(h_q=6, h_kv=2, t=10), kwargs=dict(attn_mask=padding_mask([10, 4], 10),
                                                                           scale=0.7)),
+    "first_rows_dead": dict(shape=dict(b=3), kwargs=dict(attn_mask=padding_mask([8, 7, 8], 12))),
 }
 
 
@@ -86,9 +89,40 @@ def rank_deficient(kind):
     return (q, k, v), d_out
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 4 query rows, so that the per-block rule's tiling shows at T = 12."""
+    monkeypatch.setattr(blocks, "_TILE_ROWS", 4)
+    monkeypatch.setattr(blocks, "_MAX_TILES", 100)
+
+
 @pytest.mark.parametrize("label", LABELS)
 @pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows"])
 def test_matches_float64_reference(label, case):
+    check_against_reference(label, case)
+
+
+@pytest.mark.parametrize("label", PER_BLOCK)
+@pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows"])
+def test_per_block_tiles_match_float64_reference(label, case, small_tiles):
+    check_against_reference(label, case)
+
+
+def test_row_tiles():
+    causal = torch.zeros(256, 256).masked_fill(~torch.ones(256, 256, dtype=torch.bool).tril(), -torch.inf)
+    assert blocks.row_tiles(causal, 256) == [(start, start + 64, start + 64) for start in range(0, 256, 64)]
+    assert blocks.row_tiles(None, 256) == [(0, 256, 256)]
+    keys = torch.zeros(2, 1, 1, 256, 256)
+    keys[0, ..., 200:] = torch.finfo(torch.float32).min  # key padding in one sequence: every tile sees all keys
+    assert blocks.row_tiles(keys, 256) == [(0, 256, 256)]
+    dead = causal.clone()
+    dead[:70] = -torch.inf  # rows that attend nothing: their tile reaches no key
+    assert blocks.row_tiles(dead, 256)[:2] == [(0, 64, 0), (64, 128, 128)]
+    assert len(blocks.row_tiles(torch.zeros(2048, 2048).triu(1).masked_fill(
+        torch.ones(2048, 2048, dtype=torch.bool).triu(1), -torch.inf), 2048)) == 8
+
+
+def check_against_reference(label, case):
     config = SpanAttentionConfig.from_label(label)
     if case in CASES:
         inputs, d_out = make(**CASES[case]["shape"])
@@ -152,8 +186,8 @@ def test_padded_batch_matches_each_sequence_alone():
                     assert g[i, :, : t - n].abs().max() < 1e-12  # no gradient into padding
 
 
-@pytest.mark.parametrize("label", ["score:1111", "score:1000", "reductionistic:1100"])
-def test_dropout_uses_the_forward_mask(label):
+@pytest.mark.parametrize("label", ["score:1111", "score:1000", "reductionistic:1100", "score:1100@per_block"])
+def test_dropout_uses_the_forward_mask(label, small_tiles):
     config = SpanAttentionConfig.from_label(label)
     (q, k, v), d_out = make(h_q=4, h_kv=2)
     p = 0.3
@@ -185,7 +219,7 @@ def test_gradcheck_where_the_rule_is_a_true_gradient(label):
 
 
 @pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block", "reductionistic:1100", "simple:10"])
-def test_bf16_inputs(label):
+def test_bf16_inputs(label, small_tiles):
     config = SpanAttentionConfig.from_label(label)
     inputs, d_out = make(t=32, d=8)
     _, ref_grads = reference(*inputs, d_out, config, is_causal=True)

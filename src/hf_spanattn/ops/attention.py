@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.ops import rules
+from hf_spanattn.ops.blocks import BlockProducts, Workspace, row_tiles
 from hf_spanattn.ops.spans import span_of
 
 Probe = Callable[[dict], None]
@@ -98,11 +99,17 @@ class SpanAttentionFunction(torch.autograd.Function):
         grads = [torch.empty_like(x) for x in (q, k, v)]
         # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
         step = max(1, math.ceil(q.shape[0] / _BACKWARD_CHUNKS))
+        per_block = ctx.config.method == "score" and ctx.config.score_grad == "per_block"
+        tiles = row_tiles(ctx.mask.additive, q.shape[-2]) if per_block else None
+        # per_block stacks score blocks: in one chunk they hold no more T×T elements than the saved probabilities
+        max_blocks = q.shape[0] // step
+        workspace = Workspace()
         for start in range(0, q.shape[0], step):
             rows = slice(start, start + step)
             chunk = _backward(
                 *(x[rows] if x is not None else None for x in (q, k, v, probs, keep, out, d_out)),
-                ctx.mask.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe,
+                ctx.mask.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace, tiles,
+                max_blocks,
             )
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
@@ -110,14 +117,18 @@ class SpanAttentionFunction(torch.autograd.Function):
 
 
 def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, scale: float,
-              config: SpanAttentionConfig, probe: Probe | None):
+              config: SpanAttentionConfig, probe: Probe | None, workspace: Workspace,
+              tiles: list[tuple[int, int, int]] | None, max_blocks: int):
+    """One chunk of the batch; `tiles` (per_block only) as from `row_tiles`."""
     weights = probs if keep is None else probs * keep / (1 - dropout_p)
     dv = rules.group_sum(weights.mT @ d_out)
     del weights
-    # scale·∂L/∂(probabilities): G = ∂L/∂S then carries the factor of S = scale·QKᵀ.
-    d_probs = (d_out * scale) @ v.mT
-    if keep is not None:
-        d_probs.mul_(keep).mul_(1 / (1 - dropout_p))
+    d_probs = None
+    if tiles is None or probe is not None:
+        # scale·∂L/∂(probabilities): G = ∂L/∂S then carries the factor of S = scale·QKᵀ.
+        d_probs = torch.matmul(d_out * scale, v.mT, out=workspace("d_probs", probs.shape, probs))
+        if keep is not None:
+            d_probs.mul_(keep).mul_(1 / (1 - dropout_p))
 
     work = torch.float32 if q.dtype in _HALF else q.dtype
     q_w, k_w = q.to(work), _masked(k.to(work), mask)
@@ -131,34 +142,15 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
         delta = (d_out.to(work) * out.to(work)).sum(dim=-1, keepdim=True).mul_(scale)
         return d_probs.sub_(delta.to(d_probs.dtype)).mul_(probs)
 
-    if config.method == "score" and config.score_grad == "per_block":
-
-        buffers: dict = {}  # T×T buffers reused by every block: CPU tensors are not cached by an allocator
-
-        def block_grad(qb: torch.Tensor, kb: torch.Tensor, slot: int) -> torch.Tensor:
-            """∂L/∂S^B into buffer `slot`, which stays valid until the next call with that slot."""
-            if q.dtype in _HALF:
-                block_probs = _probs(qb, kb, mask, scale, q.dtype)
-                return torch.ops.aten._softmax_backward_data(d_probs, block_probs, -1, q.dtype)
-            def buffer(name):  # each buffer its own tensor: an `out=` of size 0 is resized in place
-                return buffers[name] if name in buffers else q.new_empty(0)
-
-            scores = buffers["scores"] = torch.matmul(qb * scale, kb.mT, out=buffer("scores"))
-            if mask.additive is not None:
-                scores.add_(mask.additive)
-            block_probs = buffers["probs"] = torch.ops.aten._softmax.out(scores, -1, False, out=buffer("probs"))
-            if mask.dead_rows is not None:
-                block_probs.masked_fill_(mask.dead_rows, 0.0)
-            buffers[slot] = torch.ops.aten._softmax_backward_data.out(d_probs, block_probs, -1, q.dtype,
-                                                                      grad_input=buffer(slot))
-            return buffers[slot]
+    if tiles is not None:
+        block_products = BlockProducts(d_out, v, keep, dropout_p, scale, mask.additive, mask.dead_rows, tiles,
+                                       max_blocks, workspace)
 
         def rule(alphas):
-            return rules.score_per_block(block_grad, q_w, k_w, mask.key_valid, span_k, span_v, alphas)
+            return rules.score_per_block(block_products, q_w, k_w, mask.key_valid, span_k, span_v, alphas)
 
         dq, dk = rule(config.alphas)
-        # for the probe's standard gradient, in a fresh buffer: the blocks still read dP
-        g = torch.ops.aten._softmax_backward_data(d_probs, probs, -1, q.dtype) if probe is not None else None
+        g = softmax_grad() if probe is not None else None  # the probe's standard gradient
     else:
         g = softmax_grad()
 

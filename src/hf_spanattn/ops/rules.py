@@ -18,6 +18,8 @@ import torch
 
 from hf_spanattn.ops.spans import Span
 
+BlockProducts = Callable[[list[torch.Tensor], list[float], torch.Tensor], tuple[list[torch.Tensor], torch.Tensor]]
+
 Alphas = Sequence[float]
 Part = torch.Tensor | None  # None: a part whose weight is zero
 
@@ -48,6 +50,13 @@ def lincomb(*terms: tuple[float, Part]) -> Part:
     for c, x in rest[1:]:
         out.add_(x, alpha=c)
     return out
+
+
+def accumulate(acc: Part, c: float, x: Part) -> Part:
+    """acc + c·x, in acc's own buffer; the first term is copied, so acc never aliases x."""
+    if not c or x is None:
+        return acc
+    return x * c if acc is None else acc.add_(x, alpha=c)
 
 
 def standard(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,57 +143,51 @@ def score_exact(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, span_k: Span,
     return dq, _split(span_v, h_par, h_perp, like=k)
 
 
-def score_per_block(block_grad: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], q: torch.Tensor,
-                    k: torch.Tensor, key_valid: torch.Tensor | None, span_k: Span, span_v: Span,
+def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Tensor,
+                    key_valid: torch.Tensor | None, span_k: Span, span_v: Span,
                     alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score rule with the paper's hook reading: G_B = block_grad(Q_ab, K_δ, b), the gradient of
-    softmax(mask(S^B))·V at S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q, K_δ = Π_V^δ K. It may
-    reuse one buffer per b: G_{b=∥} stays valid while G_{b=⊥} is computed, until the next pair.
+    """Score rule with the paper's hook reading: G_B is the gradient of softmax(mask(S^B))·V at
+    S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q, K_δ = Π_V^δ K. `block_products([Q_B], [α_B], K_δ)`
+    returns [G_B K_δ] (in a buffer that its next call reuses) and Σ_B α_B G_Bᵀ Q_B summed over
+    the query heads that share K.
 
     dQ, dK direct as in `score_exact` with G_B in place of G, plus for each pair (b=∥, b=⊥) of
-    equal (a, δ), with D = G_∥ − G_⊥ and α of the ⊥ member's order, the K cross terms
-    Π_K^⊥ Q K_δᵀ Dᵀ Π_V^a (K⁺)ᵀ + Π_K^⊥ Π_V^a D K_δ Qᵀ (K⁺)ᵀ   (from ∂Π_K/∂K).
+    equal (a, δ), with E = (G_∥ − G_⊥) K_δ and α of the ⊥ member's order, the K cross terms
+    Π_K^⊥ (Q Eᵀ Π_V^a (K⁺)ᵀ + Π_V^a E Qᵀ (K⁺)ᵀ)   (from ∂Π_K/∂K).
+    E comes from the products G_B K_δ that dQ needs anyway, so the cross terms cost O(T·d²).
     """
     q_par = span_k.project(q)
     q_perp = q - q_par
     vq_par, vq_perp = span_v.project(q_par), span_v.project(q_perp)
-    q_blocks = {(0, 0): vq_par, (1, 0): q_par - vq_par, (0, 1): vq_perp, (1, 1): q_perp - vq_perp}  # (a, b)
+    q_blocks = (vq_par, vq_perp, q_par - vq_par, q_perp - vq_perp)  # Π_V^a Π_K^b Q at index 2a + b
     k_par = span_v.project(k)
     k_blocks = (k_par, k - k_par)  # δ
-    pinv = span_k.pinv_t()
-    v_pinv = span_v.project(pinv)
-    pinv_blocks = (v_pinv, pinv - v_pinv)  # Π_V^a (K⁺)ᵀ
 
-    acc_q: dict[tuple[int, int], Part] = dict.fromkeys(q_blocks)
-    acc_k: list[Part] = [None, None]
-    cross_e: list[Part] = [None, None]  # Σ_δ α D K_δ, per a
-    cross_c: Part = None  # Σ α K_δᵀ Dᵀ Π_V^a (K⁺)ᵀ, d×d per query head
-    for a in (0, 1):
-        for delta in (0, 1):
-            alpha_par, alpha_perp = alphas[a + delta], alphas[a + delta + 1]
-            if not (alpha_par or alpha_perp):
-                continue
-            kd = k_blocks[delta]
-            g_par = block_grad(q_blocks[a, 0], kd, 0)  # also needed by the cross term
-            gk_par = matmul(g_par, kd)
-            acc_q[a, 0] = lincomb((1.0, acc_q[a, 0]), (alpha_par, gk_par))
-            if alpha_par:
-                acc_k[delta] = lincomb((1.0, acc_k[delta]), (alpha_par, matmul(g_par.mT, q_blocks[a, 0])))
-            if not alpha_perp:
-                continue
-            g_perp = block_grad(q_blocks[a, 1], kd, 1)
-            gk_perp = matmul(g_perp, kd)
-            acc_q[a, 1] = lincomb((1.0, acc_q[a, 1]), (alpha_perp, gk_perp))
-            acc_k[delta] = lincomb((1.0, acc_k[delta]), (alpha_perp, matmul(g_perp.mT, q_blocks[a, 1])))
-            d_block = g_par.sub_(g_perp)
-            cross_e[a] = lincomb((1.0, cross_e[a]), (alpha_perp, gk_par), (-alpha_perp, gk_perp))
-            cross_c = lincomb((1.0, cross_c), (alpha_perp, kd.mT @ matmul(d_block.mT, pinv_blocks[a])))
+    acc_q: list[Part] = [None] * 4  # Σ_δ α G_B K_δ per (a, b)
+    acc_k: list[Part] = [None, None]  # Σ_ab α G_Bᵀ Q_ab per δ
+    cross_e: list[Part] = [None, None]  # Σ_δ α E per a
+    for delta, kd in enumerate(k_blocks):
+        weight = [alphas[i // 2 + i % 2 + delta] for i in range(4)]
+        cross_weight = [alphas[i // 2 + delta + 1] for i in range(4)]  # α of the pair's ⊥ member
+        # G_∥ K_δ is needed even with α = 0, by the cross term
+        needed = [i for i in range(4) if weight[i] or (i % 2 == 0 and cross_weight[i])]
+        if not needed:
+            continue
+        gk, acc_k[delta] = block_products([q_blocks[i] for i in needed], [weight[i] for i in needed], kd)
+        for i, gk_i in zip(needed, gk):
+            acc_q[i] = accumulate(acc_q[i], weight[i], gk_i)
+            sign = 1.0 if i % 2 == 0 else -1.0
+            cross_e[i // 2] = accumulate(cross_e[i // 2], sign * cross_weight[i], gk_i)
 
-    y_par = _split(span_v, acc_q[0, 0], acc_q[1, 0], like=q)
-    y_perp = _split(span_v, acc_q[0, 1], acc_q[1, 1], like=q)
+    y_par = _split(span_v, acc_q[0], acc_q[2], like=q)
+    y_perp = _split(span_v, acc_q[1], acc_q[3], like=q)
     dq = _split(span_k, y_par, y_perp, like=q)
-    dk = _split(span_v, group_sum(acc_k[0]), group_sum(acc_k[1]), like=k)
-    if cross_c is not None:
+    dk = _split(span_v, acc_k[0], acc_k[1], like=k)
+    if cross_e[0] is not None or cross_e[1] is not None:
+        pinv = span_k.pinv_t()
+        v_pinv = span_v.project(pinv)
+        pinv_blocks = (v_pinv, pinv - v_pinv)  # Π_V^a (K⁺)ᵀ
+        cross_c = lincomb(*((1.0, e.mT @ p if e is not None else None) for e, p in zip(cross_e, pinv_blocks)))
         cross = group_sum(q @ cross_c + _split(span_v, cross_e[0], cross_e[1], like=q) @ (q.mT @ pinv))
         cross = span_k.reject(cross)
         dk = dk + (cross * key_valid if key_valid is not None else cross)
