@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from reference import reference
 
 from hf_spanattn import SpanAttentionConfig, span_attention
-from hf_spanattn.ops import blocks
+from hf_spanattn.ops import tiles
 
 LABELS = [
     "standard:QKV111", "standard:QKV101", "standard:QKV001",
@@ -91,9 +91,9 @@ def rank_deficient(kind):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of 4 query rows, so that the per-block rule's tiling shows at T = 12."""
-    monkeypatch.setattr(blocks, "_TILE_ROWS", 4)
-    monkeypatch.setattr(blocks, "_MAX_TILES", 100)
+    """Tiles of 4 query rows, so that the tiling shows at T = 12."""
+    monkeypatch.setattr(tiles, "_TILE_ROWS", 4)
+    monkeypatch.setattr(tiles, "_MAX_TILES", 100)
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -102,24 +102,35 @@ def test_matches_float64_reference(label, case):
     check_against_reference(label, case)
 
 
-@pytest.mark.parametrize("label", PER_BLOCK)
+@pytest.mark.parametrize("label", LABELS)
 @pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows"])
-def test_per_block_tiles_match_float64_reference(label, case, small_tiles):
+def test_small_tiles_match_float64_reference(label, case, small_tiles):
     check_against_reference(label, case)
 
 
 def test_row_tiles():
-    causal = torch.zeros(256, 256).masked_fill(~torch.ones(256, 256, dtype=torch.bool).tril(), -torch.inf)
-    assert blocks.row_tiles(causal, 256) == [(start, start + 64, start + 64) for start in range(0, 256, 64)]
-    assert blocks.row_tiles(None, 256) == [(0, 256, 256)]
-    keys = torch.zeros(2, 1, 1, 256, 256)
-    keys[0, ..., 200:] = torch.finfo(torch.float32).min  # key padding in one sequence: every tile sees all keys
-    assert blocks.row_tiles(keys, 256) == [(0, 256, 256)]
+    causal = torch.ones(256, 256, dtype=torch.bool).tril()
+    assert tiles.row_tiles(causal, 256, 256) == [(start, start + 64, start + 64) for start in range(0, 256, 64)]
+    assert tiles.row_tiles(None, 256, 256) == [(0, 256, 256)]
+    keys = torch.ones(2, 1, 1, 1, 256, dtype=torch.bool)
+    keys[0, ..., 200:] = False  # key padding in one sequence: every row sees all keys
+    assert tiles.row_tiles(keys, 256, 256) == [(0, 256, 256)]
     dead = causal.clone()
-    dead[:70] = -torch.inf  # rows that attend nothing: their tile reaches no key
-    assert blocks.row_tiles(dead, 256)[:2] == [(0, 64, 0), (64, 128, 128)]
-    assert len(blocks.row_tiles(torch.zeros(2048, 2048).triu(1).masked_fill(
-        torch.ones(2048, 2048, dtype=torch.bool).triu(1), -torch.inf), 2048)) == 8
+    dead[:70] = False  # rows that attend nothing are in no tile
+    assert tiles.row_tiles(dead, 256, 256)[:2] == [(64, 128, 128), (128, 192, 192)]
+    assert len(tiles.row_tiles(torch.ones(2048, 2048, dtype=torch.bool).tril(), 2048, 2048)) == 8
+
+
+def test_tiled_products():
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 10, 9, generator=gen, dtype=torch.float64)
+    cuts = [(0, 3, 4), (3, 5, 2), (6, 10, 9)]  # columns not monotone, rows 5 and 6 in no tile
+    expected = torch.zeros_like(full)
+    for start, end, cols in cuts:
+        expected[:, start:end, :cols] = full[:, start:end, :cols]
+    tiled = tiles.Tiled(cuts, [full[:, start:end, :cols] for start, end, cols in cuts], 10, 9)
+    x, y = torch.randn(9, 2, generator=gen, dtype=torch.float64), torch.randn(10, 2, generator=gen, dtype=torch.float64)
+    assert torch.allclose(tiled @ x, expected @ x) and torch.allclose(tiled.mT @ y, expected.mT @ y)
 
 
 def check_against_reference(label, case):

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.ops import rules
-from hf_spanattn.ops.blocks import BlockProducts, Workspace, row_tiles
-from hf_spanattn.ops.spans import span_of
+from hf_spanattn.ops.blocks import BlockProducts, Workspace
+from hf_spanattn.ops.spans import Span, span_of
+from hf_spanattn.ops.tiles import Tile, Tiled, row_tiles
 
 Probe = Callable[[dict], None]
 _HALF = (torch.float16, torch.bfloat16)
@@ -22,16 +23,23 @@ _BACKWARD_CHUNKS = 4
 @dataclass
 class _Mask:
     """A mask in the (B, H_kv, g, T, S) layout: what is added to the scores, the key positions
-    some query may attend to (the spans' support), and the query rows that attend nothing."""
+    some query may attend to (the spans' support), the query rows that attend nothing, and the
+    row tiles (see `row_tiles`) that the T×S work is cut into."""
 
     additive: torch.Tensor | None
     key_valid: torch.Tensor | None  # (b, h, 1, S, 1) bool
     dead_rows: torch.Tensor | None  # (b, h, g, T, 1) bool
+    tiles: list[Tile]
 
     def select(self, rows: slice) -> _Mask:
         """The mask of batch entries `rows` (fields broadcast over the batch stay whole)."""
         pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
-        return _Mask(pick(self.additive), pick(self.key_valid), pick(self.dead_rows))
+        return _Mask(pick(self.additive), pick(self.key_valid), pick(self.dead_rows), self.tiles)
+
+    def tile(self, start: int, end: int, cols: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(additive, dead_rows) on the rows [start, end) and keys [0, cols) of a tile."""
+        rows = lambda x: x[..., start:end, :] if x is not None and x.shape[-2] > 1 else x  # noqa: E731
+        return (rows(self.additive)[..., :cols] if self.additive is not None else None), rows(self.dead_rows)
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
@@ -42,7 +50,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
             raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
         attn_mask = torch.ones(t, s, dtype=torch.bool).tril()
     if attn_mask is None:
-        return _Mask(None, None, None)
+        return _Mask(None, None, None, row_tiles(None, t, s))
     if attn_mask.dtype == torch.bool:
         attend = attn_mask
         # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
@@ -60,18 +68,29 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     additive = additive.reshape(*layout, *additive.shape[-2:])
     key_valid = attend.any(dim=-2).any(dim=2, keepdim=True).unsqueeze(-1)
     dead_rows = ~attend.any(dim=-1, keepdim=True)
-    return _Mask(additive, None if key_valid.all() else key_valid, dead_rows if dead_rows.any() else None)
+    return _Mask(additive, None if key_valid.all() else key_valid, dead_rows if dead_rows.any() else None,
+                 row_tiles(attend, t, s))
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """softmax(scale·Q Kᵀ + mask) in `dtype`; rows with nothing to attend give 0 (as SDPA)."""
-    scores = (q * scale).to(dtype) @ k.to(dtype).mT
-    if mask.additive is not None:
-        scores.add_(mask.additive)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if dtype in _HALF else None).to(dtype)
-    if mask.dead_rows is not None:
-        probs.masked_fill_(mask.dead_rows, 0.0)
-    return probs
+def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
+    """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with nothing to attend give 0 (as SDPA)."""
+
+    def tile(start: int, end: int, cols: int) -> torch.Tensor:
+        additive, dead_rows = mask.tile(start, end, cols)
+        scores = (q[..., start:end, :] * scale).to(dtype) @ k[..., :cols, :].to(dtype).mT
+        if additive is not None:
+            scores.add_(additive)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if dtype in _HALF else None).to(dtype)
+        return probs.masked_fill_(dead_rows, 0.0) if dead_rows is not None else probs
+
+    return Tiled(mask.tiles, [tile(*t) for t in mask.tiles], q.shape[-2], k.shape[-2])
+
+
+def _dropped(probs: Tiled, keep: torch.Tensor | None, dropout_p: float) -> Tiled:
+    """The attention weights: probabilities times the dropout mask over (1 − p)."""
+    if keep is None:
+        return probs
+    return probs.map(lambda p, start, end, cols: p * keep[..., start:end, :cols] / (1 - dropout_p))
 
 
 class SpanAttentionFunction(torch.autograd.Function):
@@ -81,78 +100,98 @@ class SpanAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
                 probe: Probe | None):
         probs = _probs(q, k, mask, scale, q.dtype)
-        weights = probs
         keep = None
         if dropout_p > 0:
-            # The draw is torch.empty_like(probs).bernoulli_(1 - p), reproducible under a seed.
-            keep = torch.empty_like(probs).bernoulli_(1 - dropout_p).bool()
-            weights = probs * keep / (1 - dropout_p)
-        out = weights @ v
-        ctx.save_for_backward(q, k, v, probs, keep, out)
+            # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
+            keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
+        out = _dropped(probs, keep, dropout_p) @ v
+        ctx.save_for_backward(q, k, v, keep, out, *probs.parts)
         ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, probs, keep, out = ctx.saved_tensors
-        d_out = d_out.contiguous()
+        q, k, v, keep, out, *parts = ctx.saved_tensors
+        config, mask = ctx.config, ctx.mask
+        work = torch.float32 if q.dtype in _HALF else q.dtype  # the projector maths
+        masked = lambda x: x.to(work) * mask.key_valid if mask.key_valid is not None else x.to(work)  # noqa: E731
+        needs_v = ctx.probe is not None or config.method in ("reductionistic", "score")
+        k_w, v_w = masked(k), masked(v) if needs_v else None
+        span_k = span_of(k_w) if ctx.probe is not None or config.method != "standard" else None
+        batch = _Batch(v, keep, out, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask,
+                       q.to(work), k_w, v_w, span_k, span_of(v_w) if v_w is not None else None)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
         step = max(1, math.ceil(q.shape[0] / _BACKWARD_CHUNKS))
-        per_block = ctx.config.method == "score" and ctx.config.score_grad == "per_block"
-        tiles = row_tiles(ctx.mask.additive, q.shape[-2]) if per_block else None
         # per_block stacks score blocks: in one chunk they hold no more T×T elements than the saved probabilities
         max_blocks = q.shape[0] // step
         workspace = Workspace()
         for start in range(0, q.shape[0], step):
             rows = slice(start, start + step)
-            chunk = _backward(
-                *(x[rows] if x is not None else None for x in (q, k, v, probs, keep, out, d_out)),
-                ctx.mask.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace, tiles,
-                max_blocks,
-            )
+            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, config, ctx.probe, workspace, max_blocks)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
         return (*grads, None, None, None, None, None)
 
 
-def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, scale: float,
-              config: SpanAttentionConfig, probe: Probe | None, workspace: Workspace,
-              tiles: list[tuple[int, int, int]] | None, max_blocks: int):
-    """One chunk of the batch; `tiles` (per_block only) as from `row_tiles`."""
-    weights = probs if keep is None else probs * keep / (1 - dropout_p)
-    dv = rules.group_sum(weights.mT @ d_out)
-    del weights
-    d_probs = None
-    if tiles is None or probe is not None:
-        # scale·∂L/∂(probabilities): G = ∂L/∂S then carries the factor of S = scale·QKᵀ.
-        d_probs = torch.matmul(d_out * scale, v.mT, out=workspace("d_probs", probs.shape, probs))
-        if keep is not None:
-            d_probs.mul_(keep).mul_(1 / (1 - dropout_p))
+@dataclass
+class _Batch:
+    """What the backward pass reads, for the whole batch or a chunk of it. The `_w` tensors and
+    the spans are in the projector dtype, with padded key positions zeroed."""
 
-    work = torch.float32 if q.dtype in _HALF else q.dtype
-    q_w, k_w = q.to(work), _masked(k.to(work), mask)
-    needs_v = config.method in ("reductionistic", "score")
-    span_k = span_of(k_w) if config.method != "standard" else None
-    v_w = _masked(v.to(work), mask) if needs_v or probe is not None else None
-    span_v = span_of(v_w) if needs_v else None
+    v: torch.Tensor
+    keep: torch.Tensor | None
+    out: torch.Tensor
+    d_out: torch.Tensor
+    probs: Tiled
+    mask: _Mask
+    q_w: torch.Tensor
+    k_w: torch.Tensor
+    v_w: torch.Tensor | None
+    span_k: Span | None
+    span_v: Span | None
 
-    def softmax_grad() -> torch.Tensor:
-        """G = P ⊙ (dP − rowsum(dP ⊙ P)), with rowsum(dP ⊙ P) = rowsum(dO ⊙ O); in dP's buffer."""
-        delta = (d_out.to(work) * out.to(work)).sum(dim=-1, keepdim=True).mul_(scale)
-        return d_probs.sub_(delta.to(d_probs.dtype)).mul_(probs)
+    def select(self, rows: slice) -> _Batch:
+        """The batch entries `rows`."""
+        pick = lambda x: x.select(rows) if hasattr(x, "select") and not torch.is_tensor(x) else x[rows]  # noqa: E731
+        return _Batch(*(None if x is None else pick(x) for x in (getattr(self, f.name) for f in fields(self))))
 
-    if tiles is not None:
-        block_products = BlockProducts(d_out, v, keep, dropout_p, scale, mask.additive, mask.dead_rows, tiles,
-                                       max_blocks, workspace)
+
+def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig, probe: Probe | None,
+              workspace: Workspace, max_blocks: int):
+    """One chunk of the batch."""
+    v, keep, out, d_out, probs, mask = batch.v, batch.keep, batch.out, batch.d_out, batch.probs, batch.mask
+    q_w, k_w, v_w, span_k, span_v = batch.q_w, batch.k_w, batch.v_w, batch.span_k, batch.span_v
+    dv = rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out)
+
+    def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
+        """scale·∂L/∂P on a tile: G = ∂L/∂S then carries the factor of S = scale·QKᵀ."""
+        rows = d_out[..., start:end, :]
+        tile = torch.matmul(rows * scale, v[..., :cols, :].mT,
+                            out=workspace(f"d_probs{start}", (*rows.shape[:-1], cols), d_out))
+        return tile.mul_(keep[..., start:end, :cols]).mul_(1 / (1 - dropout_p)) if keep is not None else tile
+
+    d_probs = probs.map(tile_d_probs)
+    work = q_w.dtype
+    per_block = config.method == "score" and config.score_grad == "per_block"
+
+    def softmax_grad(in_place: bool) -> Tiled:
+        """G = P ⊙ (dP − rowsum(dP ⊙ P)), with rowsum(dP ⊙ P) = rowsum(dO ⊙ O); in dP's buffers if `in_place`."""
+        delta = (d_out.to(work) * out.to(work)).sum(dim=-1, keepdim=True).mul_(scale).to(d_probs.dtype)
+        return Tiled(d_probs.tiles, [(dp.sub_ if in_place else dp.sub)(delta[..., start:end, :]).mul_(p)
+                                     for dp, p, (start, end, _) in zip(d_probs.parts, probs.parts, d_probs.tiles)],
+                     d_probs.t, d_probs.s)
+
+    if per_block:
+        block_products = BlockProducts(d_probs, scale, mask.tile, max_blocks, workspace)
 
         def rule(alphas):
             return rules.score_per_block(block_products, q_w, k_w, mask.key_valid, span_k, span_v, alphas)
 
         dq, dk = rule(config.alphas)
-        g = softmax_grad() if probe is not None else None  # the probe's standard gradient
+        g = softmax_grad(in_place=False) if probe is not None else None  # the probe's standard gradient
     else:
-        g = softmax_grad()
+        g = softmax_grad(in_place=True)
 
         def rule(alphas):
             return _rule(config.method, alphas, g, q_w, k_w, span_k, span_v)
@@ -162,7 +201,7 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
     if probe is not None:
         alphas = config.alphas
         if config.method == "standard":  # split the standard gradient into the exact score rule's orders
-            span_k, span_v, alphas = span_of(k_w), span_of(v_w), (1.0, 1.0, 1.0, 1.0)
+            alphas = (1.0, 1.0, 1.0, 1.0)
 
             def rule(alphas):
                 return rules.score_exact(g, q_w, k_w, span_k, span_v, alphas)
@@ -175,10 +214,6 @@ def _backward(q, k, v, probs, keep, out, d_out, mask: _Mask, dropout_p: float, s
             "rank_k": torch.linalg.matrix_rank(k_w), "rank_v": torch.linalg.matrix_rank(v_w),
         })
     return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), (alpha_q, alpha_k, alpha_v))]
-
-
-def _masked(x: torch.Tensor, mask: _Mask) -> torch.Tensor:
-    return x * mask.key_valid if mask.key_valid is not None else x
 
 
 def _rule(method: str, alphas, g, q, k, span_k, span_v):

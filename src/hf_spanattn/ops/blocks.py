@@ -7,10 +7,14 @@ softmax(mask(S^B))·V, and from it the only two products the rule needs: G_B K_�
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from hf_spanattn.ops.tiles import Tiled
+
 _HALF = (torch.float16, torch.bfloat16)
-_TILE_ROWS, _MAX_TILES = 64, 8  # rows per tile: at least 64, and at most 8 tiles
+MaskTile = Callable[[int, int, int], tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
 class Workspace:
@@ -29,52 +33,20 @@ class Workspace:
         return flat[:size].view(shape)
 
 
-def row_tiles(additive: torch.Tensor | None, t: int) -> list[tuple[int, int, int]]:
-    """(first row, end row, columns) per tile of query rows, from an additive mask (…, T, S): the
-    tile's rows attend only keys < columns. Neighbouring tiles that reach as far merge."""
-    if additive is None:
-        return [(0, t, t)]
-    attend = (additive > torch.finfo(additive.dtype).min).reshape(-1, *additive.shape[-2:]).any(dim=0)
-    reach = (attend * torch.arange(1, attend.shape[-1] + 1, device=attend.device)).amax(dim=-1).tolist()
-    rows = max(_TILE_ROWS, -(-t // _MAX_TILES))
-    tiles: list[tuple[int, int, int]] = []
-    for start in range(0, t, rows):
-        end = min(start + rows, t)
-        cols = max(reach[start:end])
-        if tiles and tiles[-1][2] == cols:
-            tiles[-1] = (tiles[-1][0], end, cols)
-        else:
-            tiles.append((start, end, cols))
-    return tiles
-
-
 class BlockProducts:
     """G_B K_δ and Σ_B α_B G_Bᵀ Q_B for the per-block rule, tile by tile of query rows.
 
-    d_out, v, keep: this chunk's (b, h, g, T, d) gradient of the output, (b, h, 1, T, d) values
-    and dropout mask; additive (…, T, T) and dead_rows (…, T, 1) as in the forward pass; `tiles`
-    from `row_tiles`. A tile's rows meet only the key columns one of them may attend: the others
-    have probability 0 and gradient 0, so leaving them out is exact (a causal mask skips about a
-    third of the work). Up to `max_blocks` blocks go through one batched product, stacked as
-    (b, h, n, g, rows, ·): one K_δ serves them all and the dK product sums over them. T×T work
-    runs in the dtype of d_out (the forward's).
+    `d_probs` is this chunk's scale·∂L/∂P (b, h, g, T, T) as row tiles (see `tiles.py`);
+    `mask_tile(first row, end row, columns)` gives a tile's additive mask and dead rows. Up to `max_blocks` blocks go
+    through one batched product, stacked as (b, h, n, g, rows, ·): one K_δ serves them all and
+    the dK product sums over them. T×T work runs in the dtype of d_probs (the forward's).
     """
 
-    def __init__(self, d_out: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
-                 scale: float, additive: torch.Tensor | None, dead_rows: torch.Tensor | None,
-                 tiles: list[tuple[int, int, int]], max_blocks: int, workspace: Workspace) -> None:
-        self.scale, self.max_blocks, self.workspace, self.dtype = scale, max_blocks, workspace, d_out.dtype
-        self.additive = additive.unsqueeze(2) if additive is not None else None  # (…, 1, g, T, T): over the blocks
-        self.dead_rows = dead_rows.unsqueeze(2) if dead_rows is not None else None
-        self.tiles = [tile for tile in tiles if tile[2] > 0]  # rows that attend nothing get G = 0
-        self.d_probs = []  # scale·∂L/∂P per tile: G then carries the factor of S = scale·QKᵀ
-        for i, (start, end, cols) in enumerate(self.tiles):
-            rows = d_out[..., start:end, :]
-            tile = torch.matmul(rows * scale, v[..., :cols, :].mT,
-                                out=workspace(f"d_probs{i}", (*rows.shape[:-1], cols), d_out))
-            if keep is not None:
-                tile.mul_(keep[..., start:end, :cols]).mul_(1 / (1 - dropout_p))
-            self.d_probs.append(tile.unsqueeze(2))
+    def __init__(self, d_probs: Tiled, scale: float, mask_tile: MaskTile, max_blocks: int,
+                 workspace: Workspace) -> None:
+        self.scale, self.mask_tile, self.max_blocks, self.workspace = scale, mask_tile, max_blocks, workspace
+        self.tiles, self.t, self.dtype = d_probs.tiles, d_probs.t, d_probs.dtype
+        self.d_probs = [part.unsqueeze(2) for part in d_probs.parts]  # (b, h, 1, g, rows, cols): over the blocks
 
     def __call__(self, q_blocks: list[torch.Tensor], weights: list[float],
                  k_block: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -84,7 +56,7 @@ class BlockProducts:
         keys = k_block.to(self.dtype).reshape(b * h, t, d)
         scaled_keys = torch.mul(keys, self.scale, out=self.workspace("scaled_keys", keys.shape, keys))
         gk = self.workspace("gk", (b, h, len(q_blocks), g, t, d), k_block)
-        if sum(end - start for start, end, _ in self.tiles) < t:
+        if sum(end - start for start, end, _ in self.tiles) < self.t:
             gk.zero_()  # some rows attend nothing
         gq = k_block.new_zeros(b * h, t, d)
         for first in range(0, len(q_blocks), self.max_blocks):
@@ -106,18 +78,18 @@ class BlockProducts:
     def _grads(self, stack: torch.Tensor, scaled_keys: torch.Tensor, i: int, n: int) -> torch.Tensor:
         """G_B on tile i for n stacked blocks, (b·h, n·g·rows, d), as (b, h, n, g, rows, cols) in a reused buffer."""
         d_probs = self._stacked_d_probs(i, n)
-        start, end, cols = self.tiles[i]
+        additive, dead_rows = self.mask_tile(*self.tiles[i])
         scores = self.workspace("scores", d_probs.shape, d_probs)
-        torch.bmm(stack, scaled_keys.mT, out=scores.view(stack.shape[0], -1, cols))
-        if self.additive is not None:
-            scores.add_(self.additive[..., start:end, :cols])
+        torch.bmm(stack, scaled_keys.mT, out=scores.view(stack.shape[0], -1, scores.shape[-1]))
+        if additive is not None:
+            scores.add_(additive.unsqueeze(2))
         probs = self.workspace("probs", scores.shape, scores)
         if self.dtype in _HALF:  # as the forward pass: softmax in float32, probabilities in the input dtype
             probs.copy_(torch.softmax(scores, dim=-1, dtype=torch.float32))
         else:
             torch.ops.aten._softmax.out(scores, -1, False, out=probs)
-        if self.dead_rows is not None:
-            probs.masked_fill_(self.dead_rows[..., start:end, :], 0.0)
+        if dead_rows is not None:
+            probs.masked_fill_(dead_rows.unsqueeze(2), 0.0)
         # the scores are spent: G_B takes their buffer
         return torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, self.dtype, grad_input=scores)
 

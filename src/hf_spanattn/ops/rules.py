@@ -111,7 +111,10 @@ def _order_mix(span_v: Span, par: Part, perp: Part, alphas: Alphas) -> tuple[Par
 def _split(span: Span, par: Part, perp: Part, like: torch.Tensor) -> torch.Tensor:
     """Π par + Π^⊥ perp = perp + Π (par − perp)."""
     diff = lincomb((1.0, par), (-1.0, perp))
-    return _zero_if_none(lincomb((1.0, perp), (1.0, span.project(diff) if diff is not None else None)), like)
+    if diff is None:
+        return _zero_if_none(perp, like)
+    projected = span.project(diff)
+    return projected if perp is None else projected.add_(perp)
 
 
 def _products(g: torch.Tensor, *rights: Part) -> list[Part]:
@@ -159,7 +162,8 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
     q_par = span_k.project(q)
     q_perp = q - q_par
     vq_par, vq_perp = span_v.project(q_par), span_v.project(q_perp)
-    q_blocks = (vq_par, vq_perp, q_par - vq_par, q_perp - vq_perp)  # Π_V^a Π_K^b Q at index 2a + b
+    # Π_V^a Π_K^b Q at index 2a + b; Π_V^⊥ Π_K^b Q in the buffers of Π_K^b Q, not needed any more
+    q_blocks = (vq_par, vq_perp, q_par.sub_(vq_par), q_perp.sub_(vq_perp))
     k_par = span_v.project(k)
     k_blocks = (k_par, k - k_par)  # δ
 
@@ -188,7 +192,7 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
         v_pinv = span_v.project(pinv)
         pinv_blocks = (v_pinv, pinv - v_pinv)  # Π_V^a (K⁺)ᵀ
         cross_c = lincomb(*((1.0, e.mT @ p if e is not None else None) for e, p in zip(cross_e, pinv_blocks)))
-        cross = group_sum(q @ cross_c + _split(span_v, cross_e[0], cross_e[1], like=q) @ (q.mT @ pinv))
-        cross = span_k.reject(cross)
-        dk = dk + (cross * key_valid if key_valid is not None else cross)
+        cross = (q @ cross_c).add_(_split(span_v, cross_e[0], cross_e[1], like=q) @ (q.mT @ pinv))
+        cross = span_k.reject(group_sum(cross))
+        dk = dk.add_(cross.mul_(key_valid) if key_valid is not None else cross)
     return dq, dk

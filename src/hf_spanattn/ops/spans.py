@@ -32,7 +32,12 @@ class Span:
 
     def reject(self, w: torch.Tensor) -> torch.Tensor:
         """Π_X^⊥ W = W − Π_X W."""
-        return w - self.project(w)
+        projected = self.project(w)
+        return torch.sub(w, projected, out=projected)
+
+    def select(self, rows: slice) -> Span:
+        """The span of batch entries `rows`."""
+        return Span(self.x[rows], self.inv_gram[rows])
 
     def pinv_t(self) -> torch.Tensor:
         """(X⁺)ᵀ = X (XᵀX)⁺, shape (…, T, d)."""

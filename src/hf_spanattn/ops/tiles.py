@@ -1,0 +1,96 @@
+"""Query-row tiles that meet only the key columns their rows may attend.
+
+Under a causal mask the upper right of every T×T matrix (scores, probabilities, ∂L/∂S) is
+probability 0 and gradient 0. `row_tiles` cuts the query rows into tiles, each with the
+prefix of key columns that its rows reach, and `Tiled` keeps such a matrix as its tiles and
+multiplies with it. Leaving the other columns out is exact; with 4 tiles it skips 3/8 of the
+T×T work of a causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tile = tuple[int, int, int]  # (first row, end row, key columns)
+_TILE_ROWS, _MAX_TILES = 64, 8  # rows per tile: at least 64, and at most 8 tiles
+
+
+def row_tiles(attend: torch.Tensor | None, t: int, s: int) -> list[Tile]:
+    """The tiles of T query rows over S keys for a bool mask (…, T, S), True = attend; a tile's
+    rows attend only keys < its columns. Neighbouring tiles that reach as far merge, and rows
+    that attend nothing are in no tile."""
+    if attend is None:
+        return [(0, t, s)]
+    attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0)
+    reach = (attend * torch.arange(1, attend.shape[-1] + 1, device=attend.device)).amax(dim=-1)
+    reach = reach.expand(t).tolist()
+    rows = max(_TILE_ROWS, -(-t // _MAX_TILES))
+    tiles: list[Tile] = []
+    for start in range(0, t, rows):
+        end = min(start + rows, t)
+        cols = max(reach[start:end])
+        if tiles and tiles[-1][2] == cols and tiles[-1][1] == start:
+            tiles[-1] = (tiles[-1][0], end, cols)
+        elif cols:
+            tiles.append((start, end, cols))
+    return tiles
+
+
+class Tiled:
+    """A (…, T, S) matrix kept as its row tiles (…, rows, cols); every other entry is 0."""
+
+    def __init__(self, tiles: list[Tile], parts: list[torch.Tensor], t: int, s: int) -> None:
+        self.tiles, self.parts, self.t, self.s = tiles, parts, t, s
+        self.dtype = parts[0].dtype if parts else None
+
+    @property
+    def whole(self) -> bool:
+        return self.tiles == [(0, self.t, self.s)]
+
+    def select(self, rows: slice) -> Tiled:
+        """The batch entries `rows`."""
+        return Tiled(self.tiles, [p[rows] for p in self.parts], self.t, self.s)
+
+    def map(self, fn) -> Tiled:
+        """fn applied to each tile with its (first row, end row, columns)."""
+        return Tiled(self.tiles, [fn(p, *tile) for p, tile in zip(self.parts, self.tiles)], self.t, self.s)
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        """self @ x for x (…, S, n): (…, T, n)."""
+        if self.whole:
+            return self.parts[0] @ x
+        return self._product(x, transpose=False)
+
+    @property
+    def mT(self) -> _Transposed:
+        return _Transposed(self)
+
+    def _product(self, x: torch.Tensor, transpose: bool) -> torch.Tensor:
+        batch = torch.broadcast_shapes(x.shape[:-2], *(p.shape[:-2] for p in self.parts))
+        out = x.new_empty(*batch, self.s if transpose else self.t, x.shape[-1])
+        written = 0  # rows of `out` written so far
+        for (start, end, cols), part in zip(self.tiles, self.parts):
+            if transpose:  # Σ over tiles: the tile's rows reach keys [0, cols)
+                product = part.mT @ x[..., start:end, :]
+                overlap = min(written, cols)
+                out[..., :overlap, :] += product[..., :overlap, :]
+                out[..., overlap:cols, :] = product[..., overlap:, :]
+                written = max(written, cols)
+            else:
+                out[..., written:start, :] = 0
+                out[..., start:end, :] = part @ x[..., :cols, :]
+                written = end
+        out[..., written:, :] = 0
+        return out
+
+
+class _Transposed:
+    """(…, S, T) = Tiledᵀ, for products only."""
+
+    def __init__(self, tiled: Tiled) -> None:
+        self.tiled, self.dtype = tiled, tiled.dtype
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled.whole:
+            return self.tiled.parts[0].mT @ x
+        return self.tiled._product(x, transpose=True)
