@@ -157,7 +157,9 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
     dQ, dK direct as in `score_exact` with G_B in place of G, plus for each pair (b=∥, b=⊥) of
     equal (a, δ), with E = (G_∥ − G_⊥) K_δ and α of the ⊥ member's order, the K cross terms
     Π_K^⊥ (Q Eᵀ Π_V^a (K⁺)ᵀ + Π_V^a E Qᵀ (K⁺)ᵀ)   (from ∂Π_K/∂K).
-    E comes from the products G_B K_δ that dQ needs anyway, so the cross terms cost O(T·d²).
+    Summed over the pairs, with E_a = Σ_δ α E and Ẽ = Σ_a Π_V^a E_a (Π_V is symmetric), they are
+    Π_K^⊥ (Q Ẽᵀ + Ẽ Qᵀ) (K⁺)ᵀ. E comes from the products G_B K_δ that dQ needs anyway, so the
+    cross terms cost O(T·d²).
     """
     q_par = span_k.project(q)
     q_perp = q - q_par
@@ -169,7 +171,7 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
 
     acc_q: list[Part] = [None] * 4  # Σ_δ α G_B K_δ per (a, b)
     acc_k: list[Part] = [None, None]  # Σ_ab α G_Bᵀ Q_ab per δ
-    cross_e: list[Part] = [None, None]  # Σ_δ α E per a
+    cross_e: list[Part] = [None, None]  # E_a
     for delta, kd in enumerate(k_blocks):
         weight = [alphas[i // 2 + i % 2 + delta] for i in range(4)]
         cross_weight = [alphas[i // 2 + delta + 1] for i in range(4)]  # α of the pair's ⊥ member
@@ -188,11 +190,8 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
     dq = _split(span_k, y_par, y_perp, like=q)
     dk = _split(span_v, acc_k[0], acc_k[1], like=k)
     if cross_e[0] is not None or cross_e[1] is not None:
-        pinv = span_k.pinv_t()
-        v_pinv = span_v.project(pinv)
-        pinv_blocks = (v_pinv, pinv - v_pinv)  # Π_V^a (K⁺)ᵀ
-        cross_c = lincomb(*((1.0, e.mT @ p if e is not None else None) for e, p in zip(cross_e, pinv_blocks)))
-        cross = (q @ cross_c).add_(_split(span_v, cross_e[0], cross_e[1], like=q) @ (q.mT @ pinv))
-        cross = span_k.reject(group_sum(cross))
+        pinv = span_k.pinv_t()  # (K⁺)ᵀ
+        e_mix = _split(span_v, cross_e[0], cross_e[1], like=q)  # Ẽ
+        cross = span_k.reject(group_sum((q @ (e_mix.mT @ pinv)).add_(e_mix @ (q.mT @ pinv))))
         dk = dk.add_(cross.mul_(key_valid) if key_valid is not None else cross)
     return dq, dk
