@@ -68,11 +68,16 @@ class BlockProducts:
                                     out=self.workspace("q_blocks", (b, h, n, g, r, d), keys))
                 grads = self._grads(stack.view(b * h, n * g * r, d), scaled_keys[:, :cols], i, n)
                 grads = grads.view(b * h, n * g * r, cols)
-                gk[:, :, part.start:part.stop, :, start:end] = (grads @ keys[:, :cols]).view(b, h, n, g, r, d)
+                # products into reused buffers: a fresh output would cost its page faults
+                tile_gk = torch.bmm(grads, keys[:, :cols], out=self.workspace("tile_gk", (b * h, n * g * r, d), keys))
+                gk[:, :, part.start:part.stop, :, start:end] = tile_gk.view(b, h, n, g, r, d)
                 if any(weights[j] != 1 for j in part):
                     alphas = torch.tensor([weights[j] for j in part], dtype=stack.dtype, device=stack.device)
                     stack.mul_(alphas.view(n, 1, 1, 1))
-                gq[:, :cols] += grads.mT @ stack.view(b * h, n * g * r, d)  # sums over blocks and query heads
+                # Σ over the blocks and query heads
+                tile_gq = torch.bmm(grads.mT, stack.view(b * h, n * g * r, d),
+                                    out=self.workspace("tile_gq", (b * h, cols, d), keys))
+                gq[:, :cols] += tile_gq
         return list(gk.unbind(2)), gq.view(b, h, 1, t, d)
 
     def _grads(self, stack: torch.Tensor, scaled_keys: torch.Tensor, i: int, n: int) -> torch.Tensor:
