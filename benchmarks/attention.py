@@ -20,8 +20,8 @@ from benchmarks.common import peak_bytes_since, peak_in_subprocess, reset_peak, 
 from hf_spanattn import SpanAttentionConfig, span_attention
 
 HEADS, HEAD_DIM, TOKENS = 4, 64, 2048
-METHODS = ["score:1000", "score:1100", "score:1000@per_block", "score:1100@per_block",
-           "reductionistic:1100", "simple:10", "standard:QKV101"]
+METHODS = ["score:1000", "score:1100", "score:1111", "reductionistic:1100", "simple:10",
+           "score:1000@per_block", "score:1100@per_block", "score:1111@per_block"]
 
 
 def eager(q, k, v):

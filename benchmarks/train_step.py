@@ -19,7 +19,7 @@ from benchmarks.common import peak_bytes_since, peak_in_subprocess, reset_peak, 
 from hf_spanattn import patch_model
 
 METHODS = ["score:1000", "score:1100", "reductionistic:1100", "simple:10", "score:1000@per_block",
-           "score:1100@per_block"]
+           "score:1100@per_block", "score:1111@per_block"]
 
 
 def build(name: str, seq: int, batch: int):

@@ -89,13 +89,6 @@ def rank_deficient(kind):
     return (q, k, v), d_out
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles of 4 query rows, so that the tiling shows at T = 12."""
-    monkeypatch.setattr(tiles, "_TILE_ROWS", 4)
-    monkeypatch.setattr(tiles, "_MAX_TILES", 100)
-
-
 @pytest.mark.parametrize("label", LABELS)
 @pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows"])
 def test_matches_float64_reference(label, case):

@@ -32,7 +32,7 @@ def grads(model, ids, **kwargs):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forward_unchanged_and_uniform_alphas_give_stock_gradients(family):
+def test_forward_unchanged_and_uniform_alphas_give_stock_gradients(family, small_tiles):
     model, ids = tiny(family), tokens()
     model.eval()
     with torch.no_grad():
@@ -74,7 +74,7 @@ class Recorder:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "gpt_neox"])
 @pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block", "reductionistic:1100"])
-def test_gradient_entering_q_and_k_is_the_rule(family, label, monkeypatch):
+def test_gradient_entering_q_and_k_is_the_rule(family, label, monkeypatch, small_tiles):
     """Each attention layer's dQ, dK, dV against the float64 reference on the tensors it saw."""
     recorder = Recorder()
     monkeypatch.setitem(AttentionInterface._global_mapping, "span_attention", recorder)
@@ -109,7 +109,7 @@ def test_one_layer_value_weights_get_stock_gradients_under_score_1000(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_padded_batch_matches_sequences_alone(family):
+def test_padded_batch_matches_sequences_alone(family, small_tiles):
     model = patch_model(tiny(family), "score:1100")
     ids, lengths = tokens(length=14), [14, 9]
     mask = torch.zeros_like(ids)

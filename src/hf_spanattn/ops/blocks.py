@@ -37,9 +37,10 @@ class BlockProducts:
     """G_B K_δ and Σ_B α_B G_Bᵀ Q_B for the per-block rule, tile by tile of query rows.
 
     `d_probs` is this chunk's scale·∂L/∂P (b, h, g, T, T) as row tiles (see `tiles.py`);
-    `mask_tile(first row, end row, columns)` gives a tile's additive mask and dead rows. Up to `max_blocks` blocks go
-    through one batched product, stacked as (b, h, n, g, rows, ·): one K_δ serves them all and
-    the dK product sums over them. T×T work runs in the dtype of d_probs (the forward's).
+    `mask_tile(first row, end row, columns)` gives a tile's additive mask and dead rows. Up to
+    `max_blocks` blocks go through one batched product, stacked as (b, h, n, g, rows, ·): one K_δ
+    serves them all and the dK product sums over them. T×T work runs in the dtype of d_probs
+    (the forward's).
     """
 
     def __init__(self, d_probs: Tiled, scale: float, mask_tile: MaskTile, max_blocks: int,
@@ -68,7 +69,6 @@ class BlockProducts:
                                     out=self.workspace("q_blocks", (b, h, n, g, r, d), keys))
                 grads = self._grads(stack.view(b * h, n * g * r, d), scaled_keys[:, :cols], i, n)
                 grads = grads.view(b * h, n * g * r, cols)
-                # products into reused buffers: a fresh output would cost its page faults
                 tile_gk = torch.bmm(grads, keys[:, :cols], out=self.workspace("tile_gk", (b * h, n * g * r, d), keys))
                 gk[:, :, part.start:part.stop, :, start:end] = tile_gk.view(b, h, n, g, r, d)
                 if any(weights[j] != 1 for j in part):
