@@ -153,7 +153,7 @@ class _Batch:
 
     def select(self, rows: slice) -> _Batch:
         """The batch entries `rows`."""
-        pick = lambda x: x.select(rows) if hasattr(x, "select") and not torch.is_tensor(x) else x[rows]  # noqa: E731
+        pick = lambda x: x.select(rows) if isinstance(x, (Tiled, _Mask, Span)) else x[rows]  # noqa: E731
         return _Batch(*(None if x is None else pick(x) for x in (getattr(self, f.name) for f in fields(self))))
 
 
