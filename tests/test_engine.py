@@ -126,6 +126,15 @@ def test_tiled_products():
     assert torch.allclose(tiled @ x, expected @ x) and torch.allclose(tiled.mT @ y, expected.mT @ y)
 
 
+@pytest.mark.parametrize("label", ["score:1100", "score:1100@per_block", "reductionistic:1100", "standard:QKV101"])
+def test_a_mask_that_hides_everything_gives_zeros(label):
+    (q, k, v), d_out = make(dtype=torch.float32)
+    mask = torch.zeros(2, 1, 12, 12, dtype=torch.bool)
+    out, grads = run((q, k, v), d_out, SpanAttentionConfig.from_label(label), attn_mask=mask)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
 def check_against_reference(label, case):
     config = SpanAttentionConfig.from_label(label)
     if case in CASES:
