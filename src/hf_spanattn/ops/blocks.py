@@ -55,7 +55,6 @@ class BlockProducts:
         G_B K_δ is in a buffer that the next call reuses."""
         b, h, g, t, d = q_blocks[0].shape
         keys = k_block.to(self.dtype).reshape(b * h, t, d)
-        scaled_keys = torch.mul(keys, self.scale, out=self.workspace("scaled_keys", keys.shape, keys))
         gk = self.workspace("gk", (b, h, len(q_blocks), g, t, d), k_block)
         if sum(end - start for start, end, _ in self.tiles) < self.t:
             gk.zero_()  # some rows attend nothing
@@ -67,7 +66,7 @@ class BlockProducts:
                 r = end - start
                 stack = torch.stack([q_blocks[j][..., start:end, :].to(self.dtype) for j in part], dim=2,
                                     out=self.workspace("q_blocks", (b, h, n, g, r, d), keys))
-                grads = self._grads(stack.view(b * h, n * g * r, d), scaled_keys[:, :cols], i, n)
+                grads = self._grads(stack.view(b * h, n * g * r, d), keys[:, :cols], i, n)
                 grads = grads.view(b * h, n * g * r, cols)
                 tile_gk = torch.bmm(grads, keys[:, :cols], out=self.workspace("tile_gk", (b * h, n * g * r, d), keys))
                 gk[:, :, part.start:part.stop, :, start:end] = tile_gk.view(b, h, n, g, r, d)
@@ -80,12 +79,13 @@ class BlockProducts:
                 gq[:, :cols] += tile_gq
         return list(gk.unbind(2)), gq.view(b, h, 1, t, d)
 
-    def _grads(self, stack: torch.Tensor, scaled_keys: torch.Tensor, i: int, n: int) -> torch.Tensor:
+    def _grads(self, stack: torch.Tensor, keys: torch.Tensor, i: int, n: int) -> torch.Tensor:
         """G_B on tile i for n stacked blocks, (b·h, n·g·rows, d), as (b, h, n, g, rows, cols) in a reused buffer."""
         d_probs = self._stacked_d_probs(i, n)
         additive, dead_rows = self.mask_tile(*self.tiles[i])
         scores = self.workspace("scores", d_probs.shape, d_probs)
-        torch.bmm(stack, scaled_keys.mT, out=scores.view(stack.shape[0], -1, scores.shape[-1]))
+        flat = scores.view(stack.shape[0], -1, scores.shape[-1])
+        torch.baddbmm(flat, stack, keys.mT, beta=0, alpha=self.scale, out=flat)  # scale·Q_B K_δᵀ
         if additive is not None:
             scores.add_(additive.unsqueeze(2))
         probs = self.workspace("probs", scores.shape, scores)
