@@ -13,10 +13,9 @@ from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.ops import rules
 from hf_spanattn.ops.blocks import BlockProducts, Workspace
 from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import Tile, Tiled, row_tiles
+from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_tiles
 
 Probe = Callable[[dict], None]
-_HALF = (torch.float16, torch.bfloat16)
 _BACKWARD_CHUNKS = 4
 
 
@@ -78,10 +77,7 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: t
     def tile(start: int, end: int, cols: int) -> torch.Tensor:
         additive, dead_rows = mask.tile(start, end, cols)
         scores = (q[..., start:end, :] * scale).to(dtype) @ k[..., :cols, :].to(dtype).mT
-        if additive is not None:
-            scores.add_(additive)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if dtype in _HALF else None).to(dtype)
-        return probs.masked_fill_(dead_rows, 0.0) if dead_rows is not None else probs
+        return masked_softmax(scores.add_(additive) if additive is not None else scores, dead_rows)
 
     return Tiled(mask.tiles, [tile(*t) for t in mask.tiles], q.shape[-2], k.shape[-2])
 
@@ -113,7 +109,7 @@ class SpanAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, keep, out, *parts = ctx.saved_tensors
         config, mask = ctx.config, ctx.mask
-        work = torch.float32 if q.dtype in _HALF else q.dtype  # the projector maths
+        work = torch.float32 if q.dtype in HALF else q.dtype  # the projector maths
         masked = lambda x: x.to(work) * mask.key_valid if mask.key_valid is not None else x.to(work)  # noqa: E731
         needs_v = ctx.probe is not None or config.method in ("reductionistic", "score")
         k_w, v_w = masked(k), masked(v) if needs_v else None

@@ -11,9 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_spanattn.ops.tiles import Tiled
+from hf_spanattn.ops.tiles import Tiled, masked_softmax
 
-_HALF = (torch.float16, torch.bfloat16)
 MaskTile = Callable[[int, int, int], tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
@@ -46,7 +45,8 @@ class BlockProducts:
     def __init__(self, d_probs: Tiled, scale: float, mask_tile: MaskTile, max_blocks: int,
                  workspace: Workspace) -> None:
         self.scale, self.mask_tile, self.max_blocks, self.workspace = scale, mask_tile, max_blocks, workspace
-        self.tiles, self.t, self.dtype = d_probs.tiles, d_probs.t, d_probs.dtype
+        self.tiles, self.dtype = d_probs.tiles, d_probs.dtype
+        self.rows_covered = sum(end - start for start, end, _ in self.tiles) == d_probs.t  # else some attend nothing
         self.d_probs = [part.unsqueeze(2) for part in d_probs.parts]  # (b, h, 1, g, rows, cols): over the blocks
 
     def __call__(self, q_blocks: list[torch.Tensor], weights: list[float],
@@ -56,8 +56,8 @@ class BlockProducts:
         b, h, g, t, d = q_blocks[0].shape
         keys = k_block.to(self.dtype).reshape(b * h, t, d)
         gk = self.workspace("gk", (b, h, len(q_blocks), g, t, d), k_block)
-        if sum(end - start for start, end, _ in self.tiles) < self.t:
-            gk.zero_()  # some rows attend nothing
+        if not self.rows_covered:
+            gk.zero_()
         gq = k_block.new_zeros(b * h, t, d)
         for first in range(0, len(q_blocks), self.max_blocks):
             part = range(first, min(first + self.max_blocks, len(q_blocks)))
@@ -88,13 +88,8 @@ class BlockProducts:
         torch.baddbmm(flat, stack, keys.mT, beta=0, alpha=self.scale, out=flat)  # scale·Q_B K_δᵀ
         if additive is not None:
             scores.add_(additive.unsqueeze(2))
-        probs = self.workspace("probs", scores.shape, scores)
-        if self.dtype in _HALF:  # as the forward pass: softmax in float32, probabilities in the input dtype
-            probs.copy_(torch.softmax(scores, dim=-1, dtype=torch.float32))
-        else:
-            torch.ops.aten._softmax.out(scores, -1, False, out=probs)
-        if dead_rows is not None:
-            probs.masked_fill_(dead_rows.unsqueeze(2), 0.0)
+        probs = masked_softmax(scores, dead_rows.unsqueeze(2) if dead_rows is not None else None,
+                               out=self.workspace("probs", scores.shape, scores))  # as the forward pass
         # the scores are spent: G_B takes their buffer
         return torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, self.dtype, grad_input=scores)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 Tile = tuple[int, int, int]  # (first row, end row, key columns)
+HALF = (torch.float16, torch.bfloat16)
 _TILE_ROWS, _MAX_TILES = 64, 8  # rows per tile: at least 64, and at most 8 tiles
 
 
@@ -34,6 +35,20 @@ def row_tiles(attend: torch.Tensor | None, t: int, s: int) -> list[Tile]:
         elif cols:
             tiles.append((start, end, cols))
     return tiles
+
+
+def masked_softmax(scores: torch.Tensor, dead_rows: torch.Tensor | None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the keys of masked scores, into `out` if given: in float32 for half inputs,
+    probabilities in the scores' dtype; rows with nothing to attend give 0 (as SDPA)."""
+    if scores.dtype in HALF:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        probs = probs if out is None else out.copy_(probs)
+    elif out is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.ops.aten._softmax.out(scores, -1, False, out=out)
+    return probs.masked_fill_(dead_rows, 0.0) if dead_rows is not None else probs
 
 
 class Tiled:
