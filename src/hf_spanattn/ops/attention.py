@@ -23,22 +23,27 @@ _BACKWARD_CHUNKS = 4
 class _Mask:
     """A mask in the (B, H_kv, g, T, S) layout: what is added to the scores, the key positions
     some query may attend to (the spans' support), the query rows that attend nothing, and the
-    row tiles (see `row_tiles`) that the T×S work is cut into."""
+    row tiles (see `row_tiles`) that the T×S work is cut into, each with the first key column
+    where its additive mask is not zero (under a causal mask, its first row)."""
 
     additive: torch.Tensor | None
     key_valid: torch.Tensor | None  # (b, h, 1, S, 1) bool
     dead_rows: torch.Tensor | None  # (b, h, g, T, 1) bool
     tiles: list[Tile]
+    first_masked: list[int]
 
     def select(self, rows: slice) -> _Mask:
         """The mask of batch entries `rows` (fields broadcast over the batch stay whole)."""
         pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
-        return _Mask(pick(self.additive), pick(self.key_valid), pick(self.dead_rows), self.tiles)
+        return _Mask(pick(self.additive), pick(self.key_valid), pick(self.dead_rows), self.tiles, self.first_masked)
 
-    def tile(self, start: int, end: int, cols: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(additive, dead_rows) on the rows [start, end) and keys [0, cols) of a tile."""
+    def tile(self, start: int, end: int, cols: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        """(additive, lo, dead_rows) on the rows [start, end) of a tile: the additive mask on the
+        keys [lo, cols), None where it is zero on all of them."""
         rows = lambda x: x[..., start:end, :] if x is not None and x.shape[-2] > 1 else x  # noqa: E731
-        return (rows(self.additive)[..., :cols] if self.additive is not None else None), rows(self.dead_rows)
+        lo = self.first_masked[self.tiles.index((start, end, cols))]
+        additive = rows(self.additive)[..., lo:cols] if lo < cols else None
+        return additive, lo, rows(self.dead_rows)
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
@@ -49,7 +54,8 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
             raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
         attn_mask = torch.ones(t, s, dtype=torch.bool).tril()
     if attn_mask is None:
-        return _Mask(None, None, None, row_tiles(None, t, s))
+        tiles = row_tiles(None, t, s)
+        return _Mask(None, None, None, tiles, [cols for *_, cols in tiles])
     if attn_mask.dtype == torch.bool:
         attend = attn_mask
         # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
@@ -67,17 +73,25 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     additive = additive.reshape(*layout, *additive.shape[-2:])
     key_valid = attend.any(dim=-2).any(dim=2, keepdim=True).unsqueeze(-1)
     dead_rows = ~attend.any(dim=-1, keepdim=True)
+    tiles = row_tiles(attend, t, s)
+    masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
+    first_masked = []
+    for start, end, cols in tiles:
+        columns = masked[start:end, :cols].any(dim=0)
+        first_masked.append(int(columns.int().argmax()) if columns.any() else cols)
     return _Mask(additive, None if key_valid.all() else key_valid, dead_rows if dead_rows.any() else None,
-                 row_tiles(attend, t, s))
+                 tiles, first_masked)
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
     """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with nothing to attend give 0 (as SDPA)."""
 
     def tile(start: int, end: int, cols: int) -> torch.Tensor:
-        additive, dead_rows = mask.tile(start, end, cols)
+        additive, lo, dead_rows = mask.tile(start, end, cols)
         scores = (q[..., start:end, :] * scale).to(dtype) @ k[..., :cols, :].to(dtype).mT
-        return masked_softmax(scores.add_(additive) if additive is not None else scores, dead_rows)
+        if additive is not None:
+            scores[..., lo:].add_(additive)
+        return masked_softmax(scores, dead_rows)
 
     return Tiled(mask.tiles, [tile(*t) for t in mask.tiles], q.shape[-2], k.shape[-2])
 
@@ -119,12 +133,10 @@ class SpanAttentionFunction(torch.autograd.Function):
         grads = [torch.empty_like(x) for x in (q, k, v)]
         # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
         step = max(1, math.ceil(q.shape[0] / _BACKWARD_CHUNKS))
-        # per_block stacks score blocks: in one chunk they hold no more T×T elements than the saved probabilities
-        max_blocks = q.shape[0] // step
         workspace = Workspace()
         for start in range(0, q.shape[0], step):
             rows = slice(start, start + step)
-            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, config, ctx.probe, workspace, max_blocks)
+            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, config, ctx.probe, workspace)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
         return (*grads, None, None, None, None, None)
@@ -154,7 +166,7 @@ class _Batch:
 
 
 def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig, probe: Probe | None,
-              workspace: Workspace, max_blocks: int):
+              workspace: Workspace):
     """One chunk of the batch."""
     v, keep, out, d_out, probs, mask = batch.v, batch.keep, batch.out, batch.d_out, batch.probs, batch.mask
     q_w, k_w, v_w, span_k, span_v = batch.q_w, batch.k_w, batch.v_w, batch.span_k, batch.span_v
@@ -164,7 +176,7 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
         """scale·∂L/∂P on a tile: G = ∂L/∂S then carries the factor of S = scale·QKᵀ."""
         rows = d_out[..., start:end, :]
         tile = torch.matmul(rows * scale, v[..., :cols, :].mT,
-                            out=workspace(f"d_probs{start}", (*rows.shape[:-1], cols), d_out))
+                            out=workspace(f"d_probs{start}", (*rows.shape[:-1], cols), d_out.dtype, d_out.device))
         return tile.mul_(keep[..., start:end, :cols]).mul_(1 / (1 - dropout_p)) if keep is not None else tile
 
     d_probs = probs.map(tile_d_probs)
@@ -179,7 +191,7 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
                      d_probs.t, d_probs.s)
 
     if per_block:
-        block_products = BlockProducts(d_probs, scale, mask.tile, max_blocks, workspace)
+        block_products = BlockProducts(d_probs, scale, mask.tile, workspace)
 
         def rule(alphas):
             return rules.score_per_block(block_products, q_w, k_w, mask.key_valid, span_k, span_v, alphas)

@@ -1,19 +1,21 @@
 """The T×T work of the per-block score rule.
 
-For query blocks Q_B and one K_δ, `BlockProducts` forms S^B = scale·Q_B K_δᵀ, G_B = ∂L/∂S^B of
-softmax(mask(S^B))·V, and from it the only two products the rule needs: G_B K_δ and
-Σ_B α_B G_Bᵀ Q_B. Nothing T×T is allocated per block: the buffers live in a `Workspace`.
+Block (i, δ) pairs query block Q_i with key block K_δ. `BlockProducts` forms its scores
+S = scale·Q_i K_δᵀ, G = ∂L/∂S of softmax(mask(S))·V, and from all G the only products the
+rule needs: weighted sums Σ_δ c_δ G_(i,δ) K_δ, and per δ Σ_i w_(i,δ) G_(i,δ)ᵀ Q_i. Nothing
+T×T is allocated per block: the buffers live in a `Workspace`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_spanattn.ops.tiles import Tiled, masked_softmax
+from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax
 
-MaskTile = Callable[[int, int, int], tuple[torch.Tensor | None, torch.Tensor | None]]
+MaskTile = Callable[[int, int, int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
+Weights = Sequence[Sequence[float]]  # [i][δ]
 
 
 class Workspace:
@@ -23,80 +25,104 @@ class Workspace:
     def __init__(self) -> None:
         self._flat: dict[str, torch.Tensor] = {}
 
-    def __call__(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A buffer of `shape` and like's dtype and device, valid until the next call with `name`."""
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of `shape`, valid until the next call with `name`."""
         size = torch.Size(shape).numel()
         flat = self._flat.get(name)
-        if flat is None or flat.numel() < size or flat.dtype != like.dtype:
-            flat = self._flat[name] = like.new_empty(size)
+        if flat is None or flat.numel() < size or flat.dtype != dtype:
+            flat = self._flat[name] = torch.empty(size, dtype=dtype, device=device)
         return flat[:size].view(shape)
 
 
 class BlockProducts:
-    """G_B K_δ and Σ_B α_B G_Bᵀ Q_B for the per-block rule, tile by tile of query rows.
+    """The per-block rule's T×T work, tile by tile of query rows (see `tiles.py`).
 
-    `d_probs` is this chunk's scale·∂L/∂P (b, h, g, T, T) as row tiles (see `tiles.py`);
-    `mask_tile(first row, end row, columns)` gives a tile's additive mask and dead rows. Up to
-    `max_blocks` blocks go through one batched product, stacked as (b, h, n, g, rows, ·): one K_δ
-    serves them all and the dK product sums over them. T×T work runs in the dtype of d_probs
-    (the forward's).
+    `d_probs` is scale·∂L/∂P (b, h, g, T, T) as row tiles; `mask_tile(first row, end row, columns)`
+    gives a tile's additive mask on the columns [lo, columns), lo and the dead rows. Query blocks
+    that meet the same key blocks are stacked as (m, b, h, n, g, rows, ·) for n query blocks and
+    m key blocks: one product per key block gives all their scores, one softmax forward and
+    backward takes them all. T×T work runs in the dtype of d_probs (the forward's).
     """
 
-    def __init__(self, d_probs: Tiled, scale: float, mask_tile: MaskTile, max_blocks: int,
-                 workspace: Workspace) -> None:
-        self.scale, self.mask_tile, self.max_blocks, self.workspace = scale, mask_tile, max_blocks, workspace
-        self.tiles, self.dtype = d_probs.tiles, d_probs.dtype
+    def __init__(self, d_probs: Tiled, scale: float, mask_tile: MaskTile, workspace: Workspace) -> None:
+        self.d_probs, self.scale, self.mask_tile, self.workspace = d_probs, scale, mask_tile, workspace
+        self.tiles = d_probs.tiles
         self.rows_covered = sum(end - start for start, end, _ in self.tiles) == d_probs.t  # else some attend nothing
-        self.d_probs = [part.unsqueeze(2) for part in d_probs.parts]  # (b, h, 1, g, rows, cols): over the blocks
 
-    def __call__(self, q_blocks: list[torch.Tensor], weights: list[float],
-                 k_block: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """([G_B K_δ], Σ_B α_B G_Bᵀ Q_B summed over query heads) for Q_B (b, h, g, T, d), K_δ (b, h, 1, T, d).
-        G_B K_δ is in a buffer that the next call reuses."""
+    def __call__(self, q_blocks: Sequence[torch.Tensor], k_blocks: Sequence[torch.Tensor],
+                 sums: Sequence[tuple[int, Sequence[float]]],
+                 k_weights: Weights) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """([Σ_δ c_δ G_(i,δ) K_δ for (i, c) in sums], [Σ_i k_weights[i][δ] G_(i,δ)ᵀ Q_i summed over
+        query heads, per δ; None where no weight is non-zero]) for Q_i (b, h, g, T, d) and
+        K_δ (b, h, 1, T, d). Only blocks with a non-zero weight are formed."""
         b, h, g, t, d = q_blocks[0].shape
-        keys = k_block.to(self.dtype).reshape(b * h, t, d)
-        gk = self.workspace("gk", (b, h, len(q_blocks), g, t, d), k_block)
-        if not self.rows_covered:
-            gk.zero_()
-        gq = k_block.new_zeros(b * h, t, d)
-        for first in range(0, len(q_blocks), self.max_blocks):
-            part = range(first, min(first + self.max_blocks, len(q_blocks)))
-            n = len(part)
-            for i, (start, end, cols) in enumerate(self.tiles):
-                r = end - start
-                stack = torch.stack([q_blocks[j][..., start:end, :].to(self.dtype) for j in part], dim=2,
-                                    out=self.workspace("q_blocks", (b, h, n, g, r, d), keys))
-                grads = self._grads(stack.view(b * h, n * g * r, d), keys[:, :cols], i, n)
-                grads = grads.view(b * h, n * g * r, cols)
-                tile_gk = torch.bmm(grads, keys[:, :cols], out=self.workspace("tile_gk", (b * h, n * g * r, d), keys))
-                gk[:, :, part.start:part.stop, :, start:end] = tile_gk.view(b, h, n, g, r, d)
-                if any(weights[j] != 1 for j in part):
-                    alphas = torch.tensor([weights[j] for j in part], dtype=stack.dtype, device=stack.device)
-                    stack.mul_(alphas.view(n, 1, 1, 1))
-                # Σ over the blocks and query heads
-                tile_gq = torch.bmm(grads.mT, stack.view(b * h, n * g * r, d),
-                                    out=self.workspace("tile_gq", (b * h, cols, d), keys))
-                gq[:, :cols] += tile_gq
-        return list(gk.unbind(2)), gq.view(b, h, 1, t, d)
+        like = k_blocks[0]
+        deltas = range(len(k_blocks))
+        groups: dict[tuple[int, ...], list[int]] = {}  # the key blocks met → the query blocks that meet them
+        for i in range(len(q_blocks)):
+            met = tuple(delta for delta in deltas
+                        if k_weights[i][delta] or any(c[delta] for block, c in sums if block == i))
+            if met:
+                groups.setdefault(met, []).append(i)
+        gk = [like.new_empty(b, h, g, t, d) if self.rows_covered and any(c) else like.new_zeros(b, h, g, t, d)
+              for _, c in sums]
+        dk = [like.new_zeros(b, h, 1, t, d) if any(w[delta] for w in k_weights) else None for delta in deltas]
+        for i, tile in enumerate(self.tiles):
+            for met, members in groups.items():
+                self._tile(i, tile, [q_blocks[j] for j in members], [k_blocks[delta] for delta in met],
+                           [(members.index(block), [c[delta] for delta in met], out)
+                            for (block, c), out in zip(sums, gk) if block in members],
+                           [([k_weights[block][delta] for block in members], dk[delta]) for delta in met])
+        return gk, dk
 
-    def _grads(self, stack: torch.Tensor, keys: torch.Tensor, i: int, n: int) -> torch.Tensor:
-        """G_B on tile i for n stacked blocks, (b·h, n·g·rows, d), as (b, h, n, g, rows, cols) in a reused buffer."""
-        d_probs = self._stacked_d_probs(i, n)
-        additive, dead_rows = self.mask_tile(*self.tiles[i])
-        scores = self.workspace("scores", d_probs.shape, d_probs)
-        flat = scores.view(stack.shape[0], -1, scores.shape[-1])
-        torch.baddbmm(flat, stack, keys.mT, beta=0, alpha=self.scale, out=flat)  # scale·Q_B K_δᵀ
+    def _tile(self, i: int, tile: Tile, q_blocks: list[torch.Tensor], k_blocks: list[torch.Tensor],
+              sums: list[tuple[int, list[float], torch.Tensor]],
+              k_sums: list[tuple[list[float], torch.Tensor | None]]) -> None:
+        """Tile i for the stack of q_blocks against each of k_blocks: writes Σ_j c_j G_(member, j) K_j
+        into out for each (member, c, out) in sums, and adds Σ_member w G_(member, j)ᵀ Q_member to
+        the j-th of k_sums (w, out)."""
+        start, end, cols = tile
+        b, h, g, _, d = q_blocks[0].shape
+        n, m, r = len(q_blocks), len(k_blocks), end - start
+        dtype = self.d_probs.dtype
+        work = lambda name, shape: self.workspace(name, shape, dtype, q_blocks[0].device)  # noqa: E731
+        stack = torch.stack([q[..., start:end, :].to(dtype) for q in q_blocks], dim=2,
+                            out=work("q", (b, h, n, g, r, d)))
+        flat_stack = stack.view(b * h, n * g * r, d)
+        keys = [k[:, :, 0, :cols].to(dtype).reshape(b * h, cols, d) for k in k_blocks]
+        shape = (m, b, h, n, g, r, cols)  # key blocks outermost: each one's scores are one contiguous product
+        scores = work("scores", shape)
+        flat = scores.view(m, b * h, n * g * r, cols)
+        for j, k in enumerate(keys):  # scale·Q_B K_δᵀ
+            torch.baddbmm(flat[j], flat_stack, k.mT, beta=0, alpha=self.scale, out=flat[j])
+        additive, lo, dead_rows = self.mask_tile(*tile)
         if additive is not None:
-            scores.add_(additive.unsqueeze(2))
+            scores[..., lo:].add_(additive.unsqueeze(2))
         probs = masked_softmax(scores, dead_rows.unsqueeze(2) if dead_rows is not None else None,
-                               out=self.workspace("probs", scores.shape, scores))  # as the forward pass
-        # the scores are spent: G_B takes their buffer
-        return torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, self.dtype, grad_input=scores)
+                               out=scores)  # as the forward pass
+        d_probs = work("d_probs", shape).copy_(self.d_probs.parts[i].unsqueeze(2).expand(shape))
+        grads = torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, dtype, grad_input=probs)
+        grads = grads.view(m, b * h, n * g * r, cols)
 
-    def _stacked_d_probs(self, i: int, n: int) -> torch.Tensor:
-        """Tile i of ∂L/∂P once per block (b, h, n, g, rows, cols): one fused softmax backward takes the stack."""
-        if self.d_probs[i].shape[2] < n:
-            b, h, _, g, r, cols = self.d_probs[i].shape
-            stacked = self.workspace(f"d_probs_stacked{i}", (b, h, n, g, r, cols), self.d_probs[i])
-            self.d_probs[i] = stacked.copy_(self.d_probs[i].expand_as(stacked))
-        return self.d_probs[i][:, :, :n]
+        by_coefs: dict[tuple[float, ...], list[tuple[int, torch.Tensor]]] = {}
+        for member, coefs, out in sums:
+            if any(coefs):
+                by_coefs.setdefault(tuple(coefs), []).append((member, out))
+        for coefs, outs in by_coefs.items():  # Σ_j c_j G_(·, j) K_j for all members: one product per key block
+            product = work("gk", (b * h, n * g * r, d))
+            terms = [(grads[j], keys[j], c) for j, c in enumerate(coefs) if c]
+            for step, (grad, k, c) in enumerate(terms):
+                torch.baddbmm(product, grad, k, beta=min(step, 1), alpha=c, out=product)
+            product = product.view(b, h, n, g, r, d)
+            for member, out in outs:
+                out[..., start:end, :] = product[:, :, member]
+
+        for j, (weights, out) in enumerate(k_sums):  # over the members and query heads
+            if out is None or not any(weights):
+                continue
+            operand = flat_stack
+            if any(w != 1 for w in weights):
+                alphas = torch.tensor(weights, dtype=dtype, device=stack.device).view(n, 1, 1, 1)
+                operand = torch.mul(stack, alphas, out=work("q_weighted", stack.shape)).view(b * h, n * g * r, d)
+            product = torch.bmm(grads[j].mT, operand, out=work("dk", (b * h, cols, d)))
+            out[:, :, 0, :cols] += product.view(b, h, cols, d)

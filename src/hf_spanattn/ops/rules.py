@@ -18,7 +18,8 @@ import torch
 
 from hf_spanattn.ops.spans import Span
 
-BlockProducts = Callable[[list[torch.Tensor], list[float], torch.Tensor], tuple[list[torch.Tensor], torch.Tensor]]
+BlockProducts = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[tuple[int, Sequence[float]]],
+                          Sequence[Sequence[float]]], tuple[list[torch.Tensor], list[torch.Tensor | None]]]
 
 Alphas = Sequence[float]
 Part = torch.Tensor | None  # None: a part whose weight is zero
@@ -150,9 +151,9 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
                     key_valid: torch.Tensor | None, span_k: Span, span_v: Span,
                     alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
     """Score rule with the paper's hook reading: G_B is the gradient of softmax(mask(S^B))·V at
-    S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q, K_δ = Π_V^δ K. `block_products([Q_B], [α_B], K_δ)`
-    returns [G_B K_δ] (in a buffer that its next call reuses) and Σ_B α_B G_Bᵀ Q_B summed over
-    the query heads that share K.
+    S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q (index 2a + b), K_δ = Π_V^δ K.
+    `block_products([Q_ab], [K_δ], sums, α)` returns Σ_δ c_δ G_B K_δ for each (2a + b, c) in `sums`
+    and, per δ, Σ_ab α_B G_Bᵀ Q_ab summed over the query heads that share K (see `blocks.py`).
 
     dQ, dK direct as in `score_exact` with G_B in place of G, plus for each pair (b=∥, b=⊥) of
     equal (a, δ), with E = (G_∥ − G_⊥) K_δ and α of the ⊥ member's order, the K cross terms
@@ -169,21 +170,20 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
     k_par = span_v.project(k)
     k_blocks = (k_par, k - k_par)  # δ
 
-    acc_q: list[Part] = [None] * 4  # Σ_δ α G_B K_δ per (a, b)
-    acc_k: list[Part] = [None, None]  # Σ_ab α G_Bᵀ Q_ab per δ
-    cross_e: list[Part] = [None, None]  # E_a
-    for delta, kd in enumerate(k_blocks):
-        weight = [alphas[i // 2 + i % 2 + delta] for i in range(4)]
-        cross_weight = [alphas[i // 2 + delta + 1] for i in range(4)]  # α of the pair's ⊥ member
-        # G_∥ K_δ is needed even with α = 0, by the cross term
-        needed = [i for i in range(4) if weight[i] or (i % 2 == 0 and cross_weight[i])]
-        if not needed:
-            continue
-        gk, acc_k[delta] = block_products([q_blocks[i] for i in needed], [weight[i] for i in needed], kd)
-        for i, gk_i in zip(needed, gk):
-            acc_q[i] = accumulate(acc_q[i], weight[i], gk_i)
-            sign = 1.0 if i % 2 == 0 else -1.0
-            cross_e[i // 2] = accumulate(cross_e[i // 2], sign * cross_weight[i], gk_i)
+    weights = [[alphas[i // 2 + i % 2 + delta] for delta in range(2)] for i in range(4)]  # α of block (i, δ)
+    # α of the ⊥ member of the pair (a, δ), which weights both members in the cross terms
+    cross_weights = [[alphas[a + delta + 1] for delta in range(2)] for a in range(2)]
+    sums = [(i, weights[i]) for i in range(4)]  # Σ_δ α G_B K_δ per (a, b)
+    # E_a = Σ_δ α (G_(a∥, δ) − G_(a⊥, δ)) K_δ; the ⊥ members' sum is the one above
+    sums += [(2 * a, cross_weights[a]) for a in range(2) if cross_weights[a] != weights[2 * a]]
+    sums = [(i, c) for i, c in sums if any(c)]
+    gk, acc_k = block_products(q_blocks, k_blocks, sums, weights) if sums else ([], [None, None])
+    found = dict(zip(((i, tuple(c)) for i, c in sums), gk))
+    acc_q: list[Part] = [found.get((i, tuple(weights[i]))) for i in range(4)]
+    cross_e: list[Part] = [None, None]
+    for a in range(2):
+        if any(cross_weights[a]):
+            cross_e[a] = lincomb((1.0, found.get((2 * a, tuple(cross_weights[a])))), (-1.0, acc_q[2 * a + 1]))
 
     y_par = _split(span_v, acc_q[0], acc_q[2], like=q)
     y_perp = _split(span_v, acc_q[1], acc_q[3], like=q)
