@@ -81,22 +81,34 @@ class Tiled:
         return _Transposed(self)
 
     def _product(self, x: torch.Tensor, transpose: bool) -> torch.Tensor:
-        batch = torch.broadcast_shapes(x.shape[:-2], *(p.shape[:-2] for p in self.parts))
-        out = x.new_empty(*batch, self.s if transpose else self.t, x.shape[-1])
-        written = 0  # rows of `out` written so far
+        if not self.parts:
+            return x.new_zeros(*x.shape[:-2], self.s if transpose else self.t, x.shape[-1])
+        if transpose:  # Σ over tiles: the widest product is the sum's buffer, the others add into its first rows
+            widest = max(range(len(self.tiles)), key=lambda i: self.tiles[i][2])
+            out = None
+            for i in [widest, *(i for i in range(len(self.tiles)) if i != widest)]:
+                start, end, cols = self.tiles[i]
+                product = self.parts[i].mT @ x[..., start:end, :]
+                if out is None:
+                    out = _pad_rows(product, 0, self.s - cols)
+                else:
+                    out[..., :cols, :] += product
+            return out
+        pieces, written = [], 0  # the tiles' rows in order, zeros for rows in no tile
         for (start, end, cols), part in zip(self.tiles, self.parts):
-            if transpose:  # Σ over tiles: the tile's rows reach keys [0, cols)
-                product = part.mT @ x[..., start:end, :]
-                overlap = min(written, cols)
-                out[..., :overlap, :] += product[..., :overlap, :]
-                out[..., overlap:cols, :] = product[..., overlap:, :]
-                written = max(written, cols)
-            else:
-                out[..., written:start, :] = 0
-                out[..., start:end, :] = part @ x[..., :cols, :]
-                written = end
-        out[..., written:, :] = 0
-        return out
+            product = part @ x[..., :cols, :]
+            pieces.append(_pad_rows(product, start - written, 0))
+            written = end
+        pieces[-1] = _pad_rows(pieces[-1], 0, self.t - written)
+        return torch.cat(pieces, dim=-2) if len(pieces) > 1 else pieces[0]
+
+
+def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """x with `before` and `after` rows of zeros around it."""
+    if not before and not after:
+        return x
+    zeros = lambda rows: x.new_zeros(*x.shape[:-2], rows, x.shape[-1])  # noqa: E731
+    return torch.cat([zeros(before), x, zeros(after)], dim=-2)
 
 
 class _Transposed:
