@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -47,12 +48,12 @@ class _Mask:
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-                  dtype: torch.dtype) -> _Mask:
+                  dtype: torch.dtype, device: torch.device) -> _Mask:
     _, h_kv, groups, t, s = shape
     if is_causal:
         if attn_mask is not None:
             raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
-        attn_mask = torch.ones(t, s, dtype=torch.bool).tril()
+        return _causal_mask(t, s, dtype, device)
     if attn_mask is None:
         tiles = row_tiles(None, t, s)
         return _Mask(None, None, None, tiles, [cols for *_, cols in tiles])
@@ -81,6 +82,13 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
         first_masked.append(int(columns.int().argmax()) if columns.any() else cols)
     return _Mask(additive, None if key_valid.all() else key_valid, dead_rows if dead_rows.any() else None,
                  tiles, first_masked)
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> _Mask:
+    """The causal mask, built once per shape: nothing reads its tensors but to add them."""
+    attend = torch.ones(t, s, dtype=torch.bool, device=device).tril()
+    return _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device)
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
@@ -174,11 +182,12 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
 
     def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
         """scale·∂L/∂P on a tile: G = ∂L/∂S then carries the factor of S = scale·QKᵀ."""
-        rows = d_out[..., start:end, :]
-        tile = torch.matmul(rows * scale, v[..., :cols, :].mT,
+        rows = scaled_d_out[..., start:end, :]
+        tile = torch.matmul(rows, v[..., :cols, :].mT,
                             out=workspace(f"d_probs{start}", (*rows.shape[:-1], cols), d_out.dtype, d_out.device))
         return tile.mul_(keep[..., start:end, :cols]).mul_(1 / (1 - dropout_p)) if keep is not None else tile
 
+    scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
     work = q_w.dtype
     per_block = config.method == "score" and config.score_grad == "per_block"
@@ -287,7 +296,7 @@ def span_attention(
     if not query.dtype == key.dtype == value.dtype:
         raise ValueError(f"span_attention: query, key and value must share a dtype, got "
                          f"{query.dtype}, {key.dtype}, {value.dtype}")
-    mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype)
+    mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype, query.device)
     with torch.autocast(device, enabled=False):
         out = SpanAttentionFunction.apply(
             query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2), mask, dropout_p, scale, config,
