@@ -3,13 +3,15 @@ from pathlib import Path
 
 import pytest
 
-from hf_spanattn.ops import tiles
+from hf_spanattn.ops import blocks, tiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Query-row tiles of 4 rows, so that the tiling shows at the tests' short sequences."""
+    """Query-row tiles of 4 rows, so that the tiling shows at the tests' short sequences, and
+    per-block stacks of a row or two, so that the per-block rule cuts its tiles into rows."""
     monkeypatch.setattr(tiles, "_TILE_ROWS", 4)
     monkeypatch.setattr(tiles, "_MAX_TILES", 100)
+    monkeypatch.setattr(blocks, "_STACK_ELEMENTS", 200)

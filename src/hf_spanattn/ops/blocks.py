@@ -16,6 +16,7 @@ from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax
 
 MaskTile = Callable[[int, int, int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
 Weights = Sequence[Sequence[float]]  # [i][δ]
+_STACK_ELEMENTS = 1 << 20  # per stacked T×T buffer: about the cache of a CPU core, and small on a GPU
 
 
 class Workspace:
@@ -67,21 +68,26 @@ class BlockProducts:
         gk = [like.new_empty(b, h, g, t, d) if self.rows_covered and any(c) else like.new_zeros(b, h, g, t, d)
               for _, c in sums]
         dk = [like.new_zeros(b, h, 1, t, d) if any(w[delta] for w in k_weights) else None for delta in deltas]
-        for i, tile in enumerate(self.tiles):
+        for i, (start, end, cols) in enumerate(self.tiles):
             for met, members in groups.items():
-                self._tile(i, tile, [q_blocks[j] for j in members], [k_blocks[delta] for delta in met],
-                           [(members.index(block), [c[delta] for delta in met], out)
-                            for (block, c), out in zip(sums, gk) if block in members],
-                           [([k_weights[block][delta] for block in members], dk[delta]) for delta in met])
+                # rows at a time, so that a stack holds about _STACK_ELEMENTS
+                step = max(1, _STACK_ELEMENTS // (len(met) * len(members) * b * h * g * cols))
+                for first in range(start, end, step):
+                    self._rows(i, (first, min(first + step, end), cols), [q_blocks[j] for j in members],
+                               [k_blocks[delta] for delta in met],
+                               [(members.index(block), [c[delta] for delta in met], out)
+                                for (block, c), out in zip(sums, gk) if block in members],
+                               [([k_weights[block][delta] for block in members], dk[delta]) for delta in met])
         return gk, dk
 
-    def _tile(self, i: int, tile: Tile, q_blocks: list[torch.Tensor], k_blocks: list[torch.Tensor],
+    def _rows(self, i: int, rows: Tile, q_blocks: list[torch.Tensor], k_blocks: list[torch.Tensor],
               sums: list[tuple[int, list[float], torch.Tensor]],
               k_sums: list[tuple[list[float], torch.Tensor | None]]) -> None:
-        """Tile i for the stack of q_blocks against each of k_blocks: writes Σ_j c_j G_(member, j) K_j
-        into out for each (member, c, out) in sums, and adds Σ_member w G_(member, j)ᵀ Q_member to
-        the j-th of k_sums (w, out)."""
-        start, end, cols = tile
+        """The rows [start, end) of tile i for the stack of q_blocks against each of k_blocks: writes
+        Σ_j c_j G_(member, j) K_j into out for each (member, c, out) in sums, and adds
+        Σ_member w G_(member, j)ᵀ Q_member to the j-th of k_sums (w, out)."""
+        start, end, cols = rows
+        first = start - self.tiles[i][0]  # of the tile's rows
         b, h, g, _, d = q_blocks[0].shape
         n, m, r = len(q_blocks), len(k_blocks), end - start
         dtype = self.d_probs.dtype
@@ -95,12 +101,14 @@ class BlockProducts:
         flat = scores.view(m, b * h, n * g * r, cols)
         for j, k in enumerate(keys):  # scale·Q_B K_δᵀ
             torch.baddbmm(flat[j], flat_stack, k.mT, beta=0, alpha=self.scale, out=flat[j])
-        additive, lo, dead_rows = self.mask_tile(*tile)
+        additive, lo, dead_rows = self.mask_tile(*self.tiles[i])
         if additive is not None:
-            scores[..., lo:].add_(additive.unsqueeze(2))
-        probs = masked_softmax(scores, dead_rows.unsqueeze(2) if dead_rows is not None else None,
-                               out=scores)  # as the forward pass
-        d_probs = work("d_probs", shape).copy_(self.d_probs.parts[i].unsqueeze(2).expand(shape))
+            scores[..., lo:].add_(_row_range(additive, first, r).unsqueeze(2))
+        if dead_rows is not None:
+            dead_rows = _row_range(dead_rows, first, r).unsqueeze(2)
+        probs = masked_softmax(scores, dead_rows, out=scores)  # as the forward pass
+        d_probs = self.d_probs.parts[i][..., first:first + r, :]
+        d_probs = work("d_probs", shape).copy_(d_probs.unsqueeze(2).expand(shape))
         grads = torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, dtype, grad_input=probs)
         grads = grads.view(m, b * h, n * g * r, cols)
 
@@ -126,3 +134,8 @@ class BlockProducts:
                 operand = torch.mul(stack, alphas, out=work("q_weighted", stack.shape)).view(b * h, n * g * r, d)
             product = torch.bmm(grads[j].mT, operand, out=work("dk", (b * h, cols, d)))
             out[:, :, 0, :cols] += product.view(b, h, cols, d)
+
+
+def _row_range(x: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+    """Rows [first, first + rows) of a tile's mask field, which may broadcast over the rows."""
+    return x[..., first:first + rows, :] if x.shape[-2] > 1 else x

@@ -53,13 +53,6 @@ def lincomb(*terms: tuple[float, Part]) -> Part:
     return out
 
 
-def accumulate(acc: Part, c: float, x: Part) -> Part:
-    """acc + c·x, in acc's own buffer; the first term is copied, so acc never aliases x."""
-    if not c or x is None:
-        return acc
-    return x * c if acc is None else acc.add_(x, alpha=c)
-
-
 def standard(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dQ = G K, dK = Gᵀ Q."""
     return matmul(g, k), group_sum(matmul(g.mT, q))
