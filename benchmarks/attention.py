@@ -5,6 +5,7 @@ memory per method and T, with ratios to eager measured side by side in one run.
 
     python -m benchmarks.attention                 # the full table
     python -m benchmarks.attention --seq 256 512   # some T only
+    python -m benchmarks.attention --steady-heap   # no candidate pays page faults (glibc)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import peak_bytes_since, peak_in_subprocess, reset_peak, time_interleaved
+from benchmarks.common import peak_bytes_since, peak_in_subprocess, rerun_with_steady_heap, reset_peak, time_interleaved
 from hf_spanattn import SpanAttentionConfig, span_attention
 
 HEADS, HEAD_DIM, TOKENS = 4, 64, 2048
@@ -69,14 +70,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steady-heap", action="store_true",
+                        help="time under glibc settings that keep freed memory, so that no candidate pays page faults")
     parser.add_argument("--peak", nargs=2, metavar=("METHOD", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak:
         return _peak_main(args.peak[0], int(args.peak[1]))
+    if args.steady_heap:
+        rerun_with_steady_heap("benchmarks.attention")
 
     names = ["eager", "sdpa", *args.methods]
     print(f"causal, {HEADS} heads, D={HEAD_DIM}, B*T={TOKENS}, fp32, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; median of {args.repeats}, forward+backward")
+          f"torch {torch.__version__}; median of {args.repeats}, forward+backward"
+          f"{'; steady heap' if args.steady_heap else ''}")
     print("| T | method | time ms | × eager | × sdpa | peak MiB | mem × eager |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for seq in args.seq:

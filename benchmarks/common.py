@@ -25,6 +25,19 @@ def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+
+
+def rerun_with_steady_heap(module: str) -> None:
+    """Re-run `python -m module` with this process's arguments under glibc settings that keep freed
+    memory in the process, unless they are set already. With glibc's defaults a candidate that
+    allocates large tensors per call pays page faults on them by an amount that changes from run
+    to run (the stock eager attention at T = 256 measures 10–18 ms); with these, times compare
+    the computation alone."""
+    if any(os.environ.get(key) != value for key, value in STEADY_HEAP.items()):
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], dict(os.environ, **STEADY_HEAP))
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
