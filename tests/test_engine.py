@@ -72,6 +72,10 @@ CASES = {
     "gqa_padded_scale": dict(shape=dict(h_q=6, h_kv=2, t=10), kwargs=dict(attn_mask=padding_mask([10, 4], 10),
                                                                           scale=0.7)),
     "first_rows_dead": dict(shape=dict(b=3), kwargs=dict(attn_mask=padding_mask([8, 7, 8], 12))),
+    # K and V (nearly) square: their Gram matrices square a condition number that is already large
+    "t_eq_d": dict(shape=dict(t=16, d=16), kwargs=dict(is_causal=True)),
+    "t_near_d": dict(shape=dict(t=18, d=16), kwargs=dict(is_causal=True)),
+    "padded_to_d": dict(shape=dict(t=14, d=8), kwargs=dict(attn_mask=padding_mask([14, 8], 14))),
 }
 
 

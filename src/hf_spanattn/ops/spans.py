@@ -1,15 +1,19 @@
 """Column spans of T×d matrices, without ever forming a T×T projector.
 
-For X (T×d, one per batch and head), Π_X = X X⁺ projects onto span(X) ⊂ R^T. With the
-d×d pseudo-inverse M = (XᵀX)⁺ of the Gram matrix,
+For X (T×d, one per batch and head), Π_X = X X⁺ projects onto span(X) ⊂ R^T. `span_of`
+finds an orthonormal basis U of span(X) (T×d, a zero column for each direction X lacks) and
+C (d×d) with (X⁺)ᵀ = U C, so that
 
-    Π_X W = X (M (Xᵀ W))     O(T·d·n) for W of width n
-    (X⁺)ᵀ = X M              (for the paper's ∂Π_K/∂K cross terms)
+    Π_X W = U (Uᵀ W)     O(T·d·n) for W of width n, as accurate as W whatever X's conditioning
+    (X⁺)ᵀ = U C          (for the paper's ∂Π_K/∂K cross terms)
 
-M is L⁻ᵀL⁻¹ from the Cholesky factor XᵀX = LLᵀ where that factor is accurate, and otherwise
-W Λ⁺ Wᵀ from the eigendecomposition XᵀX = W Λ Wᵀ, dropping eigenvalues at or below
-d·eps·λ_max: the pseudo-inverse projector, never NaN or Inf for T < d, zero rows or
-repeated rows.
+U = X L⁻ᵀ with C = L⁻¹, from the Cholesky factor XᵀX = LLᵀ. The Gram matrix squares X's
+condition number, so U is taken in X's dtype only where L⁻¹(XᵀX)L⁻ᵀ = I holds there to 1e-5
+(well-conditioned X, the common case), and otherwise in float64, followed by one
+Newton–Schulz step U ← U (3I − UᵀU)/2. Where X is rank-deficient at its own precision (T < d,
+zero or repeated rows: eigenvalues of XᵀX at or below max((d·eps)², d·eps₆₄)·λ_max) U comes
+from the eigendecomposition XᵀX = W Λ Wᵀ over the eigenvalues above that, U = X W Λ^-½:
+the pseudo-inverse projector, never NaN or Inf.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from dataclasses import dataclass
 
 import torch
 
+# how far from I the Cholesky route may leave L⁻¹(XᵀX)L⁻ᵀ: in float32 (no further step), and in
+# float64 (one Newton–Schulz step squares it)
+_ORTHONORMAL_32, _ORTHONORMAL_64 = 1e-5, 1e-6
+
 
 @dataclass
 class Span:
-    """The span of the columns of `x` (…, T, d), with `inv_gram` = (xᵀx)⁺ (…, d, d)."""
+    """The span of the columns of X (…, T, d): an orthonormal `basis` U (…, T, d) with a zero column
+    for each direction X lacks, and `coef` C (…, d, d) with (X⁺)ᵀ = U C."""
 
-    x: torch.Tensor
-    inv_gram: torch.Tensor
+    basis: torch.Tensor
+    coef: torch.Tensor
 
     def project(self, w: torch.Tensor) -> torch.Tensor:
         """Π_X W for W (…, T, n); batch dimensions broadcast."""
-        return self.x @ (self.inv_gram @ (self.x.mT @ w))
+        return self.basis @ (self.basis.mT @ w)
 
     def reject(self, w: torch.Tensor) -> torch.Tensor:
         """Π_X^⊥ W = W − Π_X W."""
@@ -37,35 +46,64 @@ class Span:
 
     def select(self, rows: slice) -> Span:
         """The span of batch entries `rows`."""
-        return Span(self.x[rows], self.inv_gram[rows])
+        return Span(self.basis[rows], self.coef[rows])
 
     def pinv_t(self) -> torch.Tensor:
         """(X⁺)ᵀ = X (XᵀX)⁺, shape (…, T, d)."""
-        return self.x @ self.inv_gram
+        return self.basis @ self.coef
 
 
 def span_of(x: torch.Tensor) -> Span:
     """The span of x's columns per leading index; x is (…, T, d) in float32 or float64."""
     if x.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"span_of needs float32 or float64 input, got {x.dtype}")
+    t, d = x.shape[-2:]
+    flat = x.reshape(-1, t, d)
+    # eigenvalues of XᵀX at or below this fraction of the largest are X's rounding, or float64's
+    cutoff = max((d * torch.finfo(x.dtype).eps) ** 2, d * torch.finfo(torch.float64).eps)
+    if x.dtype == torch.float32:
+        basis, coef, done = _cholesky(flat, cutoff, _ORTHONORMAL_32)
+    else:  # float64: all of it below
+        basis, coef = torch.empty_like(flat), flat.new_empty(len(flat), d, d)
+        done = torch.zeros(len(flat), dtype=torch.bool, device=x.device)
+    if not done.all():
+        idx = (~done).nonzero(as_tuple=True)[0]
+        wide = flat[idx].double()
+        wide_basis, wide_coef, wide_done = _cholesky(wide, cutoff, _ORTHONORMAL_64)
+        if not wide_done.all():
+            bad = (~wide_done).nonzero(as_tuple=True)[0]
+            wide_basis[bad], wide_coef[bad] = _eigen(wide[bad], cutoff)
+        wide_basis, wide_coef = _newton_schulz(wide_basis, wide_coef)
+        basis[idx], coef[idx] = wide_basis.to(x.dtype), wide_coef.to(x.dtype)
+    return Span(basis.view(x.shape), coef.view(*x.shape[:-2], d, d))
+
+
+def _cholesky(x: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(U = X L⁻ᵀ, C = L⁻¹, where they hold) in x's dtype: where the factor exists, leaves
+    L⁻¹(XᵀX)L⁻ᵀ within `tolerance` of I, and XᵀX is not within `cutoff` of rank-deficient."""
     gram = x.mT @ x
     eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device)
     chol, info = torch.linalg.cholesky_ex(gram)
     chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
-    # L⁻¹(XᵀX)L⁻ᵀ = I up to ≈ κ(XᵀX)·eps. Where that holds to √eps the Gram matrix is far from
-    # rank-deficient, so the Cholesky and the eigen route agree on the span.
     error = (chol_inv @ gram @ chol_inv.mT - eye).abs().amax(dim=(-2, -1))
-    bad = (info != 0) | ~(error <= torch.finfo(x.dtype).eps ** 0.5)
-    inv_gram = chol_inv.mT @ chol_inv
-    if bad.any():
-        idx = bad.nonzero(as_tuple=True)
-        inv_gram[idx] = _eigen_pinv(gram[idx])
-    return Span(x, inv_gram)
+    # ‖L‖²_F ‖L⁻¹‖²_F ≥ λ_max/λ_min
+    spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))
+    holds = (info == 0) & (error <= tolerance) & (spread * cutoff < 1)
+    return x @ chol_inv.mT, chol_inv, holds
 
 
-def _eigen_pinv(gram: torch.Tensor) -> torch.Tensor:
-    """(XᵀX)⁺ = W Λ⁺ Wᵀ, with eigenvalues at or below d·eps·λ_max treated as zero."""
-    lam, vec = torch.linalg.eigh(gram)
-    cutoff = gram.shape[-1] * torch.finfo(gram.dtype).eps * lam[..., -1:].clamp_min(0)
-    inv = torch.where(lam > cutoff, 1 / lam.clamp_min(torch.finfo(gram.dtype).tiny), torch.zeros_like(lam))
-    return (vec * inv[..., None, :]) @ vec.mT
+def _eigen(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U = X W Λ^-½, C = Λ^-½ Wᵀ) over the eigenvalues of XᵀX = W Λ Wᵀ above cutoff·λ_max,
+    zero columns for the others."""
+    lam, vec = torch.linalg.eigh(x.mT @ x)
+    kept = lam > cutoff * lam[..., -1:].clamp_min(0)
+    inv_sqrt = torch.where(kept, lam.clamp_min(torch.finfo(lam.dtype).tiny).rsqrt(), torch.zeros_like(lam))
+    return x @ (vec * inv_sqrt[..., None, :]), inv_sqrt[..., :, None] * vec.mT
+
+
+def _newton_schulz(basis: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step U ← U N, N = (3I − UᵀU)/2, which squares UᵀU − I; C ← N C keeps (X⁺)ᵀ = U C to
+    second order. Zero columns stay zero."""
+    eye = torch.eye(basis.shape[-1], dtype=basis.dtype, device=basis.device)
+    step = (3 * eye - basis.mT @ basis) / 2
+    return basis @ step, step @ coef
