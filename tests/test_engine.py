@@ -76,12 +76,16 @@ CASES = {
     "t_eq_d": dict(shape=dict(t=16, d=16), kwargs=dict(is_causal=True)),
     "t_near_d": dict(shape=dict(t=18, d=16), kwargs=dict(is_causal=True)),
     "padded_to_d": dict(shape=dict(t=14, d=8), kwargs=dict(attn_mask=padding_mask([14, 8], 14))),
+    "padded_t_eq_d": dict(shape=dict(t=8, d=8), kwargs=dict(attn_mask=padding_mask([8, 5], 8))),
 }
 
 
 def rank_deficient(kind):
-    (q, k, v), d_out = make(t=12, d=5)
-    if kind == "repeated":
+    (q, k, v), d_out = make(t=6, d=8) if kind == "short" else make(t=12, d=5)
+    if kind == "short":  # T < d with a repeated row: the non-zero rows are not independent
+        k[:, :, 4] = k[:, :, 1]
+        v[:, :, 5] = v[:, :, 0]
+    elif kind == "repeated":
         k[:, :, 7] = k[:, :, 2]
         v[:, :, 7] = v[:, :, 2]
         k[:, :, :, 4] = k[:, :, :, 0] - k[:, :, :, 1]  # rank 4 < d
@@ -93,13 +97,13 @@ def rank_deficient(kind):
 
 
 @pytest.mark.parametrize("label", LABELS)
-@pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows"])
+@pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows", "short_rows"])
 def test_matches_float64_reference(label, case):
     check_against_reference(label, case)
 
 
 @pytest.mark.parametrize("label", LABELS)
-@pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows"])
+@pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows", "short_rows"])
 def test_small_tiles_match_float64_reference(label, case, small_tiles):
     check_against_reference(label, case)
 

@@ -10,10 +10,12 @@ C (d×d) with (X⁺)ᵀ = U C, so that
 U = X L⁻ᵀ with C = L⁻¹, from the Cholesky factor XᵀX = LLᵀ. The Gram matrix squares X's
 condition number, so U is taken in X's dtype only where L⁻¹(XᵀX)L⁻ᵀ = I holds there to 1e-5
 (well-conditioned X, the common case), and otherwise in float64, followed by one
-Newton–Schulz step U ← U (3I − UᵀU)/2. Where X is rank-deficient at its own precision (T < d,
-zero or repeated rows: eigenvalues of XᵀX at or below max((d·eps)², d·eps₆₄)·λ_max) U comes
-from the eigendecomposition XᵀX = W Λ Wᵀ over the eigenvalues above that, U = X W Λ^-½:
-the pseudo-inverse projector, never NaN or Inf.
+Newton–Schulz step U ← U (3I − UᵀU)/2. For T ≤ d, where the non-zero rows of X are linearly
+independent, span(X) is theirs and U holds their unit vectors, exactly. Where X is
+rank-deficient at its own precision (repeated rows, or fewer independent rows than columns:
+eigenvalues of XᵀX at or below max((d·eps)², d·eps₆₄)·λ_max) U comes from the
+eigendecomposition XᵀX = W Λ Wᵀ over the eigenvalues above that, U = X W Λ^-½: the
+pseudo-inverse projector, never NaN or Inf.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # how far from I the Cholesky route may leave L⁻¹(XᵀX)L⁻ᵀ: in float32 (no further step), and in
 # float64 (one Newton–Schulz step squares it)
@@ -61,7 +64,9 @@ def span_of(x: torch.Tensor) -> Span:
     flat = x.reshape(-1, t, d)
     # eigenvalues of XᵀX at or below this fraction of the largest are X's rounding, or float64's
     cutoff = max((d * torch.finfo(x.dtype).eps) ** 2, d * torch.finfo(torch.float64).eps)
-    if x.dtype == torch.float32:
+    if t <= d:
+        basis, coef, done = _unit_rows(flat, cutoff)
+    elif x.dtype == torch.float32:
         basis, coef, done = _cholesky(flat, cutoff, _ORTHONORMAL_32)
     else:  # float64: all of it below
         basis, coef = torch.empty_like(flat), flat.new_empty(len(flat), d, d)
@@ -90,6 +95,28 @@ def _cholesky(x: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.T
     spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))
     holds = (info == 0) & (error <= tolerance) & (spread * cutoff < 1)
     return x @ chol_inv.mT, chol_inv, holds
+
+
+def _unit_rows(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For T ≤ d, where X's non-zero rows are linearly independent, span(X) is spanned by their unit
+    vectors: (U, the i-th non-zero row's unit vector in column i, C = Uᵀ (X⁺)ᵀ, where that holds), in
+    x's dtype. Independence is read from the Cholesky factor of XXᵀ (T×T, float64), with the
+    zero rows' diagonal set to the largest."""
+    wide = x.double()
+    zero = (wide == 0).all(dim=-1)
+    rows = wide @ wide.mT
+    largest = rows.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    rows = rows + torch.diag_embed(zero * largest)
+    eye = torch.eye(rows.shape[-1], dtype=rows.dtype, device=rows.device)
+    chol, info = torch.linalg.cholesky_ex(rows)
+    chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+    error = (chol_inv @ rows @ chol_inv.mT - eye).abs().amax(dim=(-2, -1))
+    spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))  # ≥ λ_max/λ_min
+    holds = (info == 0) & (error <= _ORTHONORMAL_64) & (spread * cutoff < 1)
+    column = ((~zero).cumsum(dim=-1) - 1).clamp_min(0)
+    basis = F.one_hot(column, x.shape[-1]).to(x.dtype) * (~zero)[..., None]
+    pinv_t = chol_inv.mT @ (chol_inv @ wide)  # (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
+    return basis, basis.mT @ pinv_t.to(x.dtype), holds
 
 
 def _eigen(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
