@@ -77,6 +77,7 @@ CASES = {
     "t_near_d": dict(shape=dict(t=18, d=16), kwargs=dict(is_causal=True)),
     "padded_to_d": dict(shape=dict(t=14, d=8), kwargs=dict(attn_mask=padding_mask([14, 8], 14))),
     "padded_t_eq_d": dict(shape=dict(t=8, d=8), kwargs=dict(attn_mask=padding_mask([8, 5], 8))),
+    "padded_few_rows": dict(shape=dict(t=14, d=8), kwargs=dict(attn_mask=padding_mask([14, 6], 14))),
 }
 
 

@@ -10,8 +10,9 @@ C (d×d) with (X⁺)ᵀ = U C, so that
 U = X L⁻ᵀ with C = L⁻¹, from the Cholesky factor XᵀX = LLᵀ. The Gram matrix squares X's
 condition number, so U is taken in X's dtype only where L⁻¹(XᵀX)L⁻ᵀ = I holds there to 1e-5
 (well-conditioned X, the common case), and otherwise in float64, followed by one
-Newton–Schulz step U ← U (3I − UᵀU)/2. For T ≤ d, where the non-zero rows of X are linearly
-independent, span(X) is theirs and U holds their unit vectors, exactly. Where X is
+Newton–Schulz step U ← U (3I − UᵀU)/2. Where X has at most d non-zero rows (always for T ≤ d;
+a padded short sequence otherwise) and they are linearly independent, span(X) is theirs and U
+holds their unit vectors, exactly. Where X is
 rank-deficient at its own precision (repeated rows, or fewer independent rows than columns:
 eigenvalues of XᵀX at or below max((d·eps)², d·eps₆₄)·λ_max) U comes from the
 eigendecomposition XᵀX = W Λ Wᵀ over the eigenvalues above that, U = X W Λ^-½: the
@@ -71,6 +72,11 @@ def span_of(x: torch.Tensor) -> Span:
     else:  # float64: all of it below
         basis, coef = torch.empty_like(flat), flat.new_empty(len(flat), d, d)
         done = torch.zeros(len(flat), dtype=torch.bool, device=x.device)
+    if not done.all() and t > d:  # padded short sequences, with at most d non-zero rows
+        idx = (~done).nonzero(as_tuple=True)[0]
+        idx = idx[(flat[idx] != 0).any(dim=-1).sum(dim=-1) <= d]
+        if len(idx):
+            basis[idx], coef[idx], done[idx] = _unit_rows(flat[idx], cutoff)
     if not done.all():
         idx = (~done).nonzero(as_tuple=True)[0]
         wide = flat[idx].double()
@@ -98,25 +104,29 @@ def _cholesky(x: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.T
 
 
 def _unit_rows(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For T ≤ d, where X's non-zero rows are linearly independent, span(X) is spanned by their unit
-    vectors: (U, the i-th non-zero row's unit vector in column i, C = Uᵀ (X⁺)ᵀ, where that holds), in
-    x's dtype. Independence is read from the Cholesky factor of XXᵀ (T×T, float64), with the
-    zero rows' diagonal set to the largest."""
-    wide = x.double()
-    zero = (wide == 0).all(dim=-1)
-    rows = wide @ wide.mT
+    """Where X has at most d non-zero rows and they are linearly independent, span(X) is spanned by
+    their unit vectors: (U, the i-th non-zero row's unit vector in column i, C = Uᵀ (X⁺)ᵀ, where that
+    holds), in x's dtype. Independence is read from the Cholesky factor of XXᵀ over the non-zero rows
+    (float64), with a zero row's diagonal set to the largest."""
+    t, d = x.shape[-2:]
+    zero = (x == 0).all(dim=-1)
+    order = torch.argsort(zero.to(torch.int8), dim=-1, stable=True)[..., :min(t, d)]  # non-zero rows first
+    take = order[..., None].expand(-1, -1, d)
+    packed, packed_zero = x.gather(-2, take).double(), zero.gather(-1, order)
+    rows = packed @ packed.mT
     largest = rows.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    rows = rows + torch.diag_embed(zero * largest)
+    rows = rows + torch.diag_embed(packed_zero * largest)
     eye = torch.eye(rows.shape[-1], dtype=rows.dtype, device=rows.device)
     chol, info = torch.linalg.cholesky_ex(rows)
     chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
     error = (chol_inv @ rows @ chol_inv.mT - eye).abs().amax(dim=(-2, -1))
     spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))  # ≥ λ_max/λ_min
-    holds = (info == 0) & (error <= _ORTHONORMAL_64) & (spread * cutoff < 1)
-    column = ((~zero).cumsum(dim=-1) - 1).clamp_min(0)
-    basis = F.one_hot(column, x.shape[-1]).to(x.dtype) * (~zero)[..., None]
-    pinv_t = chol_inv.mT @ (chol_inv @ wide)  # (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
-    return basis, basis.mT @ pinv_t.to(x.dtype), holds
+    holds = (info == 0) & (error <= _ORTHONORMAL_64) & (spread * cutoff < 1) & ((~zero).sum(dim=-1) <= d)
+    column = ((~packed_zero).cumsum(dim=-1) - 1).clamp_min(0)
+    packed_basis = F.one_hot(column, d).double() * (~packed_zero)[..., None]
+    pinv_t = chol_inv.mT @ (chol_inv @ packed)  # (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
+    basis = x.new_zeros(x.shape).scatter_(-2, take, packed_basis.to(x.dtype))
+    return basis, (packed_basis.mT @ pinv_t).to(x.dtype), holds
 
 
 def _eigen(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
