@@ -90,17 +90,20 @@ def span_of(x: torch.Tensor) -> Span:
 
 
 def _cholesky(x: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(U = X L⁻ᵀ, C = L⁻¹, where they hold) in x's dtype: where the factor exists, leaves
-    L⁻¹(XᵀX)L⁻ᵀ within `tolerance` of I, and XᵀX is not within `cutoff` of rank-deficient."""
-    gram = x.mT @ x
-    eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device)
+    """(U = X L⁻ᵀ, C = L⁻¹, where they hold) in x's dtype, from XᵀX = LLᵀ (see `_inverse_factor`)."""
+    chol_inv, holds = _inverse_factor(x.mT @ x, cutoff, tolerance)
+    return x @ chol_inv.mT, chol_inv, holds
+
+
+def _inverse_factor(gram: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L⁻¹ for gram = LLᵀ, where it holds): where the factor exists, leaves L⁻¹ gram L⁻ᵀ within
+    `tolerance` of I, and gram is not within `cutoff` of rank-deficient."""
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     chol, info = torch.linalg.cholesky_ex(gram)
     chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
     error = (chol_inv @ gram @ chol_inv.mT - eye).abs().amax(dim=(-2, -1))
-    # ‖L‖²_F ‖L⁻¹‖²_F ≥ λ_max/λ_min
-    spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))
-    holds = (info == 0) & (error <= tolerance) & (spread * cutoff < 1)
-    return x @ chol_inv.mT, chol_inv, holds
+    spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))  # ≥ λ_max/λ_min
+    return chol_inv, (info == 0) & (error <= tolerance) & (spread * cutoff < 1)
 
 
 def _unit_rows(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,13 +118,8 @@ def _unit_rows(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tens
     packed, packed_zero = x.gather(-2, take).double(), zero.gather(-1, order)
     rows = packed @ packed.mT
     largest = rows.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    rows = rows + torch.diag_embed(packed_zero * largest)
-    eye = torch.eye(rows.shape[-1], dtype=rows.dtype, device=rows.device)
-    chol, info = torch.linalg.cholesky_ex(rows)
-    chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
-    error = (chol_inv @ rows @ chol_inv.mT - eye).abs().amax(dim=(-2, -1))
-    spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))  # ≥ λ_max/λ_min
-    holds = (info == 0) & (error <= _ORTHONORMAL_64) & (spread * cutoff < 1) & ((~zero).sum(dim=-1) <= d)
+    chol_inv, holds = _inverse_factor(rows + torch.diag_embed(packed_zero * largest), cutoff, _ORTHONORMAL_64)
+    holds &= (~zero).sum(dim=-1) <= d
     column = ((~packed_zero).cumsum(dim=-1) - 1).clamp_min(0)
     packed_basis = F.one_hot(column, d).double() * (~packed_zero)[..., None]
     pinv_t = chol_inv.mT @ (chol_inv @ packed)  # (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
