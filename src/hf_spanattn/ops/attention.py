@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,7 @@ from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.ops import rules
 from hf_spanattn.ops.blocks import BlockProducts, Workspace
 from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_tiles
+from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_range, row_tiles
 
 Probe = Callable[[dict], None]
 _BACKWARD_CHUNKS = 4
@@ -22,29 +22,28 @@ _BACKWARD_CHUNKS = 4
 
 @dataclass
 class _Mask:
-    """A mask in the (B, H_kv, g, T, S) layout: what is added to the scores, the key positions
-    some query may attend to (the spans' support), the query rows that attend nothing, and the
-    row tiles (see `row_tiles`) that the T×S work is cut into, each with the first key column
-    where its additive mask is not zero (under a causal mask, its first row)."""
+    """A mask in the (B, H_kv, g, T, S) layout: the row tiles (see `row_tiles`) that the T×S work is
+    cut into, what is added to each tile's scores from its first key column where the mask is not
+    zero (under a causal mask, its first row), the key positions some query may attend to (the
+    spans' support) and the query rows that attend nothing."""
 
-    additive: torch.Tensor | None
-    key_valid: torch.Tensor | None  # (b, h, 1, S, 1) bool
-    dead_rows: torch.Tensor | None  # (b, h, g, T, 1) bool
     tiles: list[Tile]
     first_masked: list[int]
+    additive: list[torch.Tensor | None]  # per tile: (b, h, g, rows, columns from first_masked), None where all 0
+    key_valid: torch.Tensor | None  # (b, h, 1, S, 1) bool
+    dead_rows: torch.Tensor | None  # (b, h, g, T, 1) bool
 
     def select(self, rows: slice) -> _Mask:
         """The mask of batch entries `rows` (fields broadcast over the batch stay whole)."""
         pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
-        return _Mask(pick(self.additive), pick(self.key_valid), pick(self.dead_rows), self.tiles, self.first_masked)
+        return _Mask(self.tiles, self.first_masked, [pick(a) for a in self.additive], pick(self.key_valid),
+                     pick(self.dead_rows))
 
     def tile(self, start: int, end: int, cols: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
         """(additive, lo, dead_rows) on the rows [start, end) of a tile: the additive mask on the
         keys [lo, cols), None where it is zero on all of them."""
-        rows = lambda x: x[..., start:end, :] if x is not None and x.shape[-2] > 1 else x  # noqa: E731
-        lo = self.first_masked[self.tiles.index((start, end, cols))]
-        additive = rows(self.additive)[..., lo:cols] if lo < cols else None
-        return additive, lo, rows(self.dead_rows)
+        i = self.tiles.index((start, end, cols))
+        return self.additive[i], self.first_masked[i], row_range(self.dead_rows, start, end)
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
@@ -56,7 +55,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
         return _causal_mask(t, s, dtype, device)
     if attn_mask is None:
         tiles = row_tiles(None, t, s)
-        return _Mask(None, None, None, tiles, [cols for *_, cols in tiles])
+        return _Mask(tiles, [cols for *_, cols in tiles], [None] * len(tiles), None, None)
     if attn_mask.dtype == torch.bool:
         attend = attn_mask
         # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
@@ -76,19 +75,24 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     dead_rows = ~attend.any(dim=-1, keepdim=True)
     tiles = row_tiles(attend, t, s)
     masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
-    first_masked = []
+    first_masked, parts = [], []
     for start, end, cols in tiles:
         columns = masked[start:end, :cols].any(dim=0)
-        first_masked.append(int(columns.int().argmax()) if columns.any() else cols)
-    return _Mask(additive, None if key_valid.all() else key_valid, dead_rows if dead_rows.any() else None,
-                 tiles, first_masked)
+        lo = int(columns.int().argmax()) if columns.any() else cols
+        first_masked.append(lo)
+        parts.append(row_range(additive, start, end)[..., lo:cols] if lo < cols else None)
+    return _Mask(tiles, first_masked, parts, None if key_valid.all() else key_valid,
+                 dead_rows if dead_rows.any() else None)
 
 
 @functools.lru_cache(maxsize=4)
 def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> _Mask:
-    """The causal mask, built once per shape: nothing reads its tensors but to add them."""
+    """The causal mask, built once per shape. It keeps only the tiles' parts that are not zero, the
+    squares on the diagonal (T × rows per tile numbers rather than T·S); nothing reads them but to
+    add them."""
     attend = torch.ones(t, s, dtype=torch.bool, device=device).tril()
-    return _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device)
+    mask = _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device)
+    return replace(mask, additive=[a.clone() if a is not None else None for a in mask.additive])
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:

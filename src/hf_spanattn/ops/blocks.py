@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax
+from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range
 
 MaskTile = Callable[[int, int, int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
 Weights = Sequence[Sequence[float]]  # [i][δ]
@@ -103,9 +103,9 @@ class BlockProducts:
             torch.baddbmm(flat[j], flat_stack, k.mT, beta=0, alpha=self.scale, out=flat[j])
         additive, lo, dead_rows = self.mask_tile(*self.tiles[i])
         if additive is not None:
-            scores[..., lo:].add_(_row_range(additive, first, r).unsqueeze(2))
+            scores[..., lo:].add_(row_range(additive, first, first + r).unsqueeze(2))
         if dead_rows is not None:
-            dead_rows = _row_range(dead_rows, first, r).unsqueeze(2)
+            dead_rows = row_range(dead_rows, first, first + r).unsqueeze(2)
         probs = masked_softmax(scores, dead_rows, out=scores)  # as the forward pass
         d_probs = self.d_probs.parts[i][..., first:first + r, :]
         d_probs = work("d_probs", shape).copy_(d_probs.unsqueeze(2).expand(shape))
@@ -134,8 +134,3 @@ class BlockProducts:
                 operand = torch.mul(stack, alphas, out=work("q_weighted", stack.shape)).view(b * h, n * g * r, d)
             product = torch.bmm(grads[j].mT, operand, out=work("dk", (b * h, cols, d)))
             out[:, :, 0, :cols] += product.view(b, h, cols, d)
-
-
-def _row_range(x: torch.Tensor, first: int, rows: int) -> torch.Tensor:
-    """Rows [first, first + rows) of a tile's mask field, which may broadcast over the rows."""
-    return x[..., first:first + rows, :] if x.shape[-2] > 1 else x

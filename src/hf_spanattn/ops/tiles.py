@@ -37,6 +37,11 @@ def row_tiles(attend: torch.Tensor | None, t: int, s: int) -> list[Tile]:
     return tiles
 
 
+def row_range(x: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """Rows [start, end) of a mask field (…, T, ·), which may broadcast over the rows."""
+    return x[..., start:end, :] if x is not None and x.shape[-2] > 1 else x
+
+
 def masked_softmax(scores: torch.Tensor, dead_rows: torch.Tensor | None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax over the keys of masked scores, into `out` if given: in float32 for half inputs,
