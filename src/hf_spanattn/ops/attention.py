@@ -39,10 +39,10 @@ class _Mask:
         return _Mask(self.tiles, self.first_masked, [pick(a) for a in self.additive], pick(self.key_valid),
                      pick(self.dead_rows))
 
-    def tile(self, start: int, end: int, cols: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
-        """(additive, lo, dead_rows) on the rows [start, end) of a tile: the additive mask on the
-        keys [lo, cols), None where it is zero on all of them."""
-        i = self.tiles.index((start, end, cols))
+    def tile(self, i: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        """(additive, lo, dead_rows) on the rows of tile i: the additive mask on the keys [lo, its
+        columns), None where it is zero on all of them."""
+        start, end, _ = self.tiles[i]
         return self.additive[i], self.first_masked[i], row_range(self.dead_rows, start, end)
 
 
@@ -98,14 +98,15 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> _M
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
     """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with nothing to attend give 0 (as SDPA)."""
 
-    def tile(start: int, end: int, cols: int) -> torch.Tensor:
-        additive, lo, dead_rows = mask.tile(start, end, cols)
+    def tile(i: int) -> torch.Tensor:
+        start, end, cols = mask.tiles[i]
+        additive, lo, dead_rows = mask.tile(i)
         scores = (q[..., start:end, :] * scale).to(dtype) @ k[..., :cols, :].to(dtype).mT
         if additive is not None:
             scores[..., lo:].add_(additive)
         return masked_softmax(scores, dead_rows)
 
-    return Tiled(mask.tiles, [tile(*t) for t in mask.tiles], q.shape[-2], k.shape[-2])
+    return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])
 
 
 def _dropped(probs: Tiled, keep: torch.Tensor | None, dropout_p: float) -> Tiled:

@@ -14,7 +14,7 @@ import torch
 
 from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range
 
-MaskTile = Callable[[int, int, int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
+MaskTile = Callable[[int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
 Weights = Sequence[Sequence[float]]  # [i][δ]
 _STACK_ELEMENTS = 1 << 20  # per stacked T×T buffer: about the cache of a CPU core, and small on a GPU
 
@@ -38,8 +38,8 @@ class Workspace:
 class BlockProducts:
     """The per-block rule's T×T work, tile by tile of query rows (see `tiles.py`).
 
-    `d_probs` is scale·∂L/∂P (b, h, g, T, T) as row tiles; `mask_tile(first row, end row, columns)`
-    gives a tile's additive mask on the columns [lo, columns), lo and the dead rows. Query blocks
+    `d_probs` is scale·∂L/∂P (b, h, g, T, T) as row tiles; `mask_tile(i)` gives tile i's
+    additive mask on the columns [lo, columns), lo and the dead rows. Query blocks
     that meet the same key blocks are stacked as (m, b, h, n, g, rows, ·) for n query blocks and
     m key blocks: one product per key block gives all their scores, one softmax forward and
     backward takes them all. T×T work runs in the dtype of d_probs (the forward's).
@@ -68,23 +68,27 @@ class BlockProducts:
         gk = [like.new_empty(b, h, g, t, d) if self.rows_covered and any(c) else like.new_zeros(b, h, g, t, d)
               for _, c in sums]
         dk = [like.new_zeros(b, h, 1, t, d) if any(w[delta] for w in k_weights) else None for delta in deltas]
-        for i, (start, end, cols) in enumerate(self.tiles):
-            for met, members in groups.items():
+        for met, members in groups.items():
+            operands = [q_blocks[j] for j in members], [k_blocks[delta] for delta in met]
+            # Σ_j c_j G_(·, j) K_j: the outputs of the members, by their coefficients over the key blocks met
+            families: dict[tuple[float, ...], list[tuple[int, torch.Tensor]]] = {}
+            for (block, c), out in zip(sums, gk):
+                coefs = tuple(c[delta] for delta in met)
+                if block in members and any(coefs):
+                    families.setdefault(coefs, []).append((members.index(block), out))
+            k_sums = [([k_weights[block][delta] for block in members], dk[delta]) for delta in met]
+            for i, (start, end, cols) in enumerate(self.tiles):
                 # rows at a time, so that a stack holds about _STACK_ELEMENTS
                 step = max(1, _STACK_ELEMENTS // (len(met) * len(members) * b * h * g * cols))
                 for first in range(start, end, step):
-                    self._rows(i, (first, min(first + step, end), cols), [q_blocks[j] for j in members],
-                               [k_blocks[delta] for delta in met],
-                               [(members.index(block), [c[delta] for delta in met], out)
-                                for (block, c), out in zip(sums, gk) if block in members],
-                               [([k_weights[block][delta] for block in members], dk[delta]) for delta in met])
+                    self._rows(i, (first, min(first + step, end), cols), *operands, families, k_sums)
         return gk, dk
 
     def _rows(self, i: int, rows: Tile, q_blocks: list[torch.Tensor], k_blocks: list[torch.Tensor],
-              sums: list[tuple[int, list[float], torch.Tensor]],
+              families: dict[tuple[float, ...], list[tuple[int, torch.Tensor]]],
               k_sums: list[tuple[list[float], torch.Tensor | None]]) -> None:
         """The rows [start, end) of tile i for the stack of q_blocks against each of k_blocks: writes
-        Σ_j c_j G_(member, j) K_j into out for each (member, c, out) in sums, and adds
+        Σ_j c_j G_(member, j) K_j into out for each (member, out) of families[c], and adds
         Σ_member w G_(member, j)ᵀ Q_member to the j-th of k_sums (w, out)."""
         start, end, cols = rows
         first = start - self.tiles[i][0]  # of the tile's rows
@@ -101,7 +105,7 @@ class BlockProducts:
         flat = scores.view(m, b * h, n * g * r, cols)
         for j, k in enumerate(keys):  # scale·Q_B K_δᵀ
             torch.baddbmm(flat[j], flat_stack, k.mT, beta=0, alpha=self.scale, out=flat[j])
-        additive, lo, dead_rows = self.mask_tile(*self.tiles[i])
+        additive, lo, dead_rows = self.mask_tile(i)
         if additive is not None:
             scores[..., lo:].add_(row_range(additive, first, first + r).unsqueeze(2))
         if dead_rows is not None:
@@ -112,11 +116,7 @@ class BlockProducts:
         grads = torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, dtype, grad_input=probs)
         grads = grads.view(m, b * h, n * g * r, cols)
 
-        by_coefs: dict[tuple[float, ...], list[tuple[int, torch.Tensor]]] = {}
-        for member, coefs, out in sums:
-            if any(coefs):
-                by_coefs.setdefault(tuple(coefs), []).append((member, out))
-        for coefs, outs in by_coefs.items():  # Σ_j c_j G_(·, j) K_j for all members: one product per key block
+        for coefs, outs in families.items():  # Σ_j c_j G_(·, j) K_j for all members: one product per key block
             product = work("gk", (b * h, n * g * r, d))
             terms = [(grads[j], keys[j], c) for j, c in enumerate(coefs) if c]
             for step, (grad, k, c) in enumerate(terms):

@@ -63,10 +63,6 @@ class Tiled:
         self.tiles, self.parts, self.t, self.s = tiles, parts, t, s
         self.dtype = parts[0].dtype if parts else None
 
-    @property
-    def whole(self) -> bool:
-        return self.tiles == [(0, self.t, self.s)]
-
     def select(self, rows: slice) -> Tiled:
         """The batch entries `rows`."""
         return Tiled(self.tiles, [p[rows] for p in self.parts], self.t, self.s)
@@ -77,8 +73,6 @@ class Tiled:
 
     def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
         """self @ x for x (…, S, n): (…, T, n)."""
-        if self.whole:
-            return self.parts[0] @ x
         return self._product(x, transpose=False)
 
     @property
@@ -95,25 +89,28 @@ class Tiled:
                 start, end, cols = self.tiles[i]
                 product = self.parts[i].mT @ x[..., start:end, :]
                 if out is None:
-                    out = _pad_rows(product, 0, self.s - cols)
+                    out = _pad_rows(product, self.s - cols)
                 else:
                     out[..., :cols, :] += product
             return out
         pieces, written = [], 0  # the tiles' rows in order, zeros for rows in no tile
         for (start, end, cols), part in zip(self.tiles, self.parts):
             product = part @ x[..., :cols, :]
-            pieces.append(_pad_rows(product, start - written, 0))
+            pieces += [_zero_rows(product, start - written), product]
             written = end
-        pieces[-1] = _pad_rows(pieces[-1], 0, self.t - written)
+        pieces.append(_zero_rows(pieces[-1], self.t - written))
+        pieces = [p for p in pieces if p.shape[-2]]
         return torch.cat(pieces, dim=-2) if len(pieces) > 1 else pieces[0]
 
 
-def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
-    """x with `before` and `after` rows of zeros around it."""
-    if not before and not after:
-        return x
-    zeros = lambda rows: x.new_zeros(*x.shape[:-2], rows, x.shape[-1])  # noqa: E731
-    return torch.cat([zeros(before), x, zeros(after)], dim=-2)
+def _zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """`rows` rows of zeros shaped like `like` otherwise."""
+    return like.new_zeros(*like.shape[:-2], rows, like.shape[-1])
+
+
+def _pad_rows(x: torch.Tensor, after: int) -> torch.Tensor:
+    """x with `after` rows of zeros below it."""
+    return torch.cat([x, _zero_rows(x, after)], dim=-2) if after else x
 
 
 class _Transposed:
@@ -123,6 +120,4 @@ class _Transposed:
         self.tiled, self.dtype = tiled, tiled.dtype
 
     def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled.whole:
-            return self.tiled.parts[0].mT @ x
         return self.tiled._product(x, transpose=True)
