@@ -1,11 +1,11 @@
 """Forward + backward of span_attention vs the stock eager attention and vs SDPA.
 
 Causal, 4 heads, D = 64, B·T = 2048 tokens, fp32 on the CPU. Prints median time and peak
-memory per method and T, with ratios to eager measured side by side in one run.
+memory per method and T, with ratios to eager measured side by side in one run. Times are
+taken under a steady heap (see `rerun_with_steady_heap`), peak memory in a fresh process each.
 
     python -m benchmarks.attention                 # the full table
     python -m benchmarks.attention --seq 256 512   # some T only
-    python -m benchmarks.attention --steady-heap   # no candidate pays page faults (glibc)
 """
 
 from __future__ import annotations
@@ -70,19 +70,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steady-heap", action="store_true",
-                        help="time under glibc settings that keep freed memory, so that no candidate pays page faults")
     parser.add_argument("--peak", nargs=2, metavar=("METHOD", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak:
         return _peak_main(args.peak[0], int(args.peak[1]))
-    if args.steady_heap:
-        rerun_with_steady_heap("benchmarks.attention")
+    rerun_with_steady_heap("benchmarks.attention")
 
     names = ["eager", "sdpa", *args.methods]
     print(f"causal, {HEADS} heads, D={HEAD_DIM}, B*T={TOKENS}, fp32, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; median of {args.repeats}, forward+backward"
-          f"{'; steady heap' if args.steady_heap else ''}")
+          "; steady heap")
     print("| T | method | time ms | × eager | × sdpa | peak MiB | mem × eager |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for seq in args.seq:

@@ -30,10 +30,11 @@ STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_":
 
 def rerun_with_steady_heap(module: str) -> None:
     """Re-run `python -m module` with this process's arguments under glibc settings that keep freed
-    memory in the process, unless they are set already. With glibc's defaults a candidate that
-    allocates large tensors per call pays page faults on them by an amount that changes from run
-    to run (the stock eager attention at T = 256 measures 10–18 ms); with these, times compare
-    the computation alone."""
+    memory in the process, unless they are set already. Timings need it: with glibc's defaults a
+    candidate that allocates large tensors per call pays page faults on them, by an amount that
+    depends on what else the process allocated. Taking turns in one process, the stock eager
+    attention at T = 256 then measures 10–18 ms, against 10.4 ms alone or without the faults,
+    which flatters every ratio to it. With these settings times compare the computation alone."""
     if any(os.environ.get(key) != value for key, value in STEADY_HEAP.items()):
         os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], dict(os.environ, **STEADY_HEAP))
 
@@ -61,6 +62,7 @@ def peak_in_subprocess(module: str, args: list[str]) -> int:
     Memory is measured in a fresh process so that one candidate's high-water mark cannot hide
     another's; a fixed mmap threshold makes every large tensor return to the OS when freed.
     """
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    env = {key: value for key, value in os.environ.items() if key not in STEADY_HEAP}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     out = subprocess.run([sys.executable, "-m", module, *args], check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak"]

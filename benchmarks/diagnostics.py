@@ -2,7 +2,8 @@
 
 GPT-2 n_embd 256, 4 heads, 2 layers, T = 256, batch 4, vocab 50257, fp32 on the CPU, the stock
 Trainer. Rows: no callback, the callback with diagnostics off, diagnostics every 10 steps
-(mean over the steps, so a recorded step's cost is spread over 10).
+(mean over the steps, so a recorded step's cost is spread over 10), under a steady heap (see
+`rerun_with_steady_heap`).
 
     python -m benchmarks.diagnostics
 """
@@ -16,6 +17,7 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+from benchmarks.common import rerun_with_steady_heap
 from hf_spanattn import patch_model
 from hf_spanattn.training import SpanAttentionCallback
 
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--span", default="score:1100")
     args = parser.parse_args()
+    rerun_with_steady_heap("benchmarks.diagnostics")
     variants = ["none", "off", "every 10"]
     times = {v: [] for v in variants}
     for _ in range(2):  # interleaved rounds against machine noise
@@ -69,7 +72,7 @@ def main() -> None:
             times[v].append(run(v, args.steps, args.seq, args.span))
     best = {v: min(t) for v, t in times.items()}
     print(f"{args.span}, GPT-2 d=256 4 heads 2 layers T={args.seq} batch 4, {args.steps} steps, "
-          f"{torch.get_num_threads()} threads; mean step time, best of 2 rounds")
+          f"{torch.get_num_threads()} threads; mean step time, best of 2 rounds, steady heap")
     print("| callback | step ms | × no callback |")
     print("|---|---:|---:|")
     for v in variants:

@@ -2,7 +2,8 @@
 
 GPT-2 with n_embd 256, 4 heads, 6 layers, T = 512, vocab 50257, batch 4, fp32 on the CPU.
 The stock model runs with its default attention (sdpa) and with eager; every patched variant
-starts from the same weights. Prints median time and peak memory, ratios from one run.
+starts from the same weights. Prints median time (steady heap, see `rerun_with_steady_heap`) and
+peak memory, ratios from one run.
 
     python -m benchmarks.train_step
 """
@@ -15,7 +16,7 @@ import json
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from benchmarks.common import peak_bytes_since, peak_in_subprocess, reset_peak, time_interleaved
+from benchmarks.common import peak_bytes_since, peak_in_subprocess, rerun_with_steady_heap, reset_peak, time_interleaved
 from hf_spanattn import patch_model
 
 METHODS = ["score:1000", "score:1100", "reductionistic:1100", "simple:10", "score:1000@per_block",
@@ -56,12 +57,14 @@ def main() -> None:
         print(json.dumps({"peak": peak_bytes_since(baseline)}))
         return
 
+    rerun_with_steady_heap("benchmarks.train_step")
     names = ["sdpa", "eager", *args.methods]
     times = time_interleaved({n: build(n, args.seq, args.batch) for n in names}, args.repeats)
     size = ["--seq", str(args.seq), "--batch", str(args.batch)]
     peaks = {n: peak_in_subprocess("benchmarks.train_step", ["--peak", n, *size]) for n in names}
     print(f"GPT-2 n_embd 256, 4 heads, 6 layers, T={args.seq}, batch {args.batch}, vocab 50257, fp32, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; median of {args.repeats} train steps")
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; median of {args.repeats} train steps, "
+          "steady heap")
     print("| model | step s | × sdpa | × eager | peak MiB | mem × sdpa |")
     print("|---|---:|---:|---:|---:|---:|")
     for n in names:
