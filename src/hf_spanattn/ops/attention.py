@@ -128,20 +128,20 @@ class SpanAttentionFunction(torch.autograd.Function):
             # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
             keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
         out = _dropped(probs, keep, dropout_p) @ v
-        ctx.save_for_backward(q, k, v, keep, out, *probs.parts)
+        ctx.save_for_backward(q, k, v, keep, *probs.parts)
         ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, keep, out, *parts = ctx.saved_tensors
+        q, k, v, keep, *parts = ctx.saved_tensors
         config, mask = ctx.config, ctx.mask
         work = torch.float32 if q.dtype in HALF else q.dtype  # the projector maths
         masked = lambda x: x.to(work) * mask.key_valid if mask.key_valid is not None else x.to(work)  # noqa: E731
         needs_v = ctx.probe is not None or config.method in ("reductionistic", "score")
         k_w, v_w = masked(k), masked(v) if needs_v else None
         span_k = span_of(k_w) if ctx.probe is not None or config.method != "standard" else None
-        batch = _Batch(v, keep, out, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask,
+        batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask,
                        q.to(work), k_w, v_w, span_k, span_of(v_w) if v_w is not None else None)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
@@ -162,7 +162,6 @@ class _Batch:
 
     v: torch.Tensor
     keep: torch.Tensor | None
-    out: torch.Tensor
     d_out: torch.Tensor
     probs: Tiled
     mask: _Mask
@@ -181,7 +180,7 @@ class _Batch:
 def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig, probe: Probe | None,
               workspace: Workspace):
     """One chunk of the batch."""
-    v, keep, out, d_out, probs, mask = batch.v, batch.keep, batch.out, batch.d_out, batch.probs, batch.mask
+    v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
     q_w, k_w, v_w, span_k, span_v = batch.q_w, batch.k_w, batch.v_w, batch.span_k, batch.span_v
     dv = rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out)
 
@@ -194,15 +193,13 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
 
     scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
-    work = q_w.dtype
     per_block = config.method == "score" and config.score_grad == "per_block"
 
     def softmax_grad(in_place: bool) -> Tiled:
-        """G = P ⊙ (dP − rowsum(dP ⊙ P)), with rowsum(dP ⊙ P) = rowsum(dO ⊙ O); in dP's buffers if `in_place`."""
-        delta = (d_out.to(work) * out.to(work)).sum(dim=-1, keepdim=True).mul_(scale).to(d_probs.dtype)
-        return Tiled(d_probs.tiles, [(dp.sub_ if in_place else dp.sub)(delta[..., start:end, :]).mul_(p)
-                                     for dp, p, (start, end, _) in zip(d_probs.parts, probs.parts, d_probs.tiles)],
-                     d_probs.t, d_probs.s)
+        """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers if `in_place`."""
+        return Tiled(d_probs.tiles, [torch.ops.aten._softmax_backward_data.out(
+            dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp))
+            for dp, p in zip(d_probs.parts, probs.parts)], d_probs.t, d_probs.s)
 
     if per_block:
         block_products = BlockProducts(d_probs, scale, mask.tile, workspace)
