@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import reference
+from reference import projector, reference
 
 from hf_spanattn import SpanAttentionConfig, span_attention
-from hf_spanattn.ops import tiles
+from hf_spanattn.ops import span_of, tiles
 
 LABELS = [
     "standard:QKV111", "standard:QKV101", "standard:QKV001",
@@ -107,6 +107,31 @@ def test_matches_float64_reference(label, case):
 @pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows", "short_rows"])
 def test_small_tiles_match_float64_reference(label, case, small_tiles):
     check_against_reference(label, case)
+
+
+def _span_inputs(t: int, d: int) -> torch.Tensor:
+    """(5, t, d) float64: plain, a zero row, a repeated row, few non-zero rows, all zero."""
+    x = torch.randn(5, t, d, generator=torch.Generator().manual_seed(t * 100 + d), dtype=torch.float64)
+    x[1, t // 2] = 0
+    x[2, -1] = x[2, 0]
+    x[3, min(t, d) // 2:] = 0
+    x[4] = 0
+    return x
+
+
+@pytest.mark.parametrize("t,d", [(6, 8), (8, 8), (12, 8), (40, 8)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-9)])
+def test_spans_match_explicit_projectors(t, d, dtype, tol):
+    x = _span_inputs(t, d)
+    for pinv in (False, True):
+        span = span_of(x.to(dtype), pinv=pinv)
+        for i in range(len(x)):
+            expected = projector(x[i])
+            assert rel(span.basis[i] @ span.basis[i].mT, expected, torch.ones(1)) < tol, (i, pinv)
+            if pinv:
+                assert rel(span.pinv_t()[i], torch.linalg.pinv(x[i]).mT, torch.ones(1)) < tol, (i, pinv)
+    with pytest.raises(ValueError, match="pinv=True"):
+        span_of(x).pinv_t()
 
 
 def test_row_tiles():

@@ -34,10 +34,10 @@ _ORTHONORMAL_32, _ORTHONORMAL_64 = 1e-5, 1e-6
 @dataclass
 class Span:
     """The span of the columns of X (…, T, d): an orthonormal `basis` U (…, T, d) with a zero column
-    for each direction X lacks, and `coef` C (…, d, d) with (X⁺)ᵀ = U C."""
+    for each direction X lacks, and `coef` C (…, d, d) with (X⁺)ᵀ = U C (None unless asked for)."""
 
     basis: torch.Tensor
-    coef: torch.Tensor
+    coef: torch.Tensor | None
 
     def project(self, w: torch.Tensor) -> torch.Tensor:
         """Π_X W for W (…, T, n); batch dimensions broadcast."""
@@ -50,15 +50,18 @@ class Span:
 
     def select(self, rows: slice) -> Span:
         """The span of batch entries `rows`."""
-        return Span(self.basis[rows], self.coef[rows])
+        return Span(self.basis[rows], None if self.coef is None else self.coef[rows])
 
     def pinv_t(self) -> torch.Tensor:
         """(X⁺)ᵀ = X (XᵀX)⁺, shape (…, T, d)."""
+        if self.coef is None:
+            raise ValueError("this span was built without (X⁺)ᵀ: use span_of(x, pinv=True)")
         return self.basis @ self.coef
 
 
-def span_of(x: torch.Tensor) -> Span:
-    """The span of x's columns per leading index; x is (…, T, d) in float32 or float64."""
+def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
+    """The span of x's columns per leading index; x is (…, T, d) in float32 or float64. With `pinv`
+    it also holds C for (X⁺)ᵀ, which costs extra only where X has at most d non-zero rows."""
     if x.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"span_of needs float32 or float64 input, got {x.dtype}")
     t, d = x.shape[-2:]
@@ -66,7 +69,7 @@ def span_of(x: torch.Tensor) -> Span:
     # eigenvalues of XᵀX at or below this fraction of the largest are X's rounding, or float64's
     cutoff = max((d * torch.finfo(x.dtype).eps) ** 2, d * torch.finfo(torch.float64).eps)
     if t <= d:
-        basis, coef, done = _unit_rows(flat, cutoff)
+        basis, coef, done = _unit_rows(flat, cutoff, pinv)
     elif x.dtype == torch.float32:
         basis, coef, done = _cholesky(flat, cutoff, _ORTHONORMAL_32)
     else:  # float64: all of it below
@@ -76,7 +79,9 @@ def span_of(x: torch.Tensor) -> Span:
         idx = (~done).nonzero(as_tuple=True)[0]
         idx = idx[(flat[idx] != 0).any(dim=-1).sum(dim=-1) <= d]
         if len(idx):
-            basis[idx], coef[idx], done[idx] = _unit_rows(flat[idx], cutoff)
+            basis[idx], rows_coef, done[idx] = _unit_rows(flat[idx], cutoff, pinv)
+            if pinv:
+                coef[idx] = rows_coef
     if not done.all():
         idx = (~done).nonzero(as_tuple=True)[0]
         wide = flat[idx].double()
@@ -85,8 +90,10 @@ def span_of(x: torch.Tensor) -> Span:
             bad = (~wide_done).nonzero(as_tuple=True)[0]
             wide_basis[bad], wide_coef[bad] = _eigen(wide[bad], cutoff)
         wide_basis, wide_coef = _newton_schulz(wide_basis, wide_coef)
-        basis[idx], coef[idx] = wide_basis.to(x.dtype), wide_coef.to(x.dtype)
-    return Span(basis.view(x.shape), coef.view(*x.shape[:-2], d, d))
+        basis[idx] = wide_basis.to(x.dtype)
+        if coef is not None:
+            coef[idx] = wide_coef.to(x.dtype)
+    return Span(basis.view(x.shape), coef.view(*x.shape[:-2], d, d) if pinv else None)
 
 
 def _cholesky(x: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,25 +113,36 @@ def _inverse_factor(gram: torch.Tensor, cutoff: float, tolerance: float) -> tupl
     return chol_inv, (info == 0) & (error <= tolerance) & (spread * cutoff < 1)
 
 
-def _unit_rows(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unit_rows(x: torch.Tensor, cutoff: float,
+               pinv: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Where X has at most d non-zero rows and they are linearly independent, span(X) is spanned by
-    their unit vectors: (U, the i-th non-zero row's unit vector in column i, C = Uᵀ (X⁺)ᵀ, where that
-    holds), in x's dtype. Independence is read from the Cholesky factor of XXᵀ over the non-zero rows
-    (float64), with a zero row's diagonal set to the largest."""
+    their unit vectors: (U, the i-th non-zero row's unit vector in column i, C = Uᵀ (X⁺)ᵀ if `pinv`
+    else None, where that holds), in x's dtype. Independence is read from the Cholesky factor of XXᵀ
+    over the non-zero rows (float64), with a zero row's diagonal set to the largest."""
     t, d = x.shape[-2:]
     zero = (x == 0).all(dim=-1)
-    order = torch.argsort(zero.to(torch.int8), dim=-1, stable=True)[..., :min(t, d)]  # non-zero rows first
-    take = order[..., None].expand(-1, -1, d)
-    packed, packed_zero = x.gather(-2, take).double(), zero.gather(-1, order)
+    if zero.any():
+        order = torch.argsort(zero.to(torch.int8), dim=-1, stable=True)[..., :min(t, d)]  # non-zero rows first
+        take = order[..., None].expand(-1, -1, d)
+        packed, packed_zero = x.gather(-2, take), zero.gather(-1, order)
+    else:  # no padding: the rows as they are
+        take, packed, packed_zero = None, x, zero
+    packed = packed.double()
     rows = packed @ packed.mT
     largest = rows.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     chol_inv, holds = _inverse_factor(rows + torch.diag_embed(packed_zero * largest), cutoff, _ORTHONORMAL_64)
     holds &= (~zero).sum(dim=-1) <= d
-    column = ((~packed_zero).cumsum(dim=-1) - 1).clamp_min(0)
-    packed_basis = F.one_hot(column, d).double() * (~packed_zero)[..., None]
+    if take is None:
+        packed_basis = torch.eye(t, d, dtype=x.dtype, device=x.device).expand(len(x), t, d)
+        basis = packed_basis.clone()
+    else:
+        column = ((~packed_zero).cumsum(dim=-1) - 1).clamp_min(0)
+        packed_basis = (F.one_hot(column, d) * (~packed_zero)[..., None]).to(x.dtype)
+        basis = x.new_zeros(x.shape).scatter_(-2, take, packed_basis)
+    if not pinv:
+        return basis, None, holds
     pinv_t = chol_inv.mT @ (chol_inv @ packed)  # (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
-    basis = x.new_zeros(x.shape).scatter_(-2, take, packed_basis.to(x.dtype))
-    return basis, (packed_basis.mT @ pinv_t).to(x.dtype), holds
+    return basis, (packed_basis.double().mT @ pinv_t).to(x.dtype), holds
 
 
 def _eigen(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
