@@ -102,15 +102,18 @@ def _cholesky(x: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.T
     return x @ chol_inv.mT, chol_inv, holds
 
 
-def _inverse_factor(gram: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse_factor(gram: torch.Tensor, cutoff: float,
+                    tolerance: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(L⁻¹ for gram = LLᵀ, where it holds): where the factor exists, leaves L⁻¹ gram L⁻ᵀ within
-    `tolerance` of I, and gram is not within `cutoff` of rank-deficient."""
+    `tolerance` of I (not checked for None), and gram is not within `cutoff` of rank-deficient."""
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     chol, info = torch.linalg.cholesky_ex(gram)
     chol_inv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
-    error = (chol_inv @ gram @ chol_inv.mT - eye).abs().amax(dim=(-2, -1))
     spread = chol.square().sum(dim=(-2, -1)) * chol_inv.square().sum(dim=(-2, -1))  # ≥ λ_max/λ_min
-    return chol_inv, (info == 0) & (error <= tolerance) & (spread * cutoff < 1)
+    holds = (info == 0) & (spread * cutoff < 1)
+    if tolerance is not None:
+        holds &= (chol_inv @ gram @ chol_inv.mT - eye).abs().amax(dim=(-2, -1)) <= tolerance
+    return chol_inv, holds
 
 
 def _unit_rows(x: torch.Tensor, cutoff: float,
@@ -130,7 +133,10 @@ def _unit_rows(x: torch.Tensor, cutoff: float,
     packed = packed.double()
     rows = packed @ packed.mT
     largest = rows.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    chol_inv, holds = _inverse_factor(rows + torch.diag_embed(packed_zero * largest), cutoff, _ORTHONORMAL_64)
+    # Only the rank is needed unless C is: in float64, spread·cutoff < 1 already makes the factor
+    # accurate to far better than that decision needs.
+    chol_inv, holds = _inverse_factor(rows + torch.diag_embed(packed_zero * largest), cutoff,
+                                      _ORTHONORMAL_64 if pinv else None)
     holds &= (~zero).sum(dim=-1) <= d
     if take is None:
         packed_basis = torch.eye(t, d, dtype=x.dtype, device=x.device).expand(len(x), t, d)
