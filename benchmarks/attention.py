@@ -78,8 +78,7 @@ def main() -> None:
 
     names = ["eager", "sdpa", *args.methods]
     print(f"causal, {HEADS} heads, D={HEAD_DIM}, B*T={TOKENS}, fp32, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; median of {args.repeats}, forward+backward"
-          "; steady heap")
+          f"torch {torch.__version__}; median of {args.repeats}, forward+backward; steady heap")
     print("| T | method | time ms | × eager | × sdpa | peak MiB | mem × eager |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for seq in args.seq:

@@ -140,8 +140,8 @@ class SpanAttentionFunction(torch.autograd.Function):
         masked = lambda x: x.to(work) * mask.key_valid if mask.key_valid is not None else x.to(work)  # noqa: E731
         needs_v = ctx.probe is not None or config.method in ("reductionistic", "score")
         k_w, v_w = masked(k), masked(v) if needs_v else None
-        per_block = config.method == "score" and config.score_grad == "per_block"  # its K cross terms need (K⁺)ᵀ
-        span_k = span_of(k_w, pinv=per_block) if ctx.probe is not None or config.method != "standard" else None
+        pinv = config.score_grad == "per_block"  # the per-block K cross terms need (K⁺)ᵀ
+        span_k = span_of(k_w, pinv=pinv) if ctx.probe is not None or config.method != "standard" else None
         batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask,
                        q.to(work), k_w, v_w, span_k, span_of(v_w) if v_w is not None else None)
         grads = [torch.empty_like(x) for x in (q, k, v)]
@@ -194,7 +194,7 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
 
     scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
-    per_block = config.method == "score" and config.score_grad == "per_block"
+    per_block = config.score_grad == "per_block"  # the config allows it for method "score" only
 
     def softmax_grad(in_place: bool) -> Tiled:
         """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers if `in_place`."""

@@ -73,14 +73,15 @@ def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
     elif x.dtype == torch.float32:
         basis, coef, done = _cholesky(flat, cutoff, _ORTHONORMAL_32)
     else:  # float64: all of it below
-        basis, coef = torch.empty_like(flat), flat.new_empty(len(flat), d, d)
+        basis, coef = torch.empty_like(flat), flat.new_empty(len(flat), d, d) if pinv else None
         done = torch.zeros(len(flat), dtype=torch.bool, device=x.device)
+    coef = coef if pinv else None  # the Cholesky route gives C for free; kept only when asked for
     if not done.all() and t > d:  # padded short sequences, with at most d non-zero rows
         idx = (~done).nonzero(as_tuple=True)[0]
         idx = idx[(flat[idx] != 0).any(dim=-1).sum(dim=-1) <= d]
         if len(idx):
             basis[idx], rows_coef, done[idx] = _unit_rows(flat[idx], cutoff, pinv)
-            if pinv:
+            if coef is not None:
                 coef[idx] = rows_coef
     if not done.all():
         idx = (~done).nonzero(as_tuple=True)[0]
@@ -93,7 +94,7 @@ def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
         basis[idx] = wide_basis.to(x.dtype)
         if coef is not None:
             coef[idx] = wide_coef.to(x.dtype)
-    return Span(basis.view(x.shape), coef.view(*x.shape[:-2], d, d) if pinv else None)
+    return Span(basis.view(x.shape), None if coef is None else coef.view(*x.shape[:-2], d, d))
 
 
 def _cholesky(x: torch.Tensor, cutoff: float, tolerance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
