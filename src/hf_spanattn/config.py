@@ -23,13 +23,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from hf_spanattn.ops.rules import RULES, Rule
+
 CONFIG_NAME = "span_attention_config.json"
 VERSION_KEY = "hf_spanattn_version"
-METHODS = ("standard", "simple", "reductionistic", "score")
-SCORE_GRADS = ("exact", "per_block")
-ALPHA_COUNT = {"standard": 0, "simple": 2, "reductionistic": 4, "score": 4}
-DEFAULT_ALPHAS = {"standard": (), "simple": (1.0, 0.0), "reductionistic": (1.0, 0.0, 0.0, 0.0),
-                  "score": (1.0, 0.0, 0.0, 0.0)}
+METHODS = tuple(dict.fromkeys(method for method, _ in RULES))
+SCORE_GRADS = tuple(dict.fromkeys(grad for _, grad in RULES))
 
 _LABEL = re.compile(r"^(?P<method>[a-z]+):(?P<alphas>[0-9.,]*)(?:\+?QKV(?P<qkv>[0-9.,]+))?(?:@(?P<grad>[a-z_]+))?$")
 
@@ -87,15 +86,17 @@ class SpanAttentionConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}: allowed values are {', '.join(METHODS)}")
-        count = ALPHA_COUNT[self.method]
-        what = {0: "standard takes no alphas", 2: "α∥, α⊥", 4: "α0, α1, α2, α3"}[count]
-        alphas = DEFAULT_ALPHAS[self.method] if self.alphas is None else self.alphas
-        object.__setattr__(self, "alphas", _alphas_field("alphas", alphas, count, what))
         if self.score_grad not in SCORE_GRADS:
             raise ValueError(f"score_grad={self.score_grad!r}: allowed values are {', '.join(SCORE_GRADS)}")
-        if self.score_grad != "exact" and self.method != "score":
-            raise ValueError(f"score_grad={self.score_grad!r}: only method='score' reads it; "
-                             f"method={self.method!r} allows only 'exact'")
+        if (self.method, self.score_grad) not in RULES:
+            readers = " or ".join(f"method={method!r}" for method, grad in RULES if grad == self.score_grad)
+            allowed = ", ".join(repr(grad) for method, grad in RULES if method == self.method)
+            raise ValueError(f"score_grad={self.score_grad!r}: only {readers} reads it; "
+                             f"method={self.method!r} allows only {allowed}")
+        rule = self.rule
+        what = ", ".join(rule.alpha_names) or f"{self.method} takes no alphas"
+        alphas = rule.default_alphas if self.alphas is None else self.alphas
+        object.__setattr__(self, "alphas", _alphas_field("alphas", alphas, len(rule.alpha_names), what))
         qkv = _alphas_field("qkv_alphas", self.qkv_alphas, 3, "α_Q, α_K, α_V")
         object.__setattr__(self, "qkv_alphas", qkv)
         if self.layers is not None:
@@ -105,6 +106,11 @@ class SpanAttentionConfig:
                 raise ValueError(f"layers={self.layers!r}: expected None (all layers) or a sequence "
                                  "of non-negative layer indices")
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+
+    @property
+    def rule(self) -> Rule:
+        """The registry entry of this method and score reading (`ops.rules.RULES`)."""
+        return RULES[self.method, self.score_grad]
 
     @property
     def label(self) -> str:

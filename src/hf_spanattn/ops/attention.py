@@ -6,15 +6,18 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.ops import rules
 from hf_spanattn.ops.blocks import BlockProducts, Workspace
 from hf_spanattn.ops.spans import Span, span_of
 from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_range, row_tiles
+
+if TYPE_CHECKING:
+    from hf_spanattn.config import SpanAttentionConfig
 
 Probe = Callable[[dict], None]
 _BACKWARD_CHUNKS = 4
@@ -138,10 +141,9 @@ class SpanAttentionFunction(torch.autograd.Function):
         config, mask = ctx.config, ctx.mask
         work = torch.float32 if q.dtype in HALF else q.dtype  # the projector maths
         masked = lambda x: x.to(work) * mask.key_valid if mask.key_valid is not None else x.to(work)  # noqa: E731
-        needs_v = ctx.probe is not None or config.method in ("reductionistic", "score")
-        k_w, v_w = masked(k), masked(v) if needs_v else None
-        pinv = config.score_grad == "per_block"  # the per-block K cross terms need (K⁺)ᵀ
-        span_k = span_of(k_w, pinv=pinv) if ctx.probe is not None or config.method != "standard" else None
+        rule, probing = config.rule, ctx.probe is not None
+        k_w, v_w = masked(k), masked(v) if probing or "v" in rule.spans else None
+        span_k = span_of(k_w, pinv=rule.pinv) if probing or rule.spans else None
         batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask,
                        q.to(work), k_w, v_w, span_k, span_of(v_w) if v_w is not None else None)
         grads = [torch.empty_like(x) for x in (q, k, v)]
@@ -194,7 +196,6 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
 
     scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
-    per_block = config.score_grad == "per_block"  # the config allows it for method "score" only
 
     def softmax_grad(in_place: bool) -> Tiled:
         """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers if `in_place`."""
@@ -202,32 +203,24 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
             dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp))
             for dp, p in zip(d_probs.parts, probs.parts)], d_probs.t, d_probs.s)
 
-    if per_block:
+    rule, spans = config.rule, rules.Spans(span_k, span_v)
+    if rule.blocks is not None:
         block_products = BlockProducts(d_probs, scale, mask.tile, workspace)
-
-        def rule(alphas):
-            return rules.score_per_block(block_products, q_w, k_w, mask.key_valid, span_k, span_v, alphas)
-
-        dq, dk = rule(config.alphas)
         g = softmax_grad(in_place=False) if probe is not None else None  # the probe's standard gradient
     else:
         g = softmax_grad(in_place=True)
 
-        def rule(alphas):
-            return _rule(config.method, alphas, g, q_w, k_w, span_k, span_v)
+    def evaluate(rule: rules.Rule, alphas) -> tuple[torch.Tensor, torch.Tensor]:
+        if rule.blocks is not None:
+            return rule.blocks(block_products, q_w, k_w, mask.key_valid, spans, alphas)
+        return rule.finish(_products(g, rule.operands(q_w, k_w, spans, alphas)), q_w, k_w, spans, alphas)
 
-        dq, dk = rule(config.alphas)
+    dq, dk = evaluate(rule, config.alphas)
     alpha_q, alpha_k, alpha_v = config.qkv_alphas
     if probe is not None:
-        alphas = config.alphas
-        if config.method == "standard":  # split the standard gradient into the exact score rule's orders
-            alphas = (1.0, 1.0, 1.0, 1.0)
-
-            def rule(alphas):
-                return rules.score_exact(g, q_w, k_w, span_k, span_v, alphas)
-
-        orders = [rule(tuple(a if i == o else 0.0 for i, a in enumerate(alphas))) for o in range(len(alphas))]
-        dq_std, dk_std = rules.standard(g, q_w, k_w)
+        split, order_alphas = rule.split(config.alphas)
+        orders = [evaluate(split, alphas) for alphas in order_alphas]
+        (dq_std,), (dk_std,) = _products(g, ([k_w], [q_w]))
         probe({
             "dq_orders": [alpha_q * x for x, _ in orders], "dk_orders": [alpha_k * x for _, x in orders],
             "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": dq_std, "dk_standard": dk_std,
@@ -236,17 +229,20 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), (alpha_q, alpha_k, alpha_v))]
 
 
-def _rule(method: str, alphas, g, q, k, span_k, span_v):
-    if method == "standard":
-        return rules.standard(g, q, k)
-    if method == "score":
-        return rules.score_exact(g, q, k, span_k, span_v, alphas)
-    if method == "simple":
-        op = rules.simple_operator(span_k, alphas)
-    else:
-        op = rules.reductionistic_operator(span_k, span_v, alphas)
-    dq, dk = rules.standard(g, q, k)
-    return op(dq), op(dk)
+def _products(g: Tiled, operands: rules.Operands) -> rules.Products:
+    """The products a rule asks for, G·X and Gᵀ·Y (summed over query heads), each side as one product."""
+    key_side, query_side = operands
+    return _side(g, key_side), [rules.group_sum(x) for x in _side(g.mT, query_side)]
+
+
+def _side(g, rights: list[rules.Part]) -> list[rules.Part]:
+    """[g @ r for r in rights] as one product; a missing right gives None."""
+    used = [r for r in rights if r is not None]
+    if not used:
+        return [None] * len(rights)
+    out = iter(rules.matmul(g, torch.cat(used, dim=-1) if len(used) > 1 else used[0]).split(
+        [r.shape[-1] for r in used], dim=-1))
+    return [next(out) if r is not None else None for r in rights]
 
 
 def span_attention(

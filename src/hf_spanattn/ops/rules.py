@@ -13,6 +13,8 @@ The order of a score block S^B = scale·Π_V^a Π_K^b Q Kᵀ Π_K Π_V^δ is its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +25,21 @@ BlockProducts = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequen
 
 Alphas = Sequence[float]
 Part = torch.Tensor | None  # None: a part whose weight is zero
+
+
+class Spans(NamedTuple):
+    """Π_K and Π_V of the masked K̃ and Ṽ (None where the rule does not need one)."""
+
+    k: Span | None
+    v: Span | None
+
+
+# Operands: the right-hand sides of the T×T products a rule needs. ([K or None, X_1, ...],
+# [Q or None, Y_1, ...]) asks for G·K, G·X_i (per query head) and Gᵀ·Q, Gᵀ·Y_i (summed over the
+# query heads of a key/value head); None where a product is not needed. G·K and Gᵀ·Q are the
+# standard backward's, which a fused kernel gives anyway.
+Operands = tuple[list[Part], list[Part]]
+Products = tuple[list[Part], list[Part]]  # the products asked for, in the same places
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -53,24 +70,43 @@ def lincomb(*terms: tuple[float, Part]) -> Part:
     return out
 
 
-def standard(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def standard_operands(q: torch.Tensor, k: torch.Tensor, spans: Spans, alphas: Alphas) -> Operands:
     """dQ = G K, dK = Gᵀ Q."""
-    return matmul(g, k), group_sum(matmul(g.mT, q))
+    return [k], [q]
 
 
-def simple_operator(span_k: Span, alphas: Alphas) -> Callable[[torch.Tensor], torch.Tensor]:
+def standard_finish(products: Products, q: torch.Tensor, k: torch.Tensor, spans: Spans,
+                    alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+    (gk,), (gq,) = products
+    return gk, gq
+
+
+def _transform(operator: Callable[[Spans, Alphas], Callable[[torch.Tensor], torch.Tensor]]):
+    """The finish of a rule that applies `operator` to the standard dQ and dK."""
+
+    def finish(products: Products, q: torch.Tensor, k: torch.Tensor, spans: Spans,
+               alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+        (gk,), (gq,) = products
+        op = operator(spans, alphas)
+        return op(gk), op(gq)
+
+    return finish
+
+
+def simple_operator(spans: Spans, alphas: Alphas) -> Callable[[torch.Tensor], torch.Tensor]:
     """X ↦ (α∥ Π_K + α⊥ Π_K^⊥) X = α⊥ X + (α∥ − α⊥) Π_K X."""
     a_par, a_perp = alphas
-    return lambda x: _zero_if_none(lincomb((a_perp, x), (a_par - a_perp, span_k.project(x))), x)
+    return lambda x: _zero_if_none(lincomb((a_perp, x), (a_par - a_perp, spans.k.project(x))), x)
 
 
-def reductionistic_operator(span_k: Span, span_v: Span, alphas: Alphas) -> Callable[[torch.Tensor], torch.Tensor]:
+def reductionistic_operator(spans: Spans, alphas: Alphas) -> Callable[[torch.Tensor], torch.Tensor]:
     """X ↦ Σ_i α_i Π_i X with Π_0 = Π_KΠ_VΠ_K, Π_1 = Π_KΠ_V^⊥Π_K, Π_2 = Π_K^⊥Π_VΠ_K^⊥, Π_3 = Π_K^⊥Π_V^⊥Π_K^⊥.
 
     With X∥ = Π_K X and X⊥ = X − X∥:
     Σ α_i Π_i X = B + Π_K (A − B),  A = α1 X∥ + (α0−α1) Π_V X∥,  B = α3 X⊥ + (α2−α3) Π_V X⊥.
     """
     a0, a1, a2, a3 = alphas
+    span_k, span_v = spans
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         x_par = span_k.project(x)
@@ -111,38 +147,30 @@ def _split(span: Span, par: Part, perp: Part, like: torch.Tensor) -> torch.Tenso
     return projected if perp is None else projected.add_(perp)
 
 
-def _products(g: torch.Tensor, *rights: Part) -> list[Part]:
-    """[g @ r for r in rights] as one product; a missing right gives None."""
-    used = [r for r in rights if r is not None]
-    if not used:
-        return [None] * len(rights)
-    out = iter(matmul(g, torch.cat(used, dim=-1) if len(used) > 1 else used[0]).split(
-        [r.shape[-1] for r in used], dim=-1))
-    return [next(out) if r is not None else None for r in rights]
-
-
-def score_exact(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, span_k: Span, span_v: Span,
-                alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+def score_exact_operands(q: torch.Tensor, k: torch.Tensor, spans: Spans, alphas: Alphas) -> Operands:
     """Score rule with ∂L/∂S^B = G for every block (no cross terms: G_∥ − G_⊥ = 0).
 
-    dQ = Σ_B α (Π_V^aΠ_K^b)ᵀ G (Π_V^δ K) = Π_K Y_∥ + Π_K^⊥ Y_⊥ from G·Π_V K and G·Π_V^⊥ K;
+    dQ = Σ_B α (Π_V^aΠ_K^b)ᵀ G (Π_V^δ K) = Π_K Y_∥ + Π_K^⊥ Y_⊥ from G·Π_V K and G·Π_V^⊥ K = G·K − G·Π_V K;
     dK = Σ_B α Π_V^δ Gᵀ Π_V^a Π_K^b Q = Π_V Gᵀ R_∥ + Π_V^⊥ Gᵀ R_⊥.
     Two T×T·d products beyond the standard backward, none for [1000].
     """
     use_par, use_perp = any(alphas[:3]), any(alphas[1:])  # weights of the ∥ and ⊥ parts of a mix
-    k_par = span_v.project(k)
-    g_par, g_perp = _products(g, k_par if use_par else None, k - k_par if use_perp else None)
-    dq = _split(span_k, *_order_mix(span_v, g_par, g_perp, alphas), like=q)
+    k_par = spans.v.project(k) if use_par or use_perp else None
+    q_par = spans.k.project(q)
+    r_par, r_perp = _order_mix(spans.v, q_par, q - q_par, alphas)
+    return [k if use_perp else None, k_par], [None, r_par, r_perp]
 
-    q_par = span_k.project(q)
-    r_par, r_perp = _order_mix(span_v, q_par, q - q_par, alphas)
-    h_par, h_perp = (group_sum(h) for h in _products(g.mT, r_par, r_perp))
-    return dq, _split(span_v, h_par, h_perp, like=k)
+
+def score_exact_finish(products: Products, q: torch.Tensor, k: torch.Tensor, spans: Spans,
+                       alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+    (g_k, g_par), (_, h_par, h_perp) = products
+    g_perp = g_k - g_par if g_k is not None else None
+    dq = _split(spans.k, *_order_mix(spans.v, g_par, g_perp, alphas), like=q)
+    return dq, _split(spans.v, h_par, h_perp, like=k)
 
 
 def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Tensor,
-                    key_valid: torch.Tensor | None, span_k: Span, span_v: Span,
-                    alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+                    key_valid: torch.Tensor | None, spans: Spans, alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
     """Score rule with the paper's hook reading: G_B is the gradient of softmax(mask(S^B))·V at
     S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q (index 2a + b), K_δ = Π_V^δ K.
     `block_products([Q_ab], [K_δ], sums, α)` returns Σ_δ c_δ G_B K_δ for each (2a + b, c) in `sums`
@@ -155,6 +183,7 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
     Π_K^⊥ (Q Ẽᵀ + Ẽ Qᵀ) (K⁺)ᵀ. E comes from the products G_B K_δ that dQ needs anyway, so the
     cross terms cost O(T·d²).
     """
+    span_k, span_v = spans
     q_par = span_k.project(q)
     q_perp = q - q_par
     vq_par, vq_perp = span_v.project(q_par), span_v.project(q_perp)
@@ -188,3 +217,56 @@ def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Ten
         cross = span_k.reject(group_sum((q @ (e_mix.mT @ pinv)).add_(e_mix @ (q.mT @ pinv))))
         dk = dk.add_(cross.mul_(key_valid) if key_valid is not None else cross)
     return dq, dk
+
+
+def _one_hot(alphas: Alphas) -> list[tuple[float, ...]]:
+    """Each α alone: the order split of a rule (order o's component uses α_o, the others 0)."""
+    return [tuple(a if i == o else 0.0 for i, a in enumerate(alphas)) for o in range(len(alphas))]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One backward rule for dQ and dK: a registry entry.
+
+    `alpha_names` and `default_alphas`: what its α are and the paper's best setting; `spans`: the
+    spans it reads ("k", "v"), `pinv`: whether it reads (K⁺)ᵀ too. Either `operands` and `finish`
+    (the rule from products of G = ∂L/∂S, see `Operands`) or `blocks` (the per-block reading, from
+    `BlockProducts`). `split` is the rule and the α whose components give the orders of span
+    violation for diagnostics.
+    """
+
+    method: str
+    score_grad: str
+    alpha_names: tuple[str, ...]
+    default_alphas: tuple[float, ...]
+    spans: str = ""
+    pinv: bool = False
+    operands: Callable[..., Operands] | None = None
+    finish: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def split(self, alphas: Alphas) -> tuple[Rule, list[tuple[float, ...]]]:
+        """(the rule, α per order): their results sum to this rule's. The standard gradient is
+        split into the exact score rule's orders at α = (1, 1, 1, 1)."""
+        if self.method == "standard":
+            return RULES["score", "exact"], _one_hot((1.0, 1.0, 1.0, 1.0))
+        return self, _one_hot(alphas)
+
+
+ORDER_ALPHAS = ("α0", "α1", "α2", "α3")
+RULES: dict[tuple[str, str], Rule] = {
+    ("standard", "exact"): Rule("standard", "exact", (), (), operands=standard_operands, finish=standard_finish),
+    ("simple", "exact"): Rule("simple", "exact", ("α∥", "α⊥"), (1.0, 0.0), spans="k", operands=standard_operands,
+                              finish=_transform(simple_operator)),
+    ("reductionistic", "exact"): Rule("reductionistic", "exact", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), spans="kv",
+                                      operands=standard_operands, finish=_transform(reductionistic_operator)),
+    ("score", "exact"): Rule("score", "exact", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), spans="kv",
+                             operands=score_exact_operands, finish=score_exact_finish),
+    ("score", "per_block"): Rule("score", "per_block", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), spans="kv", pinv=True,
+                                 blocks=score_per_block),
+}
+
+
+def rule_of(method: str, score_grad: str = "exact") -> Rule:
+    """The registry entry of (method, score_grad)."""
+    return RULES[method, score_grad]

@@ -167,3 +167,49 @@ def _newton_schulz(basis: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tenso
     eye = torch.eye(basis.shape[-1], dtype=basis.dtype, device=basis.device)
     step = (3 * eye - basis.mT @ basis) / 2
     return basis @ step, step @ coef
+
+
+def span_without_sync(x: torch.Tensor, pinv: bool = False) -> Span:
+    """The span of x's columns as `span_of`, by one route that needs no decision on the host, so
+    that it runs inside a CUDA graph and never waits for the device; for float32 and half inputs.
+
+    U = X L⁻ᵀ, C = L⁻¹ from the float64 factor XᵀX + εI = LLᵀ with ε = cutoff·tr(XᵀX), then one
+    Newton–Schulz step. Directions of X far above the cutoff come out orthonormal to float32
+    precision; those at X's rounding level (rank deficiency) are scaled down to ~(λ/ε)^½ and
+    count for (λ/ε) ≲ 10⁻⁵ of Π_X. For T ≤ d, where the rows are linearly independent (checked on
+    their float64 Gram matrix), U holds the unit vectors of the non-zero rows, as in `span_of`.
+    """
+    if x.dtype == torch.float64:
+        raise TypeError("span_without_sync is for float32 inputs (float64 goes through span_of)")
+    t, d = x.shape[-2:]
+    wide = x.reshape(-1, t, d).double()
+    cutoff = (d * torch.finfo(torch.float32).eps) ** 2
+    gram = wide.mT @ wide
+    shift = cutoff * gram.diagonal(dim1=-2, dim2=-1).sum(dim=-1) + torch.finfo(torch.float64).tiny
+    eye = torch.eye(d, dtype=torch.float64, device=x.device)
+    chol, _ = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
+    coef = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+    basis, coef = _newton_schulz(wide @ coef.mT, coef)
+    if t <= d:
+        rows_basis, rows_coef, independent = _unit_rows_without_sync(wide, cutoff, pinv)
+        basis = torch.where(independent[:, None, None], rows_basis, basis)
+        if pinv:
+            coef = torch.where(independent[:, None, None], rows_coef, coef)
+    basis = basis.to(x.dtype).view(x.shape)
+    return Span(basis, coef.to(x.dtype).view(*x.shape[:-2], d, d) if pinv else None)
+
+
+def _unit_rows_without_sync(x: torch.Tensor, cutoff: float,
+                            pinv: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """For float64 X (n, T, d) with T ≤ d: (U with row i's unit vector in column i for each
+    non-zero row i, C = Uᵀ(X⁺)ᵀ if `pinv`, whether the non-zero rows are linearly independent)."""
+    t, d = x.shape[-2:]
+    zero = (x == 0).all(dim=-1)
+    rows = x @ x.mT
+    largest = rows.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    chol_inv, independent = _inverse_factor(rows + torch.diag_embed(zero * largest), cutoff, None)
+    basis = torch.eye(t, d, dtype=x.dtype, device=x.device) * (~zero)[..., None]
+    coef = None
+    if pinv:  # (X⁺)ᵀ = (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
+        coef = basis.mT @ (chol_inv.mT @ (chol_inv @ x))
+    return basis, coef, independent
