@@ -164,7 +164,7 @@ def score_exact_operands(q: torch.Tensor, k: torch.Tensor, spans: Spans, alphas:
 def score_exact_finish(products: Products, q: torch.Tensor, k: torch.Tensor, spans: Spans,
                        alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
     (g_k, g_par), (_, h_par, h_perp) = products
-    g_perp = g_k - g_par if g_k is not None else None
+    g_perp = g_k - g_par if g_k is not None and g_par is not None else None
     dq = _split(spans.k, *_order_mix(spans.v, g_par, g_perp, alphas), like=q)
     return dq, _split(spans.v, h_par, h_perp, like=k)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 # how far from I the Cholesky route may leave L⁻¹(XᵀX)L⁻ᵀ: in float32 (no further step), and in
 # float64 (one Newton–Schulz step squares it)
 _ORTHONORMAL_32, _ORTHONORMAL_64 = 1e-5, 1e-6
+_RIDGE = 1e-8  # span_without_sync: ε = _RIDGE·tr(XᵀX), far above float32's rounding (eps² ≈ 1.4e-14)
 
 
 @dataclass
@@ -117,15 +118,16 @@ def _inverse_factor(gram: torch.Tensor, cutoff: float,
     return chol_inv, holds
 
 
-def _unit_rows(x: torch.Tensor, cutoff: float,
-               pinv: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _unit_rows(x: torch.Tensor, cutoff: float, pinv: bool,
+               always_pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Where X has at most d non-zero rows and they are linearly independent, span(X) is spanned by
     their unit vectors: (U, the i-th non-zero row's unit vector in column i, C = Uᵀ (X⁺)ᵀ if `pinv`
     else None, where that holds), in x's dtype. Independence is read from the Cholesky factor of XXᵀ
-    over the non-zero rows (float64), with a zero row's diagonal set to the largest."""
+    over the non-zero rows (float64), with a zero row's diagonal set to the largest. Rows are packed
+    (non-zero first, at most d) where some row is zero, or always with `always_pack` (no host sync)."""
     t, d = x.shape[-2:]
     zero = (x == 0).all(dim=-1)
-    if zero.any():
+    if always_pack or zero.any():
         order = torch.argsort(zero.to(torch.int8), dim=-1, stable=True)[..., :min(t, d)]  # non-zero rows first
         take = order[..., None].expand(-1, -1, d)
         packed, packed_zero = x.gather(-2, take), zero.gather(-1, order)
@@ -171,45 +173,31 @@ def _newton_schulz(basis: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tenso
 
 def span_without_sync(x: torch.Tensor, pinv: bool = False) -> Span:
     """The span of x's columns as `span_of`, by one route that needs no decision on the host, so
-    that it runs inside a CUDA graph and never waits for the device; for float32 and half inputs.
+    that it never waits for the device (and runs inside a CUDA graph); for float32 and half inputs.
 
-    U = X L⁻ᵀ, C = L⁻¹ from the float64 factor XᵀX + εI = LLᵀ with ε = cutoff·tr(XᵀX), then one
-    Newton–Schulz step. Directions of X far above the cutoff come out orthonormal to float32
-    precision; those at X's rounding level (rank deficiency) are scaled down to ~(λ/ε)^½ and
-    count for (λ/ε) ≲ 10⁻⁵ of Π_X. For T ≤ d, where the rows are linearly independent (checked on
-    their float64 Gram matrix), U holds the unit vectors of the non-zero rows, as in `span_of`.
+    U = X L⁻ᵀ, C = L⁻¹ from the float64 factor XᵀX + εI = LLᵀ with ε = 10⁻⁸·tr(XᵀX), then one
+    Newton–Schulz step. A direction of X with λ ≥ 10⁻⁴·tr(XᵀX) comes out orthonormal to 10⁻⁸; one
+    at float32's rounding level (λ ≲ eps²·tr: a rank deficiency) keeps less than 10⁻⁵ of its
+    share of Π_X, and (X⁺)ᵀ = U (UᵀU) C weights it by σ³/(σ² + ε)², next to nothing. Directions in
+    between are taken in part. Where X has at most d non-zero rows and they are linearly
+    independent (T ≤ d, or a padded short sequence), U holds their unit vectors, as in `span_of`.
     """
     if x.dtype == torch.float64:
-        raise TypeError("span_without_sync is for float32 inputs (float64 goes through span_of)")
+        raise TypeError("span_without_sync is for float32 and half inputs; float64 goes through span_of")
     t, d = x.shape[-2:]
     wide = x.reshape(-1, t, d).double()
-    cutoff = (d * torch.finfo(torch.float32).eps) ** 2
     gram = wide.mT @ wide
-    shift = cutoff * gram.diagonal(dim1=-2, dim2=-1).sum(dim=-1) + torch.finfo(torch.float64).tiny
+    ridge = _RIDGE * gram.diagonal(dim1=-2, dim2=-1).sum(dim=-1) + torch.finfo(torch.float64).tiny
     eye = torch.eye(d, dtype=torch.float64, device=x.device)
-    chol, _ = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
+    chol, _ = torch.linalg.cholesky_ex(gram + ridge[:, None, None] * eye)
     coef = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
     basis, coef = _newton_schulz(wide @ coef.mT, coef)
-    if t <= d:
-        rows_basis, rows_coef, independent = _unit_rows_without_sync(wide, cutoff, pinv)
-        basis = torch.where(independent[:, None, None], rows_basis, basis)
-        if pinv:
-            coef = torch.where(independent[:, None, None], rows_coef, coef)
+    if pinv:
+        coef = basis.mT @ basis @ coef
+    cutoff = (d * torch.finfo(torch.float32).eps) ** 2
+    rows_basis, rows_coef, independent = _unit_rows(wide, cutoff, pinv, always_pack=True)
+    basis = torch.where(independent[:, None, None], rows_basis, basis)
+    if pinv:
+        coef = torch.where(independent[:, None, None], rows_coef, coef)
     basis = basis.to(x.dtype).view(x.shape)
     return Span(basis, coef.to(x.dtype).view(*x.shape[:-2], d, d) if pinv else None)
-
-
-def _unit_rows_without_sync(x: torch.Tensor, cutoff: float,
-                            pinv: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """For float64 X (n, T, d) with T ≤ d: (U with row i's unit vector in column i for each
-    non-zero row i, C = Uᵀ(X⁺)ᵀ if `pinv`, whether the non-zero rows are linearly independent)."""
-    t, d = x.shape[-2:]
-    zero = (x == 0).all(dim=-1)
-    rows = x @ x.mT
-    largest = rows.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    chol_inv, independent = _inverse_factor(rows + torch.diag_embed(zero * largest), cutoff, None)
-    basis = torch.eye(t, d, dtype=x.dtype, device=x.device) * (~zero)[..., None]
-    coef = None
-    if pinv:  # (X⁺)ᵀ = (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
-        coef = basis.mT @ (chol_inv.mT @ (chol_inv @ x))
-    return basis, coef, independent
