@@ -8,7 +8,6 @@ config is the single source of truth: saving, loading and pushing a model carrie
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 import torch
@@ -39,18 +38,18 @@ def register() -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _parse(frozen: str) -> SpanAttentionConfig:
-    return SpanAttentionConfig.from_dict(json.loads(frozen))
+def _parse(frozen: tuple) -> SpanAttentionConfig:
+    return SpanAttentionConfig.from_dict({k: list(v) if isinstance(v, tuple) else v for k, v in frozen})
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
-    """The settings stored on a PretrainedConfig, or None."""
+    """The settings stored on a PretrainedConfig, or None. Parsed once per distinct dict."""
     data = getattr(model_config, CONFIG_KEY, None)
     if data is None:
         return None
     if isinstance(data, SpanAttentionConfig):
         return data
-    return _parse(json.dumps(data, sort_keys=True))
+    return _parse(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in data.items())))
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
@@ -104,9 +103,9 @@ def span_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The registry's call: (B, H, T, D) in, (B, T, H, D) out. Without autograd, or in a layer
     that keeps stock gradients, this is Transformers' SDPA attention itself."""
-    config = settings_for(module)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if config is None or not needs_grad:
+    config = settings_for(module) if needs_grad else None  # evaluation and generation: SDPA itself
+    if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     for unsupported in ("softcap", "position_bias"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from hf_spanattn.ops import rules
 from hf_spanattn.ops.blocks import BlockProducts, Workspace
+from hf_spanattn.ops.fused import fused_attention
 from hf_spanattn.ops.spans import Span, span_of
 from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_range, row_tiles
 
@@ -257,6 +259,7 @@ def span_attention(
     *,
     config: SpanAttentionConfig,
     probe: Probe | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` whose backward pass applies
     `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's.
@@ -272,7 +275,13 @@ def span_attention(
     applied dQ, dK, their components per order (α_o-weighted: they sum to the applied ones; the
     standard rule is split into the exact score rule's orders, simple into Π_K and Π_K^⊥),
     the standard dQ, dK and the ranks of K̃ and Ṽ per (batch, head). Diagnostics only: it
-    costs one rule evaluation per order.
+    costs one rule evaluation per order, and runs on the tiles.
+
+    `backend` says how the T×T work runs: `"fused"` on SDPA's fused kernels (`ops/fused.py`: nothing
+    T×T is formed, no host synchronisation; float32 and half inputs), `"tiles"` in row tiles of
+    explicit T×T matrices (this module; any dtype, the faster on a CPU), `"auto"` (default): the
+    environment variable HF_SPANATTN_BACKEND if set, else fused on accelerators and tiles on the CPU
+    or for float64.
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     b, h_q, t, d = query.shape
@@ -295,6 +304,11 @@ def span_attention(
     if not query.dtype == key.dtype == value.dtype:
         raise ValueError(f"span_attention: query, key and value must share a dtype, got "
                          f"{query.dtype}, {key.dtype}, {value.dtype}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
+    if _backend(backend, query, probe) == "fused":
+        with torch.autocast(device, enabled=False):
+            return fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, config)
     mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype, query.device)
     with torch.autocast(device, enabled=False):
         out = SpanAttentionFunction.apply(
@@ -302,3 +316,22 @@ def span_attention(
             probe,
         )
     return out.reshape(b, h_q, t, value.shape[-1])
+
+
+BACKENDS = ("auto", "tiles", "fused")
+
+
+def _backend(name: str, query: torch.Tensor, probe: Probe | None) -> str:
+    """The backend that runs this call: see `span_attention`."""
+    if name == "auto":
+        name = os.environ.get("HF_SPANATTN_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: allowed values are {', '.join(BACKENDS)} "
+                         "(also for the environment variable HF_SPANATTN_BACKEND)")
+    if name == "fused" and query.dtype == torch.float64:
+        raise ValueError("backend='fused' runs float32 and half inputs; float64 runs on backend='tiles'")
+    if probe is not None:
+        return "tiles"
+    if name == "auto":
+        return "tiles" if query.device.type == "cpu" or query.dtype == torch.float64 else "fused"
+    return name

@@ -1,0 +1,66 @@
+"""torch.compile on patched models: the same gradients in training, fullgraph for evaluation and generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import VOCAB, tiny
+from transformers import CompileConfig
+
+import hf_spanattn
+
+
+def gradients(model, ids, forward=None) -> dict[str, torch.Tensor]:
+    """The parameter gradients of `model` after a train step through `forward` (the model itself by default)."""
+    model.zero_grad(set_to_none=True)
+    (model if forward is None else forward)(input_ids=ids, labels=ids).loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def check_compiled_training(family: str, label: str, backend: str, compiler: str, monkeypatch) -> None:
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", backend)
+    torch._dynamo.reset()
+    model = tiny(family)
+    hf_spanattn.patch_model(model, label)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager = gradients(model, ids)
+    compiled = gradients(model, ids, torch.compile(model, backend=compiler))
+    assert eager.keys() == compiled.keys()
+    for name, grad in eager.items():
+        assert ((compiled[name] - grad).norm() / grad.norm()).item() < 1e-5, name
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block"])
+def test_compiled_training_gives_the_same_gradients(label, backend, monkeypatch):
+    """Dynamo and AOTAutograd around the patched model (graph breaks allowed), without code generation."""
+    check_compiled_training("gpt2", label, backend, "aot_eager", monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_inductor_training_gives_the_same_gradients(backend, monkeypatch):
+    check_compiled_training("llama", "score:1100", backend, "inductor", monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fullgraph_evaluation(family):
+    torch._dynamo.reset()
+    model = tiny(family).eval()
+    hf_spanattn.patch_model(model, "score:1000")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.allclose(compiled(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_fullgraph_generation_with_a_static_cache():
+    """As Transformers' own fullgraph generation test: a static cache and a compiled forward."""
+    torch._dynamo.reset()
+    model = tiny("llama").eval()
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
+    expected = model.generate(ids, **kwargs)
+    hf_spanattn.patch_model(model, "score:1000")
+    compiled = model.generate(ids, compile_config=CompileConfig(fullgraph=True, backend="aot_eager"), **kwargs)
+    assert torch.equal(compiled, expected)
