@@ -285,7 +285,9 @@ def test_real_runs_two_at_once_on_the_cpu_with_early_stopping(tmp_path, monkeypa
         monkeypatch.setenv(key, "1")
     args = {**TINY, "max_train_tokens": 600, "num_train_epochs": 3, "early_stopping_patience": 1,
             "early_stopping_threshold": "1e9", "save_strategy": "no", "load_best_model_at_end": False}
-    config = write_sweep(tmp_path / "sweep.yaml", ["standard:QKV111", "score:1000"], [0], args)
+    config = write_sweep(tmp_path / "sweep.yaml", ["standard:QKV111"], [0], args)
+    # a second document: another span whose patience outlasts its 3 epochs
+    config.write_text(config.read_text() + "---\nspans: [score:1000]\nargs: {early_stopping_patience: 5}\n")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     results, jsonl = tmp_path / "results", tmp_path / "out" / "results.jsonl"
@@ -294,9 +296,12 @@ def test_real_runs_two_at_once_on_the_cpu_with_early_stopping(tmp_path, monkeypa
     records = {r["name"]: r for r in pack.load_records(results)}
     assert sorted(records) == ["H2xL1__score-1000__seed0", "H2xL1__standard-QKV111__seed0"]
     assert {r["name"]: r for r in pack.load_records(jsonl)} == records
+    stopped, full = records["H2xL1__standard-QKV111__seed0"], records["H2xL1__score-1000__seed0"]
+    assert stopped["early_stopping"]["stopped_early"] and stopped["early_stopping"]["stopped_at_epoch"] == 2.0
+    assert not full["early_stopping"]["stopped_early"] and full["early_stopping"]["stopped_at_epoch"] is None
+    assert stopped["epochs_run"] == 2.0 and full["epochs_run"] == 3.0
+    assert full["config"]["args"]["early_stopping_patience"] == "5"
     for record in records.values():
-        assert record["early_stopping"]["stopped_early"] and record["early_stopping"]["stopped_at_epoch"] == 2.0
-        assert record["epochs_run"] == 2.0 and record["parallel"] == 2 and record["device"].startswith("cpu")
-        assert record["config"]["args"]["early_stopping_patience"] == "1"
+        assert record["parallel"] == 2 and record["device"].startswith("cpu")
         assert record["min_val_loss"] == min(e["loss"] for e in record["eval_history"])
     assert not list(scratch.iterdir()) and not (tmp_path / "tree").exists()
