@@ -78,8 +78,8 @@ def test_packs_whole_runs_into_the_budget_and_skips_finished_ones(tmp_path, fake
     assert pack.main([str(config), "--results", str(results), "--budget", "0"]) == 0
     assert [(c["span"], c["seed"]) for c in fake()] == [("standard:QKV111", 0)]  # a first run always starts
     first = {p.name: p.read_text() for p in results.iterdir()}
-    # 6.5 s: a second run of about 2.5 s starts with about 4 s left; a third would need more than the 1.5 s left
-    assert pack.main([str(config), "--results", str(results), "--budget", "6.5"]) == 0
+    # runs take 2.5 s and a little: in 7.4 s a second run starts (about 4.9 s left), a third cannot (at most 2.4 s)
+    assert pack.main([str(config), "--results", str(results), "--budget", "7.4"]) == 0
     assert [(c["span"], c["seed"]) for c in fake()][1:] == [("score:1000", 0), ("standard:QKV111", 1)]
     monkeypatch.setenv("FAKE_SLEEP", "0")
     assert pack.main([str(config), "--results", str(results), "--jsonl", str(tmp_path / "all.jsonl")]) == 0
