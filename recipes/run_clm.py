@@ -12,8 +12,9 @@ with the GPT-2 tokenizer, blocks of 512 tokens with 50 % overlap, GPT-2 with d =
         --train_file train.PARTIAL-first-1MB.txt --tokenizer_name ../shared/data/gpt2-tokenizer ...
     accelerate launch --num_processes 2 recipes/run_clm.py ...
 
-Writes `metrics.json` (the full configuration, per-epoch losses, best validation loss,
-perplexity and next-token accuracy) into --output_dir.
+Writes `metrics.json` (the full configuration, per-epoch losses and learning rates, best
+validation loss, perplexity, next-token accuracy, the device, and with --early_stopping_patience
+whether and at which epoch training stopped early) into --output_dir.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +36,7 @@ import transformers
 import yaml
 from transformers import (
     AutoTokenizer,
+    EarlyStoppingCallback,
     GPT2Config,
     GPT2LMHeadModel,
     HfArgumentParser,
@@ -136,8 +139,30 @@ class SpanArguments:
         return SpanAttentionConfig.from_label(self.span, **overrides)
 
 
+@dataclass
+class StoppingArguments:
+    early_stopping_patience: int | None = field(default=None, metadata={
+        "help": "Stop N evaluations after the best validation loss (Transformers' EarlyStoppingCallback); the "
+                "learning-rate schedule stays that of the full --num_train_epochs."})
+    early_stopping_threshold: float = field(default=0.0, metadata={
+        "help": "How much an evaluation must lower the best validation loss to count as better."})
+
+    def __post_init__(self):
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise ValueError(f"--early_stopping_patience {self.early_stopping_patience}: allowed values are >= 1")
+        if self.early_stopping_threshold < 0:
+            raise ValueError(f"--early_stopping_threshold {self.early_stopping_threshold}: allowed values are >= 0")
+
+    def callbacks(self, training: TrainingArguments) -> list[EarlyStoppingCallback]:
+        if self.early_stopping_patience is None:
+            return []
+        if training.eval_strategy == "no":
+            raise ValueError("--early_stopping_patience needs evaluations: --eval_strategy epoch or steps")
+        return [EarlyStoppingCallback(self.early_stopping_patience, self.early_stopping_threshold)]
+
+
 def parse_args(argv: list[str] | None = None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, SpanArguments, TrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, SpanArguments, TrainingArguments, StoppingArguments))
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
         return parser.parse_yaml_file(os.path.abspath(argv[0]))
@@ -221,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if not (len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json"))):
         argv = training_defaults(argv)
-    model_args, data_args, span_args, training_args = parse_args(argv)
+    model_args, data_args, span_args, training_args, stop_args = parse_args(argv)
+    stop_callbacks = stop_args.callbacks(training_args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
                         if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
@@ -237,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer = Trainer(model=model, args=training_args, train_dataset=splits["train"],
                       eval_dataset=splits["validation"], data_collator=default_data_collator,
-                      compute_metrics=make_compute_metrics(), preprocess_logits_for_metrics=token_scores)
+                      compute_metrics=make_compute_metrics(), preprocess_logits_for_metrics=token_scores,
+                      callbacks=stop_callbacks)
     callback = span_args.callback()
     if callback is not None:
         callback.add_to(trainer)
@@ -247,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_result = trainer.train(resume_from_checkpoint=resume)
     if not any("eval_loss" in h for h in trainer.state.log_history):
         trainer.evaluate()
-    metrics = summarize(trainer, train_result, span, (model_args, data_args, span_args, training_args),
+    metrics = summarize(trainer, train_result, span, (model_args, data_args, span_args, training_args, stop_args),
                         time.time() - start, resumed_from=resume)
     if trainer.is_world_process_zero():
         trainer.save_model()
@@ -258,11 +285,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> dict:
     history = trainer.state.log_history
-    train = [{"epoch": h["epoch"], "step": h["step"], "loss": h["loss"]} for h in history if "loss" in h]
+    train = [{"epoch": h["epoch"], "step": h["step"], "loss": h["loss"], "learning_rate": h.get("learning_rate")}
+             for h in history if "loss" in h]
     evals = [{"epoch": h["epoch"], "step": h["step"], "loss": h["eval_loss"], "accuracy": h.get("eval_accuracy"),
               "perplexity": h.get("eval_perplexity")} for h in history if "eval_loss" in h]
     best = min(evals, key=lambda e: e["loss"])
-    model_args, data_args, span_args, training_args = all_args
+    model_args, data_args, span_args, training_args, stop_args = all_args
     return {
         "span": span.label,
         "span_config": span.to_dict(),
@@ -276,10 +304,26 @@ def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> d
         "train_runtime_s": seconds,
         "resumed_from": resumed_from,
         "world_size": training_args.world_size,
+        "device": device_name(training_args.device),
+        "early_stopping": early_stopping(trainer, stop_args),
         "config": {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
                    "training": training_args.to_dict(), "hf_spanattn": hf_spanattn.__version__,
                    "transformers": transformers.__version__, "torch": torch.__version__},
     }
+
+
+def early_stopping(trainer, stop: StoppingArguments) -> dict | None:
+    """Whether the run stopped before its last step, and at which epoch (None without --early_stopping_patience)."""
+    if stop.early_stopping_patience is None:
+        return None
+    stopped = trainer.state.global_step < trainer.state.max_steps
+    return {"patience": stop.early_stopping_patience, "threshold": stop.early_stopping_threshold,
+            "stopped_early": stopped, "stopped_at_epoch": trainer.state.epoch if stopped else None,
+            "num_train_epochs": trainer.args.num_train_epochs}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({platform.machine()})"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Pack as many whole runs of a sweep as fit into a wall-clock budget, each writing one small JSON.
+
+    python recipes/pack.py recipes/configs/paper_gpu.yaml --budget 540 --jsonl $OUT/results.jsonl
+    python recipes/pack.py recipes/configs/cpu_scale.yaml --results runs/pack --parallel 2
+
+The YAML is a sweep in recipes/sweep.py's format (output_dir, args, spans, seeds, shapes); a
+file of several YAML documents runs them in order, each later document taking the keys it
+leaves out from the one before (its `args` merged key by key), and a run planned twice runs
+once. Each run is recipes/run_clm.py in a process of its own, in a temporary folder deleted
+afterwards (no checkpoint or weight is kept); `--parallel N` runs N at once on the one device.
+A finished run writes one JSON (`result_record`) as <results>/<name>.json and/or one line of
+--jsonl. A run is skipped when its JSON is in --results, its line in --jsonl, or its
+metrics.json in the sweep's tree (<output_dir>/<shape>/<span>/seed<k>, where recipes/merge.py
+puts merged results). A new run starts only while the budget left is at least the longest
+run this command has finished (or --estimate before one has); the first run always starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+from sweep import plan
+
+RUN_CLM = Path(__file__).with_name("run_clm.py")
+REQUIRED = ("name", "shape", "span", "seed", "config", "train_history", "eval_history", "final_train_loss",
+            "min_val_loss", "best_epoch", "epochs_run", "early_stopping", "train_runtime_s", "wall_s", "device")
+TRAINING_KEYS = ("seed", "data_seed", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "per_device_eval_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
+                 "weight_decay", "max_grad_norm", "optim", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "fp16",
+                 "tf32", "eval_strategy", "metric_for_best_model")
+
+
+@dataclass
+class Run:
+    name: str
+    folder: Path  # the run's place in the sweep's tree
+    args: dict[str, str]  # run_clm.py arguments, output_dir left out
+
+    @property
+    def shape(self) -> str:
+        return self.folder.parts[-3]
+
+
+@dataclass
+class Started:
+    run: Run
+    process: subprocess.Popen
+    tmp: Path
+    start: float
+
+
+@dataclass
+class Tally:
+    finished: list[float] = field(default_factory=list)  # wall seconds of this command's finished runs
+    failed: list[str] = field(default_factory=list)
+    launched: int = 0
+
+
+def load_sweeps(path: Path) -> list[dict]:
+    """The YAML documents of a sweep file, each later one completed by the one before."""
+    if not path.is_file():
+        raise ValueError(f"sweep config {path}: no such file")
+    try:
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except yaml.YAMLError as err:
+        raise ValueError(f"sweep config {path}: not valid YAML ({err})") from None
+    sweeps, previous = [], {}
+    for i, document in enumerate(documents, 1):
+        if not isinstance(document, dict):
+            raise ValueError(f"sweep config {path}, document {i}: expected a mapping of output_dir, args, spans, ...")
+        current = {**previous, **document, "args": {**previous.get("args", {}), **document.get("args", {})}}
+        sweeps.append(current)
+        previous = current
+    if not sweeps:
+        raise ValueError(f"sweep config {path}: empty")
+    return sweeps
+
+
+def result_name(folder: Path) -> str:
+    """<shape>__<span>__seed<k> from the run's folder, in letters, digits, '.', '_' and '-' only."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", "__".join(folder.parts[-3:]))
+
+
+def plan_runs(sweeps: list[dict], overrides: dict[str, str]) -> list[Run]:
+    runs: dict[str, Run] = {}
+    for sweep in sweeps:
+        for folder, run_args in plan({**sweep, "args": {**sweep.get("args", {}), **overrides}}):
+            args = dict(a[2:].split("=", 1) for a in run_args)
+            args.pop("output_dir")
+            run = Run(result_name(folder), folder, args)
+            if run.name in runs and runs[run.name].folder != folder:
+                raise ValueError(f"runs {runs[run.name].folder} and {folder} have the same result name {run.name}")
+            runs.setdefault(run.name, run)
+    return list(runs.values())
+
+
+def load_records(path: Path) -> list[dict]:
+    """Result records from a folder of <name>.json, a .json file (one record or a list) or a .jsonl file."""
+    if path.is_dir():
+        files = sorted([*path.glob("*.json"), *path.glob("*.jsonl")])
+        if not files:
+            raise ValueError(f"{path}: no result files (*.json, *.jsonl)")
+        return [r for f in files for r in load_records(f)]
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file or folder")
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        pieces = [(f"{path} line {i}", line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    else:
+        pieces = [(str(path), text)]
+    records = []
+    for where, piece in pieces:
+        try:
+            value = json.loads(piece)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not valid JSON ({err})") from None
+        for record in value if isinstance(value, list) else [value]:
+            missing = [k for k in REQUIRED if not isinstance(record, dict) or k not in record]
+            if missing:
+                raise ValueError(f"{where}: not a result of recipes/pack.py, missing {', '.join(missing)}")
+            records.append(record)
+    return records
+
+
+def result_record(run: Run, metrics: dict, wall_s: float, parallel: int) -> dict:
+    """The small JSON of one finished run, from run_clm.py's metrics.json."""
+    config = metrics["config"]
+    training = {k: config["training"].get(k) for k in TRAINING_KEYS}
+    return {
+        "name": run.name, "shape": run.shape, "span": metrics["span"], "seed": int(run.args["seed"]),
+        "config": {"args": run.args, "model": config["model"], "data": config["data"], "span": config["span"],
+                   "training": training, "span_config": metrics["span_config"],
+                   "versions": {k: config[k] for k in ("hf_spanattn", "transformers", "torch")}},
+        "final_train_loss": metrics["final_train_loss"], "min_val_loss": metrics["min_val_loss"],
+        "best_epoch": metrics["best_epoch"], "val_perplexity": metrics["val_perplexity"],
+        "val_accuracy": metrics["val_accuracy"],
+        "epochs_run": metrics["eval_history"][-1]["epoch"] if metrics["eval_history"] else 0,
+        "early_stopping": metrics.get("early_stopping"),
+        "train_history": metrics["train_history"], "eval_history": metrics["eval_history"],
+        "train_runtime_s": metrics["train_runtime_s"], "wall_s": wall_s, "parallel": parallel,
+        "device": metrics.get("device"), "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_record(record: dict, results: Path | None, jsonl: Path | None) -> None:
+    if results is not None:
+        tmp = results / f".{record['name']}.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(results / f"{record['name']}.json")  # whole or absent, even if killed mid-write
+    if jsonl is not None:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None) -> set[str]:
+    done = {r.name for r in runs if (r.folder / "metrics.json").exists()}
+    if results is not None:
+        done |= {r.name for r in runs if (results / f"{r.name}.json").exists()}
+    if jsonl is not None and jsonl.exists():
+        done |= {r["name"] for r in load_records(jsonl)}
+    return done
+
+
+def start(run: Run, tmp_root: str | None) -> Started:
+    tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=tmp_root))
+    command = [sys.executable, str(RUN_CLM), *(f"--{k}={v}" for k, v in run.args.items()), f"--output_dir={tmp}"]
+    with open(tmp / "train.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    return Started(run, process, tmp, time.monotonic())
+
+
+def may_start(tally: Tally, left: float, estimate: float | None) -> tuple[bool, float | None]:
+    """(start another run?, the run-time estimate used): the longest finished run, else --estimate."""
+    guess = max(tally.finished) if tally.finished else estimate
+    return tally.launched == 0 or guess is None or left >= guess, guess
+
+
+def collect(job: Started, args: argparse.Namespace, tally: Tally) -> None:
+    wall = time.monotonic() - job.start
+    log = job.tmp / "train.log"
+    try:
+        if job.process.returncode != 0:
+            tally.failed.append(job.run.name)
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            print(f"FAILED {job.run.name} (exit code {job.process.returncode}, {wall:.0f} s); end of its log:\n  "
+                  + "\n  ".join(tail), flush=True)
+            return
+        metrics = json.loads((job.tmp / "metrics.json").read_text())
+        record = result_record(job.run, metrics, wall, args.parallel)
+        write_record(record, args.results, args.jsonl)
+        tally.finished.append(wall)
+        stop = record["early_stopping"] or {}
+        note = f", stopped early at epoch {stop['stopped_at_epoch']:g}" if stop.get("stopped_early") else ""
+        print(f"done {job.run.name} in {wall:.0f} s: min val loss {record['min_val_loss']:.4f} at epoch "
+              f"{record['best_epoch']:g} of {record['epochs_run']:g}{note}", flush=True)
+    finally:
+        shutil.rmtree(job.tmp, ignore_errors=True)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", type=Path, help="sweep YAML file (one or more documents)")
+    parser.add_argument("--budget", type=float, help="wall-clock seconds for this command (default: no limit)")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once on the one device (default 1)")
+    parser.add_argument("--results", type=Path, help="folder for one <name>.json per finished run")
+    parser.add_argument("--jsonl", type=Path, help="file to which each finished run appends its JSON as one line")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a run_clm.py argument of every run, e.g. --set per_device_train_batch_size=64")
+    parser.add_argument("--estimate", type=float, help="seconds per run assumed until a run of this command ends")
+    parser.add_argument("--max_runs", type=int, help="start at most this many runs")
+    parser.add_argument("--tmp_dir", help="where the runs' temporary folders go (default: the system's)")
+    parser.add_argument("--dry_run", action="store_true", help="list the runs to do and exit")
+    args = parser.parse_args(argv)
+    if args.results is None and args.jsonl is None:
+        parser.error("give --results FOLDER and/or --jsonl FILE: where finished runs write their JSON")
+    if args.parallel < 1:
+        parser.error(f"--parallel {args.parallel}: allowed values are >= 1")
+    for item in args.set:
+        if "=" not in item or item.startswith(("=", "output_dir=")):
+            parser.error(f"--set {item!r}: expected KEY=VALUE with a run_clm.py argument other than output_dir")
+    if args.results is not None and args.results.exists() and not args.results.is_dir():
+        parser.error(f"--results {args.results}: exists and is not a folder")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    began = time.monotonic()
+    args = parse(argv)
+    try:
+        runs = plan_runs(load_sweeps(args.config), dict(item.split("=", 1) for item in args.set))
+        done = finished_names(runs, args.results, args.jsonl)
+    except ValueError as err:
+        raise SystemExit(f"pack: {err}") from None
+    todo = [r for r in runs if r.name not in done]
+    print(f"{len(runs)} runs, {len(runs) - len(todo)} finished before, {len(todo)} to do", flush=True)
+    if args.dry_run:
+        print("\n".join(f"  {r.name}" for r in todo))
+        return 0
+    if args.results is not None:
+        args.results.mkdir(parents=True, exist_ok=True)
+    if args.jsonl is not None:
+        args.jsonl.parent.mkdir(parents=True, exist_ok=True)
+    limit = len(todo) if args.max_runs is None else min(args.max_runs, len(todo))
+    tally, running, reason = Tally(), [], "all runs started"
+    try:
+        while True:
+            while len(running) < args.parallel and tally.launched < limit and not tally.failed:
+                left = float("inf") if args.budget is None else args.budget - (time.monotonic() - began)
+                ok, guess = may_start(tally, left, args.estimate)
+                if not ok:
+                    reason = f"{left:.0f} s of the budget left, a run takes about {guess:.0f} s"
+                    break
+                run = todo[tally.launched]
+                tally.launched += 1
+                print(f"[{tally.launched}/{len(todo)}] start {run.name} at {time.monotonic() - began:.0f} s",
+                      flush=True)
+                running.append(start(run, args.tmp_dir))
+            if not running:
+                break
+            time.sleep(0.2)
+            for job in [j for j in running if j.process.poll() is not None]:
+                running.remove(job)
+                collect(job, args, tally)
+    finally:
+        for job in running:  # interrupted: leave no run behind
+            job.process.kill()
+            job.process.wait()
+            shutil.rmtree(job.tmp, ignore_errors=True)
+    if tally.failed:
+        reason = f"a run failed: {', '.join(tally.failed)}"
+    elif tally.launched == limit < len(todo):
+        reason = f"--max_runs {args.max_runs}"
+    print(f"{len(tally.finished)} runs finished in {time.monotonic() - began:.0f} s, "
+          f"{len(todo) - tally.launched} left for another command ({reason})", flush=True)
+    return 1 if tally.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

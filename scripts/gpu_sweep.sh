@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One GPU command of the paper's sweep: as many whole runs of recipes/configs/paper_gpu.yaml as
+# fit in the budget, skipping those already merged into results/paper/runs. Run it as the device
+# machine's command, carrying the wheels and the data made here beforehand:
+#   bash scripts/fetch_gpu_wheels.sh && bash scripts/fetch_gpu_data.sh        # here, once
+#   command: bash scripts/gpu_sweep.sh [--parallel N] [--accum K] [--budget S] [--max_runs N]
+#   carry: [".whl", ".data"], timeout_s: 600
+# then, here:  python recipes/merge.py <files_at>/results.jsonl --out results/paper
+#   --parallel N  runs at once on the GPU (default 1)
+#   --accum K     batch 128 as K accumulated steps of 128/K (default 1: one step, if memory allows)
+#   --budget S    seconds in which runs may start and finish (default 540, inside the 600 s command)
+# Writes to $OUT (runs/gpu_out outside the device machine): results.jsonl (one line per finished
+# run), pack.log, env.txt (GPU and package versions). Three files: the device returns at most 8.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml EXTRA=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --parallel) PARALLEL="$2"; shift 2 ;;
+        --accum) ACCUM="$2"; shift 2 ;;
+        --budget) BUDGET="$2"; shift 2 ;;
+        --config) CONFIG="$2"; shift 2 ;;
+        --max_runs) EXTRA+=(--max_runs "$2"); shift 2 ;;
+        *) echo "gpu_sweep.sh: unknown option $1 (allowed: --parallel, --accum, --budget, --config, --max_runs)" >&2
+           exit 2 ;;
+    esac
+done
+if [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi
+OUT="${OUT:-runs/gpu_out}"
+mkdir -p "$OUT"
+ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run scripts/fetch_gpu_wheels.sh and carry .whl" >&2; exit 2; }
+[ -f .data/wikitext-2-v1/train.txt ] || { echo "no .data/: run scripts/fetch_gpu_data.sh and carry .data" >&2; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD/src" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  python3 -c "import datasets, evaluate, torch, transformers, pyarrow, hf_spanattn as h
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__,
+      'datasets', datasets.__version__, 'evaluate', evaluate.__version__, 'pyarrow', pyarrow.__version__,
+      'hf_spanattn', h.__version__)
+assert torch.cuda.is_available(), 'no GPU visible to torch'"
+} 2>&1 | tee "$OUT/env.txt"
+python3 recipes/pack.py "$CONFIG" --budget "$BUDGET" --parallel "$PARALLEL" --jsonl "$OUT/results.jsonl" \
+    --set per_device_train_batch_size=$((128 / ACCUM)) --set gradient_accumulation_steps="$ACCUM" \
+    "${EXTRA[@]}" 2>&1 | tee "$OUT/pack.log"
