@@ -1,11 +1,13 @@
 """Forward + backward of span_attention vs the stock eager attention and vs SDPA.
 
-Causal, 4 heads, D = 64, B·T = 2048 tokens, fp32 on the CPU. Prints median time and peak
-memory per method and T, with ratios to eager measured side by side in one run. Times are
-taken under a steady heap (see `rerun_with_steady_heap`), peak memory in a fresh process each.
+Causal, 4 heads, D = 64. On the CPU: B·T = 2048 tokens, fp32, times under a steady heap (see
+`rerun_with_steady_heap`) and peak memory in a fresh process each. On CUDA: B·T = 16384 tokens,
+bf16, CUDA events and the allocator's peak. Prints the median time and peak memory per method,
+backend and T, with ratios measured side by side in one run.
 
-    python -m benchmarks.attention                 # the full table
-    python -m benchmarks.attention --seq 256 512   # some T only
+    python -m benchmarks.attention                                    # CPU, the full table
+    python -m benchmarks.attention --seq 256 512 --backends tiles fused
+    python -m benchmarks.attention --device cuda --dtype bfloat16     # GPU, T = 512 … 4096
 """
 
 from __future__ import annotations
@@ -17,37 +19,46 @@ import math
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import peak_bytes_since, peak_in_subprocess, rerun_with_steady_heap, reset_peak, time_interleaved
+from benchmarks.common import (
+    cuda_peak_bytes,
+    peak_bytes_since,
+    peak_in_subprocess,
+    rerun_with_steady_heap,
+    reset_peak,
+    time_interleaved,
+)
 from hf_spanattn import SpanAttentionConfig, span_attention
 
-HEADS, HEAD_DIM, TOKENS = 4, 64, 2048
-METHODS = ["score:1000", "score:1100", "score:1111", "reductionistic:1100", "simple:10",
+HEADS, HEAD_DIM = 4, 64
+METHODS = ["standard:QKV101", "score:1000", "score:1100", "score:1111", "reductionistic:1100", "simple:10",
            "score:1000@per_block", "score:1100@per_block", "score:1111@per_block"]
+DEFAULTS = {"cpu": dict(tokens=2048, seq=[256, 512, 1024, 2048], dtype="float32", repeats=7),
+            "cuda": dict(tokens=16384, seq=[512, 1024, 2048, 4096], dtype="bfloat16", repeats=10)}
 
 
 def eager(q, k, v):
     """The stock eager attention: scale·QKᵀ, causal mask, softmax, ·V, all under autograd."""
     t = q.shape[-2]
     scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]))
-    causal = torch.full((t, t), float("-inf")).triu(1)
+    causal = torch.full((t, t), float("-inf"), device=q.device, dtype=scores.dtype).triu(1)
     return torch.softmax(scores + causal, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def attention_fn(name: str):
+def attention_fn(name: str, backend: str):
     if name == "eager":
         return eager
     if name == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     config = SpanAttentionConfig.from_label(name)
-    return lambda q, k, v: span_attention(q, k, v, is_causal=True, config=config)
+    return lambda q, k, v: span_attention(q, k, v, is_causal=True, config=config, backend=backend)
 
 
-def make_step(name: str, seq: int):
+def make_step(name: str, backend: str, seq: int, tokens: int, device: str, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(0)
-    shape = (TOKENS // seq, HEADS, seq, HEAD_DIM)
-    q, k, v = (torch.randn(shape, generator=gen).requires_grad_(True) for _ in range(3))
-    weight = torch.randn(shape, generator=gen)
-    fn = attention_fn(name)
+    shape = (max(1, tokens // seq), HEADS, seq, HEAD_DIM)
+    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True) for _ in range(3))
+    weight = torch.randn(shape, generator=gen).to(device, dtype)
+    fn = attention_fn(name, backend)
 
     def step():
         for x in (q, k, v):
@@ -57,37 +68,58 @@ def make_step(name: str, seq: int):
     return step
 
 
-def _peak_main(name: str, seq: int) -> None:
-    step = make_step(name, seq)
-    step()  # first call: lazy initialisation and allocator warm-up
-    baseline = reset_peak()
-    step()
-    print(json.dumps({"peak": peak_bytes_since(baseline)}))
+def candidates(methods: list[str], backends: list[str]) -> list[tuple[str, str]]:
+    """(method, backend) pairs: the stock attentions, then each method on each backend."""
+    return [("eager", "-"), ("sdpa", "-"), *((m, b) for m in methods for b in backends)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tokens", type=int, help="B·T (default 2048 on the CPU, 16384 on CUDA)")
+    parser.add_argument("--seq", type=int, nargs="+")
     parser.add_argument("--methods", nargs="+", default=METHODS)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--peak", nargs=2, metavar=("METHOD", "T"), help=argparse.SUPPRESS)
+    parser.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "tiles", "fused"])
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--peak", nargs=3, metavar=("METHOD", "BACKEND", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    dtype = getattr(torch, args.dtype)
     if args.peak:
-        return _peak_main(args.peak[0], int(args.peak[1]))
-    rerun_with_steady_heap("benchmarks.attention")
+        step = make_step(args.peak[0], args.peak[1], int(args.peak[2]), args.tokens, args.device, dtype)
+        step()  # first call: lazy initialisation and allocator warm-up
+        baseline = reset_peak()
+        step()
+        print(json.dumps({"peak": peak_bytes_since(baseline)}))
+        return
+    if args.device == "cpu":
+        rerun_with_steady_heap("benchmarks.attention")
+    else:
+        print(f"device: {torch.cuda.get_device_name()}")
 
-    names = ["eager", "sdpa", *args.methods]
-    print(f"causal, {HEADS} heads, D={HEAD_DIM}, B*T={TOKENS}, fp32, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; median of {args.repeats}, forward+backward; steady heap")
-    print("| T | method | time ms | × eager | × sdpa | peak MiB | mem × eager |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    names = candidates(args.methods, args.backends)
+    print(f"causal, {HEADS} heads, D={HEAD_DIM}, B*T={args.tokens}, {args.dtype}, {args.device}, "
+          f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}; median of {args.repeats}, "
+          "forward+backward" + ("; steady heap" if args.device == "cpu" else "; CUDA events"))
+    print("| T | method | backend | time ms | × sdpa | × eager | peak MiB | mem × sdpa |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
     for seq in args.seq:
-        times = time_interleaved({n: make_step(n, seq) for n in names}, args.repeats)
-        peaks = {n: peak_in_subprocess("benchmarks.attention", ["--peak", n, str(seq)]) for n in names}
+        steps = {n: make_step(*n, seq, args.tokens, args.device, dtype) for n in names}
+        times = time_interleaved(steps, args.repeats, device=args.device)
+        if args.device == "cuda":
+            peaks = {n: cuda_peak_bytes(step) for n, step in steps.items()}
+        else:
+            size = ["--tokens", str(args.tokens), "--dtype", args.dtype]
+            peaks = {n: peak_in_subprocess("benchmarks.attention", ["--peak", *n, str(seq), *size]) for n in names}
+        sdpa, eager_ = ("sdpa", "-"), ("eager", "-")
         for n in names:
-            print(f"| {seq} | {n} | {times[n] * 1e3:.1f} | {times[n] / times['eager']:.2f} | "
-                  f"{times[n] / times['sdpa']:.2f} | {peaks[n] / 2**20:.0f} | {peaks[n] / peaks['eager']:.2f} |",
+            print(f"| {seq} | {n[0]} | {n[1]} | {times[n] * 1e3:.2f} | {times[n] / times[sdpa]:.2f} | "
+                  f"{times[n] / times[eager_]:.2f} | {peaks[n] / 2**20:.0f} | {peaks[n] / peaks[sdpa]:.2f} |",
                   flush=True)
+        del steps
 
 
 if __name__ == "__main__":

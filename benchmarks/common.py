@@ -11,18 +11,46 @@ import time
 from collections.abc import Callable
 
 
-def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call; the candidates take turns so machine noise hits all alike."""
+def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
+                     device: str = "cpu") -> dict[str, float]:
+    """Median seconds per call; the candidates take turns so machine noise hits all alike. On CUDA
+    each call is timed with CUDA events around it."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(_seconds(step, device))
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _seconds(step: Callable[[], None], device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_time = time.perf_counter()
+    step()
+    return time.perf_counter() - start_time
+
+
+def cuda_peak_bytes(step: Callable[[], None]) -> int:
+    """Peak CUDA memory a call allocates above what was allocated before it (after one warm-up call)."""
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
