@@ -63,9 +63,13 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     base = base_model(model)
     if isinstance(config, str):
         config = SpanAttentionConfig.from_label(config)
-    config = config or config_of(base.config) or SpanAttentionConfig()
+    elif config is not None and not isinstance(config, SpanAttentionConfig):
+        raise TypeError(f"patch_model: config={config!r} ({type(config).__name__}): expected a SpanAttentionConfig, "
+                        "a label string such as 'score:1000', or None (keep the model's settings)")
+    if config is None:
+        config = config_of(base.config) or SpanAttentionConfig()
     if layers is not None:
-        config = config.replace(layers=tuple(layers))
+        config = config.replace(layers=layers)
     neo = _neo_attentions(base)
     if not neo and not getattr(base, "_supports_attention_backend", False):
         raise ValueError(f"{type(base).__name__} does not route its attention through Transformers' attention "
