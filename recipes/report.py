@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -31,6 +32,8 @@ def load_runs(runs_dir: Path) -> dict[str, dict[str, dict[int, dict]]]:
     runs: dict = defaultdict(lambda: defaultdict(dict))
     paths: dict = {}
     for path in sorted(runs_dir.glob("*/*/seed*/metrics.json")):
+        if not re.fullmatch(r"seed\d+", path.parent.name):
+            continue  # a run moved aside by sweep.py (seed0.replaced-1), made with other settings
         metrics = read_json(path)
         seed = metrics["config"]["training"]["seed"]
         key = (path.parts[-4], metrics["span"], seed)

@@ -153,13 +153,20 @@ class OutputArguments:
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, SpanArguments, TrainingArguments, OutputArguments))
+    """(model, data, span, training, output) arguments; Transformers 4 has overwrite_output_dir on
+    TrainingArguments, which then serves as the output arguments."""
+    classes = (ModelArguments, DataArguments, SpanArguments, TrainingArguments)
+    if not hasattr(TrainingArguments, "overwrite_output_dir"):
+        classes += (OutputArguments,)
+    parser = HfArgumentParser(classes)
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(os.path.abspath(argv[0]))
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_yaml_file(os.path.abspath(argv[0]))
+    elif len(argv) == 1 and argv[0].endswith(".json"):
+        parsed = parser.parse_json_file(os.path.abspath(argv[0]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    return (*parsed[:4], parsed[4] if len(parsed) > 4 else parsed[3])
 
 
 def training_defaults(argv: list[str]) -> list[str]:

@@ -16,13 +16,13 @@ from typing import Any
 RUN_CONFIG = "run_config.json"
 # TrainingArguments that do not change what a run computes
 NOT_IDENTITY = {
-    "output_dir", "run_name", "resume_from_checkpoint", "disable_tqdm", "report_to", "project", "trackio_space_id",
-    "trackio_bucket_id", "trackio_static_space_id", "save_strategy", "save_steps", "save_total_limit",
-    "save_on_each_node", "save_only_model", "push_to_hub", "hub_model_id", "hub_strategy", "hub_token",
-    "hub_private_repo", "hub_always_push", "hub_revision", "log_level", "log_level_replica", "log_on_each_node",
-    "dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_persistent_workers", "dataloader_pin_memory",
-    "dataloader_multiprocessing_context", "per_device_eval_batch_size", "eval_accumulation_steps",
-    "skip_memory_metrics", "local_rank", "ddp_timeout", "torch_empty_cache_steps",
+    "output_dir", "overwrite_output_dir", "run_name", "resume_from_checkpoint", "disable_tqdm", "report_to",
+    "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "save_strategy", "save_steps",
+    "save_total_limit", "save_on_each_node", "save_only_model", "push_to_hub", "hub_model_id", "hub_strategy",
+    "hub_token", "hub_private_repo", "hub_always_push", "hub_revision", "log_level", "log_level_replica",
+    "log_on_each_node", "dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_persistent_workers",
+    "dataloader_pin_memory", "dataloader_multiprocessing_context", "per_device_eval_batch_size",
+    "eval_accumulation_steps", "skip_memory_metrics", "local_rank", "ddp_timeout", "torch_empty_cache_steps",
 }
 
 

@@ -114,9 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         config = yaml.safe_load(Path(args.config).read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"{args.config}: not valid YAML ({err})") from None
-    grid(config)
     for key in ("data_dir", "train_file", "tokenizer_name"):
-        if getattr(args, key):
+        if getattr(args, key) and isinstance(config, dict) and isinstance(config.get("args") or {}, dict):
             config["args"] = {**(config.get("args") or {}), key: getattr(args, key)}
     runs = plan(config)
     states = [state(folder, run_args) for folder, run_args in runs]
@@ -160,7 +159,7 @@ def expected_config(run_args: list[str]) -> dict:
     """The configuration run_clm.py records for these arguments (without the launcher's world size)."""
     import run_clm
 
-    *all_args, _ = run_clm.parse_args(run_clm.training_defaults(run_args))
+    *all_args, _ = run_clm.parse_args(run_clm.training_defaults(run_args))  # the last: output arguments
     return run_clm.run_config(all_args, world_size=None)
 
 

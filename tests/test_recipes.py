@@ -228,3 +228,5 @@ def test_sweep_runs_one_setting_once_and_redoes_a_run_made_otherwise(tmp_path, c
     assert (run.parent / "seed0.replaced-1" / "metrics.json").read_text() == done
     redone = json.loads((run / "metrics.json").read_text())
     assert redone["config"]["data"]["train_file"] == "validation.txt"
+    runs = report.load_runs(tmp_path / "runs")  # the run moved aside is not in the report
+    assert runs["H2xL1"]["score:1000"][0]["config"]["data"]["train_file"] == "validation.txt"

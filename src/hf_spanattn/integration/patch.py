@@ -53,8 +53,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         model: a Transformers model, or a PEFT model around one (patched through its base model).
         config: a SpanAttentionConfig or a label such as `"score:1000"`; None keeps the settings
             already on the model config, or takes the default.
-        layers: decoder layer indices that use span gradients (the others keep stock ones);
-            overrides `config.layers`.
+        layers: decoder layer indices that use span gradients (the others keep stock ones), at
+            least one and each inside the model; overrides `config.layers`.
 
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
     `push_to_hub` carry them. Patching again replaces them. Returns `model`.
