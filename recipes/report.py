@@ -15,21 +15,33 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
+import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_identity import read_json  # noqa: E402
 
 BASELINE = "standard:QKV111"
 
 
 def load_runs(runs_dir: Path) -> dict[str, dict[str, dict[int, dict]]]:
-    """{shape: {span label: {seed: metrics}}}."""
+    """{shape: {span label: {seed: metrics}}}; two runs of one setting and seed are an error naming both."""
     runs: dict = defaultdict(lambda: defaultdict(dict))
+    paths: dict = {}
     for path in sorted(runs_dir.glob("*/*/seed*/metrics.json")):
-        metrics = json.loads(path.read_text())
+        if not re.fullmatch(r"seed\d+", path.parent.name):
+            continue  # a run moved aside by sweep.py (seed0.replaced-1), made with other settings
+        metrics = read_json(path)
         seed = metrics["config"]["training"]["seed"]
-        runs[path.parts[-4]][metrics["span"]][seed] = metrics
+        key = (path.parts[-4], metrics["span"], seed)
+        if key in paths:
+            raise ValueError(f"{paths[key]} and {path} are both span {key[1]} with seed {seed} in shape {key[0]}; "
+                             "move one of them out of the runs folder")
+        paths[key] = path
+        runs[key[0]][key[1]][seed] = metrics
     return runs
 
 

@@ -14,7 +14,9 @@ with the GPT-2 tokenizer, blocks of 512 tokens with 50 % overlap, GPT-2 with d =
 
 Writes `metrics.json` (the full configuration, per-epoch losses and learning rates, best
 validation loss, perplexity, next-token accuracy, the device, and with --early_stopping_patience
-whether and at which epoch training stopped early) into --output_dir.
+whether and at which epoch training stopped early) into --output_dir. A run resumes the last
+checkpoint in --output_dir only where `run_config.json` there records the same settings (see
+run_identity.py).
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
 from hf_spanattn.training import Schedule, SpanAttentionCallback
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_identity import resume_point, write_config  # noqa: E402
 
 logger = logging.getLogger(__name__)
 METRIC_PATH = str(Path(__file__).parent / "metrics" / "next_token")
@@ -88,6 +92,13 @@ class DataArguments:
             for name in (self.train_file, self.validation_file):
                 if not os.path.isfile(os.path.join(self.data_dir, name)):
                     raise ValueError(f"--data_dir {self.data_dir} has no {name}; pass --train_file/--validation_file")
+                if os.path.getsize(os.path.join(self.data_dir, name)) == 0:
+                    raise ValueError(f"{os.path.join(self.data_dir, name)} is empty: a split needs text")
+        for flag in ("block_size", "max_train_tokens", "max_eval_tokens"):
+            value = getattr(self, flag)
+            if value is not None and value < 2:
+                raise ValueError(f"--{flag} {value}: expected at least 2 tokens"
+                                 + ("" if flag == "block_size" else " (leave it unset for all)"))
 
 
 @dataclass
@@ -161,14 +172,27 @@ class StoppingArguments:
         return [EarlyStoppingCallback(self.early_stopping_patience, self.early_stopping_threshold)]
 
 
+@dataclass
+class OutputArguments:
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start afresh where --output_dir holds another run: that run is moved to <output_dir>.replaced-<n>."})
+
+
 def parse_args(argv: list[str] | None = None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, SpanArguments, TrainingArguments, StoppingArguments))
+    """(model, data, span, training, stopping, output) arguments; Transformers 4 has overwrite_output_dir
+    on TrainingArguments, which then serves as the output arguments."""
+    classes = (ModelArguments, DataArguments, SpanArguments, TrainingArguments, StoppingArguments)
+    if not hasattr(TrainingArguments, "overwrite_output_dir"):
+        classes += (OutputArguments,)
+    parser = HfArgumentParser(classes)
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(os.path.abspath(argv[0]))
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_yaml_file(os.path.abspath(argv[0]))
+    elif len(argv) == 1 and argv[0].endswith(".json"):
+        parsed = parser.parse_json_file(os.path.abspath(argv[0]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    return (*parsed[:5], parsed[5] if len(parsed) > 5 else parsed[3])
 
 
 def training_defaults(argv: list[str]) -> list[str]:
@@ -207,11 +231,19 @@ def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) 
     raw = load_texts(data)
     out = {}
     limits = {"train": data.max_train_tokens, "validation": data.max_eval_tokens}
+    files = {"train": data.train_file, "validation": data.validation_file}
     for split in ("train", "validation"):
         with training.main_process_first(desc=f"tokenizing {split}"):
             ids = [t for row in tokenizer(list(raw[split]["text"]))["input_ids"] for t in row]
         ids = ids[: limits[split]] if limits[split] else ids
-        out[split] = datasets.Dataset.from_dict(blocks(ids, data.block_size, data.overlap)).with_format("torch")
+        windows = blocks(ids, data.block_size, data.overlap)
+        if not windows["input_ids"]:
+            source = os.path.join(data.data_dir, files[split]) if data.data_dir else f"{data.dataset_name}[{split}]"
+            limit = f" (--{'max_train_tokens' if split == 'train' else 'max_eval_tokens'} {limits[split]})" \
+                if limits[split] else ""
+            raise ValueError(f"{source}: its {len(ids)} {split} tokens{limit} make no block of --block_size "
+                             f"{data.block_size}; use more data or a smaller --block_size")
+        out[split] = datasets.Dataset.from_dict(windows).with_format("torch")
     return out
 
 
@@ -246,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if not (len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json"))):
         argv = training_defaults(argv)
-    model_args, data_args, span_args, training_args, stop_args = parse_args(argv)
+    model_args, data_args, span_args, training_args, stop_args, output_args = parse_args(argv)
     stop_callbacks = stop_args.callbacks(training_args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
                         if training_args.should_log else logging.WARNING)
@@ -268,8 +300,13 @@ def main(argv: list[str] | None = None) -> dict:
     callback = span_args.callback()
     if callback is not None:
         callback.add_to(trainer)
-    last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-    resume = training_args.resume_from_checkpoint or last
+    config = run_config((model_args, data_args, span_args, training_args, stop_args), training_args.world_size)
+    with training_args.main_process_first(desc="checking the output dir"):  # only the first moves or writes
+        first = training_args.local_process_index == 0
+        resume = resume_point(training_args.output_dir, config, training_args.resume_from_checkpoint,
+                              output_args.overwrite_output_dir and first)
+        if first:
+            write_config(Path(training_args.output_dir), config)
     start = time.time()
     train_result = trainer.train(resume_from_checkpoint=resume)
     if not any("eval_loss" in h for h in trainer.state.log_history):
@@ -306,9 +343,7 @@ def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> d
         "world_size": training_args.world_size,
         "device": device_name(training_args.device),
         "early_stopping": early_stopping(trainer, stop_args),
-        "config": {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
-                   "training": training_args.to_dict(), "hf_spanattn": hf_spanattn.__version__,
-                   "transformers": transformers.__version__, "torch": torch.__version__},
+        "config": run_config(all_args, training_args.world_size),
     }
 
 
@@ -324,6 +359,15 @@ def early_stopping(trainer, stop: StoppingArguments) -> dict | None:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({platform.machine()})"
+
+
+def run_config(all_args, world_size: int | None) -> dict:
+    """Everything that configures a run (run_identity.py says which parts make its result)."""
+    model_args, data_args, span_args, training_args, stop_args = all_args
+    return {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
+            "training": training_args.to_dict(), "stopping": asdict(stop_args), "world_size": world_size,
+            "hf_spanattn": hf_spanattn.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@
 The YAML holds `output_dir`, `args` (run_clm.py arguments shared by every run), `spans`,
 `seeds` and `shapes` (a list of run_clm.py arguments such as {n_head: 4, n_layer: 6}). Each
 run lives in <output_dir>/<shape>/<span>/seed<k>: a run with a metrics.json is finished and
-skipped; an interrupted one resumes from its last checkpoint.
+skipped; an interrupted one resumes from its last checkpoint. Both only where the run's recorded
+configuration (model, data source and token limits, span settings, training arguments; see
+run_identity.py) equals the one this sweep would run: a folder holding a run made otherwise is
+moved to <folder>.replaced-<n> and the run is redone. Labels are read as settings: `score:1,0,0,0`
+and `score:1000` are one setting, run once, in a folder named after its canonical label.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import yaml
 
 from hf_spanattn import SpanAttentionConfig
 
+sys.path.insert(0, str(Path(__file__).parent))
+from run_identity import differences, move_aside, saved_config  # noqa: E402
+
 RUN_CLM = Path(__file__).with_name("run_clm.py")
 
 
@@ -39,17 +46,52 @@ def span_dir(label: str) -> str:
     return label.replace(":", "-").replace("@", "_").replace("+", "_").replace(",", "_")
 
 
-def plan(config: dict) -> list[tuple[Path, list[str]]]:
-    """(run folder, run_clm.py arguments) for every run of the grid; labels are checked first."""
+def _list_of(config: dict, key: str, kind: type, what: str) -> list:
+    value = config[key]
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"sweep config: {key}={value!r}: expected a list of {what}")
+    if not value:
+        raise ValueError(f"sweep config: {key} is empty: expected a list of {what}")
+    return value
+
+
+def _once(items: list, key, what: str) -> list:
+    """`items` without repeats of the same `key(item)`, saying which were dropped."""
+    seen: dict = {}
+    for item in items:
+        if key(item) in seen:
+            print(f"sweep config: {what} {item!r} is the same setting as {seen[key(item)]!r}; it runs once", flush=True)
+        else:
+            seen[key(item)] = item
+    return list(seen.values())
+
+
+def grid(config: object) -> tuple[list[str], list[int], list[dict]]:
+    """The sweep file's spans (canonical labels), seeds and shapes, checked and without repeats."""
+    if not isinstance(config, dict):
+        raise ValueError(f"sweep config: expected a mapping with output_dir, args, spans, seeds and shapes, got "
+                         f"{'an empty file' if config is None else type(config).__name__}")
     for key in ("output_dir", "spans", "seeds"):
         if key not in config:
             raise ValueError(f"sweep config: missing {key!r} (needs output_dir, args, spans, seeds, shapes)")
-    for label in config["spans"]:
-        SpanAttentionConfig.from_label(label)
+    if not isinstance(config.get("args") or {}, dict):
+        raise ValueError(f"sweep config: args={config['args']!r}: expected a mapping of run_clm.py arguments")
+    labels = _list_of(config, "spans", str, "span labels, e.g. [standard:QKV111, score:1000]")
+    canonical = {label: SpanAttentionConfig.from_label(label).label for label in labels}
+    spans = [canonical[label] for label in _once(labels, canonical.get, "span")]
+    seeds = _once(_list_of(config, "seeds", int, "integer seeds, e.g. [0, 1, 2]"), lambda s: s, "seed")
+    shapes = _list_of(config, "shapes", dict, "mappings such as {n_head: 4, n_layer: 6}") \
+        if config.get("shapes") is not None else [{}]
+    return spans, seeds, _once(shapes, shape_name, "shape")
+
+
+def plan(config: dict) -> list[tuple[Path, list[str]]]:
+    """(run folder, run_clm.py arguments) for every run of the grid; the grid is checked first."""
+    spans, seeds, shapes = grid(config)
     runs = []  # seed-major: an early stop still leaves every span with the same seeds
-    for seed in config["seeds"]:
-        for shape in config.get("shapes") or [{}]:
-            for label in config["spans"]:
+    for seed in seeds:
+        for shape in shapes:
+            for label in spans:
                 folder = Path(config["output_dir"]) / shape_name(shape) / span_dir(label) / f"seed{seed}"
                 args = {**config.get("args", {}), **shape, "span": label, "seed": seed, "output_dir": str(folder)}
                 runs.append((folder, [f"--{k}={v}" for k, v in args.items()]))
@@ -68,16 +110,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep each finished run's weights and checkpoints (default: only metrics and logs)")
     parser.add_argument("--dry_run", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
-    config = yaml.safe_load(Path(args.config).read_text())
+    try:
+        config = yaml.safe_load(Path(args.config).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{args.config}: not valid YAML ({err})") from None
     for key in ("data_dir", "train_file", "tokenizer_name"):
-        if getattr(args, key):
-            config.setdefault("args", {})[key] = getattr(args, key)
+        if getattr(args, key) and isinstance(config, dict) and isinstance(config.get("args") or {}, dict):
+            config["args"] = {**(config.get("args") or {}), key: getattr(args, key)}
     runs = plan(config)
-    done = sum((folder / "metrics.json").exists() for folder, _ in runs)
-    print(f"{len(runs)} runs, {done} finished", flush=True)
-    for i, (folder, run_args) in enumerate(runs, 1):
-        if (folder / "metrics.json").exists():
+    states = [state(folder, run_args) for folder, run_args in runs]
+    print(f"{len(runs)} runs, {states.count('finished')} finished", flush=True)
+    for i, ((folder, run_args), status) in enumerate(zip(runs, states), 1):
+        if status == "finished":
             continue
+        if status != "new":
+            print(f"  {folder} holds a run made with other settings ({status}); "
+                  + ("it would be moved aside" if args.dry_run else f"moved to {move_aside(folder)}"), flush=True)
         command = [*shlex.split(args.launcher), str(RUN_CLM), *run_args]
         print(f"[{i}/{len(runs)}] {folder}", flush=True)
         if args.dry_run:
@@ -92,6 +140,27 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_weights:
             prune(folder)
     return 0
+
+
+def state(folder: Path, run_args: list[str]) -> str:
+    """'finished', 'new' (nothing yet, or an interrupted run of these settings), or what differs."""
+    saved, has_run = saved_config(folder)
+    if not has_run:
+        return "new"
+    if saved is None:
+        return "its settings are not recorded"
+    diffs = differences(saved, expected_config(run_args))
+    if diffs:
+        return "; ".join(diffs)
+    return "finished" if (folder / "metrics.json").exists() else "new"
+
+
+def expected_config(run_args: list[str]) -> dict:
+    """The configuration run_clm.py records for these arguments (without the launcher's world size)."""
+    import run_clm
+
+    *all_args, _ = run_clm.parse_args(run_clm.training_defaults(run_args))  # the last: output arguments
+    return run_clm.run_config(all_args, world_size=None)
 
 
 def prune(folder: Path) -> None:

@@ -189,3 +189,85 @@ def test_settings_are_validated_when_training_starts(tmp_path):
 def test_recorder_summary_without_records_is_empty():
     assert OrderRecorder().summary() == {}
     assert copy.copy(OrderRecorder()).summary() == {}
+
+
+class Many(torch.utils.data.Dataset):
+    """`n` rows, each one of the 4 sequences."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"input_ids": BATCH[i % 4], "labels": LABELS[i % 4]}
+
+
+class RuleRecorder(TrainerCallback):
+    """The rule in force in layer 0 at each optimizer step (after the span callback has set it)."""
+
+    def __init__(self):
+        self.labels, self.epochs = {}, {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        from hf_spanattn.integration.registry import settings_for
+
+        self.labels[state.global_step] = settings_for(model.transformer.h[0].attn).label
+        self.epochs[state.global_step] = state.epoch
+
+
+def test_epoch_keyframes_use_the_steps_of_one_pass_over_the_data(tmp_path):
+    """23 rows, batches of 1, 2 accumulated: 12 optimizer steps per epoch (the last one of a single
+    batch), so "1ep" is step 12 whatever max_steps is (20 here, which spreads over 2 epochs)."""
+    recorder = RuleRecorder()
+    callback = SpanAttentionCallback([Keyframe(0, "standard:QKV111"), Keyframe("1ep", "score:1000")])
+    trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1100"), train_dataset=Many(23), callbacks=[recorder],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1,
+                                             gradient_accumulation_steps=2, max_steps=20, learning_rate=0.0,
+                                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True))
+    callback.add_to(trainer)
+    trainer.train()
+    assert trainer.state.max_steps == 20 and len(recorder.labels) == 20
+    assert recorder.epochs[12] == 1.0 and recorder.epochs[11] < 1.0  # the Trainer's own count
+    switch = min(step for step, label in recorder.labels.items() if label == "score:1000")
+    assert switch == 12
+    assert all(recorder.labels[s] == "standard:QKV111" for s in range(12))
+
+
+def test_resumed_diagnostics_do_not_repeat_steps_and_stay_in_the_output_dir(tmp_path):
+    """A run stopped after step 4 with checkpoints at 2 and 4 resumes from 2 in another folder, with
+    the callback state restored from the checkpoint: the callback stays first, writes into the new
+    output dir, and the JSONL there holds each step once."""
+    import shutil
+
+    def run(output_dir, max_steps, resume=None):
+        model = patch_model(tiny("gpt2"), "score:1100")
+        args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=max_steps,
+                                 learning_rate=1e-2, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
+                                 disable_tqdm=True, seed=0, restore_callback_states_from_checkpoint=True)
+        trainer = Trainer(model=model, train_dataset=Same(), args=args)
+        SpanAttentionCallback(diagnostics_every=1).add_to(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    first = tmp_path / "first"
+    run(first, 4)
+    stopped = (first / "span_diagnostics.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in stopped.splitlines()] == [1, 1, 2, 2, 3, 3, 4, 4]
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    trainer = run(moved, 6, resume=str(moved / "checkpoint-2"))
+    assert isinstance(trainer.callback_handler.callbacks[0], SpanAttentionCallback)
+    assert (first / "span_diagnostics.jsonl").read_text() == stopped  # the old folder is left alone
+    records = [json.loads(line) for line in (moved / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["layer"]) for r in records] == [(s, layer) for s in range(1, 7) for layer in (0, 1)]
+
+    # a path that an older checkpoint recorded, absolute and in the old folder, is taken in the new one
+    state_file = moved / "checkpoint-4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["stateful_callbacks"]["SpanAttentionCallback"]["args"]["diagnostics_file"] = str(first / "diag.jsonl")
+    state_file.write_text(json.dumps(state))
+    with pytest.warns(UserWarning, match="outside the output dir"):
+        run(moved, 6, resume=str(moved / "checkpoint-4"))
+    assert not (first / "diag.jsonl").exists() and (moved / "diag.jsonl").is_file()

@@ -102,3 +102,28 @@ def test_hub_round_trip_with_only_the_network_stubbed(tmp_path, monkeypatch):
     url = config.push_to_hub("me/recipe", private=True)
     assert url.endswith("/commit/0") and calls == [("create_repo", "me/recipe", True)]
     assert SpanAttentionConfig.from_pretrained("me/recipe") == config
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(alphas=(1e-5, 0, 0, 0)),
+    dict(alphas=(0.1 + 0.2, 1 / 3, 5e-324, 1.7976931348623157e308)),
+    dict(alphas=(1e20, 12, 0, 0.5), qkv_alphas=(1e-7, 1, 2.5)),
+    dict(method="simple", alphas=(0.123456789, 10)),
+    dict(method="reductionistic", alphas=(1, 1e-300, 0, 0), score_grad="exact", qkv_alphas=(1, 0, 1e16)),
+    dict(method="standard", qkv_alphas=(1e-5, 1, 0)),
+    dict(alphas=(3e-8, 1, 1, 1), score_grad="per_block"),
+])
+def test_every_valid_config_label_reads_back_as_the_same_config(kwargs):
+    config = SpanAttentionConfig(**kwargs)
+    assert SpanAttentionConfig.from_label(config.label) == config, config.label
+    assert SpanAttentionConfig.from_label(config.label).label == config.label
+
+
+@pytest.mark.parametrize("label,canonical", [
+    ("score:1,0,0,0", "score:1000"), ("score:1.0,0,0,0.0", "score:1000"), ("score:1000+QKV111", "score:1000"),
+    ("score:1000+QKV1,1,1", "score:1000"), ("simple:1e0,0", "simple:10"), ("score:0.5,5e-1,0,0", "score:0.5,0.5,0,0"),
+    ("standard:QKV1.0,0,1", "standard:QKV101"), ("score:1000@exact", "score:1000"),
+])
+def test_one_setting_has_one_label(label, canonical):
+    assert SpanAttentionConfig.from_label(label) == SpanAttentionConfig.from_label(canonical)
+    assert SpanAttentionConfig.from_label(label).label == canonical

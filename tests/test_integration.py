@@ -224,3 +224,48 @@ def test_missing_settings_warn_and_use_the_default():
         warnings.simplefilter("ignore")
         model(tokens(), labels=tokens()).loss.backward()
     assert hf_spanattn.integration.registry.settings_for(model.transformer.h[0].attn) == SpanAttentionConfig()
+
+
+def test_saved_layers_outside_the_model_warn_on_load_and_bad_entries_fail(tmp_path):
+    """A config.json whose span_attention.layers lie outside the model loads, and warns once it trains;
+    an entry that is not a dict fails, naming the field."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = tiny("gpt2", layers=2)
+    model.config.span_attention = {**SpanAttentionConfig.from_label("score:1000").to_dict(), "layers": [7]}
+    model.save_pretrained(tmp_path)
+    registry._warn_layers_outside.cache_clear()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="span_attention")
+    ids = tokens()
+    with pytest.warns(UserWarning, match=r"layers=\[7\]: the model has layers 0\.\.1.*no layer does"):
+        loaded(ids, labels=ids).loss.backward()
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    for entry in ("score:1000", ["score", [1, 0, 0, 0]]):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "span_attention": entry}))
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="span_attention")
+        with pytest.raises(TypeError, match="'span_attention' = .*expected a dict of SpanAttentionConfig fields"):
+            loaded(ids, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_output_attentions_behaves_as_stock_sdpa(family, caplog):
+    """Transformers' SDPA attention returns no attention weights and logs a warning when a model passes
+    output_attentions down to it; span_attention does the same, in training as in evaluation."""
+    import logging
+
+    ids = tokens()
+    stock = tiny(family).train()
+    patched = patch_model(tiny(family), "score:1000").train()
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        out = patched(ids, labels=ids, output_attentions=True)
+    expected = stock(ids, labels=ids, output_attentions=True)
+    assert out.attentions == expected.attentions
+    assert torch.allclose(out.loss, expected.loss, atol=1e-6)
+    passed_down = family == "llama"  # GPT-2 does not pass output_attentions to the attention function
+    for name in ("hf_spanattn", "transformers.integrations.sdpa_attention"):  # ours, and stock SDPA's
+        warned = [r for r in caplog.records if r.name == name and "not support `output_attentions=True`" in r.msg]
+        assert len(warned) == passed_down, name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,11 +116,39 @@ def test_sweep_report_and_resume_after_two_interruptions(tmp_path):
 
 
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):
-    run_clm.main(flags({**TINY, "span": "score:1000", "output_dir": tmp_path}))
-    (tmp_path / "metrics.json").unlink()  # as if killed after the epoch-1 checkpoint
-    metrics = run_clm.main(flags({**TINY, "span": "score:1000", "output_dir": tmp_path, "num_train_epochs": 2}))
+    args = flags({**TINY, "span": "score:1000", "output_dir": tmp_path, "num_train_epochs": 2})
+    full = run_clm.main(args)
+    # as if killed after the epoch-1 checkpoint
+    (tmp_path / "metrics.json").unlink()
+    shutil.rmtree(tmp_path / f"checkpoint-{full['train_history'][1]['step']}")
+    metrics = run_clm.main(args)
     assert metrics["resumed_from"].endswith("checkpoint-" + str(metrics["train_history"][0]["step"]))
     assert [e["epoch"] for e in metrics["eval_history"]] == [1.0, 2.0]
+    assert [e["loss"] for e in metrics["eval_history"]] == pytest.approx([e["loss"] for e in full["eval_history"]],
+                                                                          rel=1e-6)
+
+
+def test_a_run_never_resumes_a_checkpoint_of_other_settings(tmp_path):
+    """standard:QKV111 in X, then score:1000 (or other data) in X: refused before training, the first run's
+    files untouched; with --overwrite_output_dir the first run moves to X.replaced-1 and the second starts afresh."""
+    out = tmp_path / "X"
+    run_clm.main(flags({**TINY, "span": "standard:QKV111", "output_dir": out}))
+    first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for change, message in (({"span": "score:1000"}, "span.span: 'standard:QKV111' → 'score:1000'"),
+                            ({"max_train_tokens": 1000}, "data.max_train_tokens: 1200 → 1000"),
+                            ({"train_file": "validation.txt"}, "data.train_file:"),
+                            ({"learning_rate": 1e-3}, "training.learning_rate:"),
+                            ({"n_layer": 2}, "model.n_layer: 1 → 2")):
+        with pytest.raises(ValueError, match="--overwrite_output_dir") as err:
+            run_clm.main(flags({**TINY, "span": "standard:QKV111", "output_dir": out, **change}))
+        assert message in str(err.value) and "not resumed" in str(err.value)
+        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == first
+    metrics = run_clm.main(flags({**TINY, "span": "score:1000", "output_dir": out, "overwrite_output_dir": True}))
+    assert metrics["span"] == "score:1000" and metrics["resumed_from"] is None
+    moved = tmp_path / "X.replaced-1"
+    assert {p.relative_to(moved): p.read_bytes() for p in moved.rglob("*") if p.is_file()} == first
+    assert json.loads((out / "run_config.json").read_text())["span"]["span"] == "score:1000"
+    assert json.loads((out / "config.json").read_text())["span_attention"]["alphas"] == [1, 0, 0, 0]
 
 
 def test_two_processes_match_one_process_step_by_step(tmp_path):
@@ -170,3 +199,34 @@ def test_bad_schedules_fail_before_any_data_is_read(schedule, message, monkeypat
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
     with pytest.raises(ValueError, match=message):
         run_clm.main(["--span_schedule", schedule, "--output_dir", str(tmp_path)])
+
+
+def test_sweep_runs_one_setting_once_and_redoes_a_run_made_otherwise(tmp_path, capsys):
+    spans = ["score:1000", "score:1,0,0,0", "standard:QKV111"]
+    config = yaml.safe_load(write_sweep(tmp_path, spans, [0, 0]).read_text())
+    runs = sweep.plan(config)
+    assert [folder.parts[-2:] for folder, _ in runs] == [("score-1000", "seed0"), ("standard-QKV111", "seed0")]
+    said = capsys.readouterr().out
+    assert "span 'score:1,0,0,0' is the same setting as 'score:1000'" in said and "seed 0 is the same" in said
+
+    path = write_sweep(tmp_path, ["score:1000"], [0])
+    env_before = dict(os.environ)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
+    try:
+        assert sweep.main([str(path)]) == 0
+        run = tmp_path / "runs" / "H2xL1" / "score-1000" / "seed0"
+        done = (run / "metrics.json").read_text()
+        assert sweep.main([str(path)]) == 0  # the same sweep again: nothing is redone
+        assert (run / "metrics.json").read_text() == done and "1 runs, 1 finished" in capsys.readouterr().out
+        # the same sweep on other data (as compare.sh with another SPANATTN_DATA): moved aside and redone
+        assert sweep.main([str(path), "--train_file", "validation.txt"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    said = capsys.readouterr().out
+    assert "1 runs, 0 finished" in said and "data.train_file: 'train.PARTIAL-first-1MB.txt' → 'validation.txt'" in said
+    assert (run.parent / "seed0.replaced-1" / "metrics.json").read_text() == done
+    redone = json.loads((run / "metrics.json").read_text())
+    assert redone["config"]["data"]["train_file"] == "validation.txt"
+    runs = report.load_runs(tmp_path / "runs")  # the run moved aside is not in the report
+    assert runs["H2xL1"]["score:1000"][0]["config"]["data"]["train_file"] == "validation.txt"

@@ -9,7 +9,9 @@ The paper's labels name a setting in one string, and round-trip through `from_la
     standard:QKV101       no decomposition; (α_Q, α_K, α_V) = (1, 0, 1)
     score:1000+QKV110     any rule with the baseline multipliers on top
 
-Alphas that are not single digits are written with commas: `score:1,0.5,0,0`.
+Alphas that are not single digits are written with commas, each as Python's shortest exact
+form (`repr`), so that every label reads back as the same setting: `score:1,0.5,0,0`,
+`score:1e-05,0,0,0`. A setting has one label: `score:1,0,0,0` reads as `score:1000`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ VERSION_KEY = "hf_spanattn_version"
 METHODS = tuple(dict.fromkeys(method for method, _ in RULES))
 SCORE_GRADS = tuple(dict.fromkeys(grad for _, grad in RULES))
 
-_LABEL = re.compile(r"^(?P<method>[a-z]+):(?P<alphas>[0-9.,]*)(?:\+?QKV(?P<qkv>[0-9.,]+))?(?:@(?P<grad>[a-z_]+))?$")
+_NUMBERS = r"[0-9.,eE+-]"  # digits, or comma-separated numbers with exponents ('1e-05', '1e+20')
+_LABEL = re.compile(rf"^(?P<method>[a-z]+):(?P<alphas>{_NUMBERS}*?)(?:\+?QKV(?P<qkv>{_NUMBERS}+))?"
+                    r"(?:@(?P<grad>[a-z_]+))?$")
 
 
 def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
@@ -51,11 +55,30 @@ def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, 
 def _format_alphas(alphas: Sequence[float]) -> str:
     if all(a.is_integer() and 0 <= a <= 9 for a in alphas):
         return "".join(str(int(a)) for a in alphas)
-    return ",".join(f"{a:g}" for a in alphas)
+    return ",".join(str(int(a)) if a.is_integer() and a < 1e16 else repr(a) for a in alphas)
 
 
-def _parse_alphas(text: str) -> tuple[float, ...]:
-    return tuple(float(a) for a in text.split(",")) if "," in text else tuple(float(c) for c in text)
+def _parse_alphas(text: str, label: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(a) for a in text.split(",")) if "," in text else tuple(float(c) for c in text)
+    except ValueError:
+        raise ValueError(f"label={label!r}: {text!r} is not a list of numbers; write single digits ('1000') "
+                         "or comma-separated numbers ('1,0.5,0,1e-05')") from None
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def _looks_local(path: str) -> bool:
+    """A name that cannot be a Hub repository id ('owner/name'), or whose folder exists here."""
+    if path.startswith((".", "~", os.sep)) or (os.altsep and os.altsep in path) or path.count("/") > 1:
+        return True
+    return "/" in path and os.path.isdir(path.split("/")[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +123,14 @@ class SpanAttentionConfig:
         qkv = _alphas_field("qkv_alphas", self.qkv_alphas, 3, "α_Q, α_K, α_V")
         object.__setattr__(self, "qkv_alphas", qkv)
         if self.layers is not None:
-            if isinstance(self.layers, (str, bytes)) or not all(
+            if not isinstance(self.layers, (list, tuple, range, set, frozenset)) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers
             ):
                 raise ValueError(f"layers={self.layers!r}: expected None (all layers) or a sequence "
                                  "of non-negative layer indices")
+            if not self.layers:
+                raise ValueError(f"layers={self.layers!r} selects no layer: expected None (all layers) or at "
+                                 "least one layer index (hf_spanattn.unpatch_model removes span gradients)")
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
 
     @property
@@ -137,11 +163,11 @@ class SpanAttentionConfig:
         method = match["method"]
         fields: dict[str, Any] = {"method": method}
         if match["alphas"]:
-            fields["alphas"] = _parse_alphas(match["alphas"])
+            fields["alphas"] = _parse_alphas(match["alphas"], label)
         elif method != "standard":
             raise ValueError(f"label={label!r}: method {method!r} needs its alphas after the colon")
         if match["qkv"]:
-            fields["qkv_alphas"] = _parse_alphas(match["qkv"])
+            fields["qkv_alphas"] = _parse_alphas(match["qkv"], label)
         if match["grad"]:
             fields["score_grad"] = match["grad"]
         return cls(**{**fields, **overrides})
@@ -164,6 +190,9 @@ class SpanAttentionConfig:
     def from_dict(cls, data: dict[str, Any]) -> SpanAttentionConfig:
         """Inverse of `to_dict`. Keys this version does not know (from a newer one) warn and are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict):
+            raise TypeError(f"SpanAttentionConfig.from_dict: expected a dict with keys among {sorted(known)}, "
+                            f"got {type(data).__name__} {data!r}")
         fields = {k: v for k, v in data.items() if k != VERSION_KEY}
         unknown = sorted(set(fields) - known)
         if unknown:
@@ -188,13 +217,20 @@ class SpanAttentionConfig:
         """Read the settings from a local folder (or file), or from a Hub repository."""
         path = os.fspath(name_or_path)
         if os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
+                raise FileNotFoundError(f"{path}: the folder has no {CONFIG_NAME} (written by save_pretrained)")
             path = os.path.join(path, CONFIG_NAME)
         elif not os.path.isfile(path):
+            if _looks_local(path):
+                raise FileNotFoundError(f"{path}: no such file or folder (a local path; a Hub repository id "
+                                        "reads 'owner/name')")
             from huggingface_hub import hf_hub_download
 
             path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        data = _read_json(path)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of SpanAttentionConfig fields, got {data!r}")
+        return cls.from_dict(data)
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
                     commit_message: str = "Upload span attention config", revision: str | None = None) -> str:

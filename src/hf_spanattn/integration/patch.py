@@ -53,8 +53,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         model: a Transformers model, or a PEFT model around one (patched through its base model).
         config: a SpanAttentionConfig or a label such as `"score:1000"`; None keeps the settings
             already on the model config, or takes the default.
-        layers: decoder layer indices that use span gradients (the others keep stock ones);
-            overrides `config.layers`.
+        layers: decoder layer indices that use span gradients (the others keep stock ones), at
+            least one and each inside the model; overrides `config.layers`.
 
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
     `push_to_hub` carry them. Patching again replaces them. Returns `model`.
@@ -63,9 +63,13 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     base = base_model(model)
     if isinstance(config, str):
         config = SpanAttentionConfig.from_label(config)
-    config = config or config_of(base.config) or SpanAttentionConfig()
+    elif config is not None and not isinstance(config, SpanAttentionConfig):
+        raise TypeError(f"patch_model: config={config!r} ({type(config).__name__}): expected a SpanAttentionConfig, "
+                        "a label string such as 'score:1000', or None (keep the model's settings)")
+    if config is None:
+        config = config_of(base.config) or SpanAttentionConfig()
     if layers is not None:
-        config = config.replace(layers=tuple(layers))
+        config = config.replace(layers=layers)
     neo = _neo_attentions(base)
     if not neo and not getattr(base, "_supports_attention_backend", False):
         raise ValueError(f"{type(base).__name__} does not route its attention through Transformers' attention "

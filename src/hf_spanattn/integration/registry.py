@@ -8,6 +8,7 @@ config is the single source of truth: saving, loading and pushing a model carrie
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -49,7 +50,25 @@ def config_of(model_config: Any) -> SpanAttentionConfig | None:
         return None
     if isinstance(data, SpanAttentionConfig):
         return data
+    _check_stored(data)
     return _parse(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in data.items())))
+
+
+def _check_stored(data: Any) -> None:
+    """The model config's `span_attention` entry must be the dict that `patch_model` writes."""
+    if not isinstance(data, dict):
+        raise TypeError(f"model config field {CONFIG_KEY!r} = {data!r}: expected a dict of SpanAttentionConfig "
+                        f"fields as patch_model writes it, e.g. {SpanAttentionConfig().to_dict()}; to set a "
+                        "label, call hf_spanattn.patch_model(model, 'score:1000')")
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_layers_outside(layers: tuple[int, ...], n_layers: int) -> None:
+    outside = [i for i in layers if i >= n_layers]
+    if outside:
+        warnings.warn(f"{CONFIG_KEY}.layers={list(layers)}: the model has layers 0..{n_layers - 1}, so layers "
+                      f"{outside} do not exist and get no span gradients"
+                      + ("; no layer does" if len(outside) == len(layers) else ""), stacklevel=3)
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
@@ -85,8 +104,12 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
             f"using the default {SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model."
         )
         config = SpanAttentionConfig()
-    if config.layers is not None and layer_index(module) not in config.layers:
-        return None
+    if config.layers is not None:
+        n_layers = getattr(module.config.get_text_config(), "num_hidden_layers", None)
+        if isinstance(n_layers, int):
+            _warn_layers_outside(config.layers, n_layers)
+        if layer_index(module) not in config.layers:
+            return None
     return config
 
 
@@ -108,6 +131,9 @@ def span_attention_forward(
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
+    if kwargs.get("output_attentions", False):  # as Transformers' SDPA attention does
+        logger.warning_once(f"`{ATTN_IMPLEMENTATION}` attention does not support `output_attentions=True` "
+                            "(as `sdpa`); the attention weights are not returned.")
     for unsupported in ("softcap", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import warnings
+import weakref
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import has_length
 
 from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import OVERRIDE_ATTR, PROBE_ATTR, attention_modules, config_of, settings_for
 from hf_spanattn.training.diagnostics import OrderRecorder
 from hf_spanattn.training.schedule import Schedule
+
+DIAGNOSTICS_FILE = "span_diagnostics.jsonl"
+logger = logging.getLogger(__name__)
+# callback handlers whose SpanAttentionCallback was put first by `add_to`: a copy that the Trainer
+# rebuilds from a checkpoint's trainer_state.json (restore_callback_states_from_checkpoint) is appended
+# last, and moves itself back to the front when training starts
+_FIRST_IN: weakref.WeakSet = weakref.WeakSet()
 
 
 class SpanAttentionCallback(TrainerCallback, ExportableState):
@@ -26,7 +38,10 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             gradient, and the ranks of Π_K and Π_V. 0 (the default) records nothing and costs
             nothing; a recorded step costs one extra rule evaluation per order in the backward.
         diagnostics_per_head: also record the norms per head.
-        diagnostics_file: JSONL output (default: <output_dir>/span_diagnostics.jsonl).
+        diagnostics_file: JSONL output, a path relative to the Trainer's output_dir (default
+            span_diagnostics.jsonl). The file always lies in the output dir: an absolute path outside it
+            (as one read back from the trainer_state.json of a run that has moved) keeps only its file name.
+            A resumed run first drops the records past the step it resumes from.
 
     Settings are validated when training starts. The schedule is a function of the global step,
     so a run resumed from a checkpoint continues it at the same point. For TensorBoard or W&B
@@ -50,15 +65,19 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._applied: dict | None = None
         self._recorders: dict[int, OrderRecorder] = {}
         self._pending: dict[str, float] = {}
+        self._path: str | None = None
         self.last_step = 0
 
     def add_to(self, trainer: Any) -> SpanAttentionCallback:
-        """Put this callback first, so that the reporting callbacks also see its diagnostics."""
+        """Put this callback first, so that the reporting callbacks also see its diagnostics (it stays
+        first when a checkpoint's callback state is restored)."""
         trainer.callback_handler.callbacks.insert(0, self)
+        _FIRST_IN.add(trainer.callback_handler)
         return self
 
     # -- the Trainer's events -----------------------------------------------------------------
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
         if config_of(base.config) is None:
@@ -66,11 +85,21 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                              "config) before training")
         if self.schedule is not None:
             n_layers = base.config.get_text_config().num_hidden_layers
-            steps_per_epoch = state.max_steps / max(state.num_train_epochs, 1)
+            steps_per_epoch = None  # as the Trainer counts them: a last partial accumulation is a step
+            if train_dataloader is not None and has_length(train_dataloader):
+                steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
-        if self.diagnostics_file is None:
-            self.diagnostics_file = os.path.join(args.output_dir, "span_diagnostics.jsonl")
+        self._path = _inside(args.output_dir, self.diagnostics_file or DIAGNOSTICS_FILE)
+        if self.diagnostics_every and state.is_world_process_zero:
+            _drop_records_after(self._path, state.global_step)
         self._apply(state.global_step)
+
+    def _move_first(self) -> None:
+        for handler in list(_FIRST_IN):
+            callbacks = handler.callbacks
+            if any(c is self for c in callbacks) and callbacks[0] is not self:
+                callbacks.remove(self)  # safe while the handler iterates: only earlier entries shift
+                callbacks.insert(0, self)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._apply(state.global_step)
@@ -101,8 +130,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             self._pending.update({f"span/layer{index}/{k}": summary[k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")})
         self._recorders = {}
         if records and state.is_world_process_zero:
-            os.makedirs(os.path.dirname(os.path.abspath(self.diagnostics_file)), exist_ok=True)
-            with open(self.diagnostics_file, "a") as f:
+            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            with open(self._path, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
         control.should_log = True
 
@@ -143,3 +172,34 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                          "diagnostics_file": self.diagnostics_file},
                 "attributes": {"last_step": self.last_step}}
 
+
+
+def _inside(output_dir: str, path: str) -> str:
+    """`path` relative to `output_dir`; an absolute path outside it keeps only its file name there."""
+    root = os.path.abspath(output_dir)
+    full = os.path.abspath(os.path.join(root, path))
+    if os.path.commonpath([root, full]) != root:
+        warnings.warn(f"SpanAttentionCallback: diagnostics_file={path!r} lies outside the output dir {root}; "
+                      f"writing {os.path.basename(full)} there instead", stacklevel=3)
+        full = os.path.join(root, os.path.basename(full))
+    return full
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    """Keep the records up to `step` (where a resumed run starts), so that no step is written twice."""
+    if step == 0 or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short when the run was stopped
+    if len(kept) != len(lines):
+        logger.info("%s: dropped %d records past step %d, where training resumes", path, len(lines) - len(kept),
+                    step)
+        with open(path, "w") as f:
+            f.writelines(kept)

@@ -13,6 +13,7 @@ from the previous keyframe's setting to this one's, which requires the same rule
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from hf_spanattn.config import SpanAttentionConfig
@@ -33,14 +34,16 @@ class Keyframe:
             raise ValueError(f"schedule keyframe {data!r}: expected keys 'at', 'span' and optionally 'ramp'")
         return cls(**data)
 
-    def step(self, max_steps: int, steps_per_epoch: float) -> int:
-        """The optimizer step at which this keyframe is reached."""
+    def step(self, max_steps: int, steps_per_epoch: int | None) -> int:
+        """The optimizer step at which this keyframe is reached (`steps_per_epoch`: optimizer steps in one
+        pass over the training data, gradient accumulation included; None where the data has no length)."""
         at = self.at
+        epoch = isinstance(at, str) and at.endswith("ep")
         try:
             if isinstance(at, str) and at.endswith("%"):
-                value = round(float(at[:-1]) / 100 * max_steps)
-            elif isinstance(at, str) and at.endswith("ep"):
-                value = round(float(at[:-2]) * steps_per_epoch)
+                value = float(at[:-1]) / 100 * max_steps
+            elif epoch:
+                value = float(at[:-2])
             elif isinstance(at, int) and not isinstance(at, bool):
                 value = at
             else:
@@ -48,9 +51,14 @@ class Keyframe:
         except ValueError:
             raise ValueError(f"keyframe at={at!r}: expected a step (int), a share ('20%') or an epoch ('2ep')") \
                 from None
-        if value < 0:
-            raise ValueError(f"keyframe at={at!r}: must not be negative")
-        return value
+        if epoch:
+            if steps_per_epoch is None:
+                raise ValueError(f"keyframe at={at!r}: an epoch keyframe needs training data with a length (the "
+                                 "steps per epoch are unknown); give a step or a share ('20%') instead")
+            value *= steps_per_epoch
+        if not 0 <= value < math.inf:
+            raise ValueError(f"keyframe at={at!r}: must be finite and not negative")
+        return round(value)
 
     def settings(self, n_layers: int) -> LayerSettings:
         if isinstance(self.span, str):
@@ -91,7 +99,8 @@ class Schedule:
         if not self.keyframes:
             raise ValueError("schedule: needs at least one keyframe")
 
-    def resolve(self, max_steps: int, steps_per_epoch: float, n_layers: int) -> list[tuple[int, LayerSettings, bool]]:
+    def resolve(self, max_steps: int, steps_per_epoch: int | None,
+                n_layers: int) -> list[tuple[int, LayerSettings, bool]]:
         """(step, per-layer settings, ramp) per keyframe, validated; raises ValueError with the cause."""
         frames = [(k.step(max_steps, steps_per_epoch), k.settings(n_layers), k.ramp) for k in self.keyframes]
         for (s0, _, _), (s1, _, _) in zip(frames, frames[1:]):

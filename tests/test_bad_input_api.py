@@ -1,0 +1,204 @@
+"""Bad input gets a clear error that names the field, the file or the path, and what is allowed.
+
+One table: (case, callable taking a scratch folder, exception type, message fragment). The
+fragment `{tmp}` stands for the scratch folder, so that a message is seen to name the file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from models import tiny
+from transformers import GPT2Config
+
+from hf_spanattn import SpanAttentionConfig, patch_model
+from hf_spanattn.integration.registry import config_of
+from hf_spanattn.training import Keyframe
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import report  # noqa: E402
+import run_clm  # noqa: E402
+import run_identity  # noqa: E402
+import sweep  # noqa: E402
+
+needs_data = pytest.mark.skipif(not (DATA / "gpt2-tokenizer").is_dir(), reason="needs ../shared/data")
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def stored(value):
+    config = GPT2Config()
+    config.span_attention = value
+    return config
+
+
+def from_pretrained_in(tmp: Path, name: str, cwd_folder: str | None = None):
+    """SpanAttentionConfig.from_pretrained(name), from inside `tmp` (where `cwd_folder` exists)."""
+    import os
+
+    if cwd_folder:
+        (tmp / cwd_folder).mkdir()
+    old = os.getcwd()
+    os.chdir(tmp)
+    try:
+        return SpanAttentionConfig.from_pretrained(name)
+    finally:
+        os.chdir(old)
+
+
+def sweep_file(tmp: Path, config) -> Path:
+    return write(tmp / "sweep.yaml", "" if config is None else yaml.safe_dump(config))
+
+
+def sweep_with(**changes):
+    base = {"output_dir": "runs", "args": {"n_embd": 32}, "spans": ["score:1000"], "seeds": [0],
+            "shapes": [{"n_head": 2, "n_layer": 1}]}
+    return {**base, **changes}
+
+
+def metrics(tmp: Path, folder: str, span: str, seed: int = 0, text: str | None = None) -> Path:
+    data = {"span": span, "min_val_loss": 1.0, "final_train_loss": 1.0, "eval_history": [],
+            "config": {"training": {"seed": seed}}}
+    return write(tmp / "runs" / folder / f"seed{seed}" / "metrics.json", text if text is not None else json.dumps(data))
+
+
+def tiny_text(tmp: Path, train_words: int, validation_words: int) -> str:
+    write(tmp / "data" / "train.txt", " the cat sat" * train_words)
+    write(tmp / "data" / "validation.txt", " the dog ran" * validation_words)
+    return str(tmp / "data")
+
+
+def run_tiny(tmp: Path, data_dir: str, **flags) -> None:
+    args = {"data_dir": data_dir, "tokenizer_name": str(DATA / "gpt2-tokenizer"), "n_embd": 16, "n_head": 1,
+            "n_layer": 1, "block_size": 16, "output_dir": str(tmp / "out"), **flags}
+    run_clm.main([f"--{k}={v}" for k, v in args.items()])
+
+
+def resume_with_saved(tmp: Path, saved: dict | None, wanted: dict, checkpoint: bool = True):
+    out = tmp / "out"
+    if checkpoint:
+        (out / "checkpoint-3").mkdir(parents=True)
+    if saved is not None:
+        run_identity.write_config(out, saved)
+    return run_identity.resume_point(str(out), wanted, None, overwrite=False)
+
+
+RUN = {"model": {"n_embd": 32}, "data": {"block_size": 32}, "span": {"span": "standard:QKV111"},
+       "training": {"seed": 0, "learning_rate": 1e-3, "output_dir": "a"}}
+
+CASES = [
+    # patch_model and the settings on the model config
+    ("patch_model layers=[]", lambda t: patch_model(tiny("gpt2"), "score:1000", layers=[]), ValueError,
+     "layers=[] selects no layer"),
+    ("config layers=()", lambda t: SpanAttentionConfig(layers=()), ValueError, "at least one layer index"),
+    ("config layers=3", lambda t: SpanAttentionConfig(layers=3), ValueError, "layers=3"),
+    ("patch_model config=0", lambda t: patch_model(tiny("gpt2"), 0), TypeError,
+     "config=0 (int): expected a SpanAttentionConfig, a label string"),
+    ("patch_model config=123", lambda t: patch_model(tiny("gpt2"), 123), TypeError, "or None"),
+    ("patch_model config=dict", lambda t: patch_model(tiny("gpt2"), {"method": "score"}), TypeError,
+     "config={'method': 'score'}"),
+    ("span_attention entry a string", lambda t: config_of(stored("score:1000")), TypeError,
+     "'span_attention' = 'score:1000': expected a dict"),
+    ("span_attention entry a list", lambda t: config_of(stored(["score", [1, 0, 0, 0]])), TypeError,
+     "'span_attention' = ['score', [1, 0, 0, 0]]: expected a dict"),
+    ("from_dict of a list", lambda t: SpanAttentionConfig.from_dict(["score"]), TypeError, "expected a dict"),
+    ("label with a bad number", lambda t: SpanAttentionConfig.from_label("score:1e,0,0,0"), ValueError,
+     "'1e,0,0,0' is not a list of numbers"),
+    # SpanAttentionConfig.from_pretrained
+    ("from_pretrained ./typo", lambda t: from_pretrained_in(t, "./no-such-recipe"), FileNotFoundError,
+     "./no-such-recipe: no such file or folder"),
+    ("from_pretrained absolute typo", lambda t: SpanAttentionConfig.from_pretrained(t / "no-such"),
+     FileNotFoundError, "{tmp}/no-such: no such file or folder"),
+    ("from_pretrained a/b/c", lambda t: from_pretrained_in(t, "runs/recipe/typo"), FileNotFoundError,
+     "runs/recipe/typo: no such file"),
+    ("from_pretrained in a local folder", lambda t: from_pretrained_in(t, "runs/typo", cwd_folder="runs"),
+     FileNotFoundError, "runs/typo: no such file or folder"),
+    ("from_pretrained folder without the file", lambda t: SpanAttentionConfig.from_pretrained(t), FileNotFoundError,
+     "{tmp}: the folder has no span_attention_config.json"),
+    ("from_pretrained corrupt JSON",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"method": "sco')), ValueError,
+     "{tmp}/c.json: not valid JSON"),
+    ("from_pretrained JSON list", lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "[1]")),
+     ValueError, "{tmp}/c.json: expected a JSON object"),
+    # schedules
+    ("epoch keyframe without a data length", lambda t: Keyframe("1ep", "score:1000").step(10, None), ValueError,
+     "needs training data with a length"),
+    ("keyframe at nan%", lambda t: Keyframe("nan%", "score:1000").step(10, 5), ValueError, "finite"),
+    # sweep.py
+    ("sweep empty YAML", lambda t: sweep.main([str(sweep_file(t, None))]), ValueError, "got an empty file"),
+    ("sweep YAML a list", lambda t: sweep.main([str(sweep_file(t, ["score:1000"]))]), ValueError,
+     "expected a mapping with output_dir"),
+    ("sweep invalid YAML", lambda t: sweep.main([str(write(t / "s.yaml", "spans: [a\n"))]), ValueError,
+     "{tmp}/s.yaml: not valid YAML"),
+    ("sweep shapes a dict", lambda t: sweep.plan(sweep_with(shapes={"n_head": 2, "n_layer": 1})), ValueError,
+     "shapes={'n_head': 2, 'n_layer': 1}: expected a list of mappings"),
+    ("sweep spans a string", lambda t: sweep.plan(sweep_with(spans="score:1000")), ValueError,
+     "spans='score:1000': expected a list of span labels"),
+    ("sweep seeds a string", lambda t: sweep.plan(sweep_with(seeds="01")), ValueError,
+     "seeds='01': expected a list of integer seeds"),
+    ("sweep seeds empty", lambda t: sweep.plan(sweep_with(seeds=[])), ValueError, "seeds is empty"),
+    ("sweep args a list", lambda t: sweep.plan(sweep_with(args=["--n_embd=32"])), ValueError,
+     "args=['--n_embd=32']: expected a mapping"),
+    ("sweep a bad label", lambda t: sweep.plan(sweep_with(spans=["score:12"])), ValueError, "expected 4 values"),
+    # report.py
+    ("report truncated metrics.json",
+     lambda t: report.load_runs(metrics(t, "H1xL1/score-1000", "score:1000", text='{"span": "sc').parents[3]),
+     ValueError, "{tmp}/runs/H1xL1/score-1000/seed0/metrics.json: not valid JSON"),
+    ("report two runs of one setting",
+     lambda t: [metrics(t, "H1xL1/score-1000", "score:1000"), metrics(t, "H1xL1/score-1_0_0_0", "score:1000"),
+                report.load_runs(t / "runs")], ValueError, "are both span score:1000 with seed 0"),
+    # run_clm.py and the run identity
+    ("run_clm empty train file", lambda t: run_tiny(t, tiny_text(t, 0, 50)), ValueError,
+     "{tmp}/data/train.txt is empty"),
+    ("run_clm max_train_tokens=0", lambda t: run_tiny(t, tiny_text(t, 50, 50), max_train_tokens=0), ValueError,
+     "--max_train_tokens 0: expected at least 2 tokens"),
+    pytest.param("run_clm block_size above the data", lambda t: run_tiny(t, tiny_text(t, 50, 50), block_size=400),
+                 ValueError, "{tmp}/data/train.txt: its 150 train tokens make no block of --block_size 400",
+                 marks=needs_data),
+    pytest.param("run_clm validation shorter than a block", lambda t: run_tiny(t, tiny_text(t, 50, 3)), ValueError,
+                 "{tmp}/data/validation.txt: its 9 validation tokens make no block of --block_size 16",
+                 marks=needs_data),
+    ("resume a run of other settings",
+     lambda t: resume_with_saved(t, RUN, {**RUN, "span": {"span": "score:1000"}}), ValueError,
+     "span.span: 'standard:QKV111' → 'score:1000'"),
+    ("resume with another data source",
+     lambda t: resume_with_saved(t, {**RUN, "data": {"data_dir": "/a"}}, {**RUN, "data": {"data_dir": "/b"}}),
+     ValueError, "data.data_dir: '/a' → '/b'"),
+    ("resume says how to start afresh",
+     lambda t: resume_with_saved(t, RUN, {**RUN, "training": {"seed": 1}}), ValueError,
+     "Start afresh with a new --output_dir, or with --overwrite_output_dir"),
+    ("resume checkpoints of unknown settings", lambda t: resume_with_saved(t, None, RUN), ValueError,
+     "{tmp}/out holds checkpoints but no run_config.json"),
+    ("resume a run with a truncated run_config.json",
+     lambda t: [write(t / "out" / "run_config.json", '{"model'), resume_with_saved(t, None, RUN, False)],
+     ValueError, "{tmp}/out/run_config.json: not valid JSON"),
+]
+
+
+def _id(case) -> str:
+    return case.values[0] if hasattr(case, "values") else case[0]
+
+
+@pytest.mark.parametrize("name,call,error,fragment", CASES, ids=[_id(c) for c in CASES])
+def test_bad_input_gets_a_clear_error(name, call, error, fragment, tmp_path):
+    with pytest.raises(error) as err:
+        call(tmp_path)
+    assert fragment.replace("{tmp}", str(tmp_path)) in str(err.value), (name, str(err.value))
+
+
+def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
+    """The counterpart of the table: no error where the settings agree (or nothing is there)."""
+    assert resume_with_saved(tmp_path, RUN, {**RUN, "training": {**RUN["training"], "output_dir": "b"}}) \
+        == str(tmp_path / "out" / "checkpoint-3")
+    assert run_identity.resume_point(str(tmp_path / "new"), RUN, None, overwrite=False) is None
