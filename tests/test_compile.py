@@ -17,12 +17,13 @@ def gradients(model, ids, forward=None) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def check_compiled_training(family: str, label: str, backend: str, compiler: str, monkeypatch) -> None:
+def check_compiled_training(family: str, label: str, backend: str, compiler: str, monkeypatch,
+                            device: str = "cpu") -> None:
     monkeypatch.setenv("HF_SPANATTN_BACKEND", backend)
     torch._dynamo.reset()
-    model = tiny(family)
+    model = tiny(family).to(device)
     hf_spanattn.patch_model(model, label)
-    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
     eager = gradients(model, ids)
     compiled = gradients(model, ids, torch.compile(model, backend=compiler))
     assert eager.keys() == compiled.keys()
@@ -41,6 +42,13 @@ def test_compiled_training_gives_the_same_gradients(label, backend, monkeypatch)
 @pytest.mark.parametrize("backend", ["tiles", "fused"])
 def test_inductor_training_gives_the_same_gradients(backend, monkeypatch):
     check_compiled_training("llama", "score:1100", backend, "inductor", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("label", ["score:1100", "score:1111@per_block"])
+def test_cuda_inductor_training_gives_the_same_gradients(label, monkeypatch):
+    check_compiled_training("llama", label, "fused", "inductor", monkeypatch, device="cuda")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
