@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_spanattn.ops import rules
-from hf_spanattn.ops.spans import span_without_sync
+from hf_spanattn.ops.spans import Span, span_without_sync
 from hf_spanattn.ops.tiles import HALF
 
 if TYPE_CHECKING:
@@ -71,8 +71,7 @@ class _Operands(torch.autograd.Function):
         k5, v5 = (x.unsqueeze(2).to(work) for x in (k, v))
         if key_valid is not None:
             k5, v5 = k5 * key_valid, v5 * key_valid
-        spans = rules.Spans(span_without_sync(k5, pinv=rule.pinv) if rule.spans else None,
-                            span_without_sync(v5) if "v" in rule.spans else None)
+        spans = _spans(k5, v5, rule.spans, rule.pinv, padded=key_valid is not None)
         key_side, query_side = rule.operands(q5, k5, spans, config.alphas)
         extra_k = [x for x in key_side[1:] if x is not None]
         extra_q = [y for y in query_side[1:] if y is not None]
@@ -98,8 +97,8 @@ class _Operands(torch.autograd.Function):
         b, h_q, t, d = q_shape
         h_kv = k_shape[1]
         work = torch.float32 if ctx.dtype in HALF else ctx.dtype
-        spans = rules.Spans(rules.Span(basis_k, coef_k) if basis_k is not None else None,
-                            rules.Span(basis_v, None) if basis_v is not None else None)
+        spans = rules.Spans(Span(basis_k, coef_k) if basis_k is not None else None,
+                            Span(basis_v, None) if basis_v is not None else None)
         widths_k, widths_q = ctx.widths
         key_products = _columns(dq_aug, d, widths_k, (b, h_kv, h_q // h_kv, t, -1), work)
         query_products = _columns(dk_aug, d + sum(widths_k), widths_q, (b, h_kv, 1, t, -1), work)
@@ -115,6 +114,16 @@ class _Operands(torch.autograd.Function):
                                                                            (dk.squeeze(2), k_shape, alpha_k)))
         dv = dv_aug[..., :v_shape[-1]]
         return dq, dk, dv if alpha_v == 1 else dv * alpha_v, None, None
+
+
+def _spans(k: torch.Tensor, v: torch.Tensor, needed: str, pinv: bool, padded: bool) -> rules.Spans:
+    """Π_K, and Π_V where `needed` holds "v", from one `span_without_sync` on K and V stacked."""
+    if not needed:
+        return rules.Spans(None, None)
+    if "v" not in needed:
+        return rules.Spans(span_without_sync(k, pinv, padded), None)
+    both = span_without_sync(torch.stack([k, v]), pinv, padded)
+    return rules.Spans(Span(both.basis[0], both.coef[0] if pinv else None), Span(both.basis[1], None))
 
 
 def _columns(grad: torch.Tensor, start: int, widths: Sequence[int], shape: tuple[int, ...],
@@ -154,7 +163,7 @@ class _PerBlock(torch.autograd.Function):
         k5, v5 = (x.unsqueeze(2).to(work) for x in (k, v))
         if key_valid is not None:
             k5, v5 = k5 * key_valid, v5 * key_valid
-        spans = rules.Spans(span_without_sync(k5, pinv=True), span_without_sync(v5))
+        spans = _spans(k5, v5, config.rule.spans, config.rule.pinv, padded=key_valid is not None)
         blocks = _SdpaBlocks(ctx.call, v, d_out, ctx.rng)
         dq, dk = config.rule.blocks(blocks, q5, k5, key_valid, spans, config.alphas)
         alpha_q, alpha_k, alpha_v = config.qkv_alphas

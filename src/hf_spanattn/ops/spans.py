@@ -171,7 +171,7 @@ def _newton_schulz(basis: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tenso
     return basis @ step, step @ coef
 
 
-def span_without_sync(x: torch.Tensor, pinv: bool = False) -> Span:
+def span_without_sync(x: torch.Tensor, pinv: bool = False, padded: bool = True) -> Span:
     """The span of x's columns as `span_of`, by one route that needs no decision on the host, so
     that it never waits for the device (and runs inside a CUDA graph); for float32 and half inputs.
 
@@ -180,7 +180,8 @@ def span_without_sync(x: torch.Tensor, pinv: bool = False) -> Span:
     at float32's rounding level (λ ≲ eps²·tr: a rank deficiency) keeps less than 10⁻⁵ of its
     share of Π_X, and (X⁺)ᵀ = U (UᵀU) C weights it by σ³/(σ² + ε)², next to nothing. Directions in
     between are taken in part. Where X has at most d non-zero rows and they are linearly
-    independent (T ≤ d, or a padded short sequence), U holds their unit vectors, as in `span_of`.
+    independent (T ≤ d, or a padded short sequence), U holds their unit vectors, as in `span_of`;
+    for T > d that is looked for only if `padded` (X may have zero rows).
     """
     if x.dtype == torch.float64:
         raise TypeError("span_without_sync is for float32 and half inputs; float64 goes through span_of")
@@ -194,10 +195,11 @@ def span_without_sync(x: torch.Tensor, pinv: bool = False) -> Span:
     basis, coef = _newton_schulz(wide @ coef.mT, coef)
     if pinv:
         coef = basis.mT @ basis @ coef
-    cutoff = (d * torch.finfo(torch.float32).eps) ** 2
-    rows_basis, rows_coef, independent = _unit_rows(wide, cutoff, pinv, always_pack=True)
-    basis = torch.where(independent[:, None, None], rows_basis, basis)
-    if pinv:
-        coef = torch.where(independent[:, None, None], rows_coef, coef)
+    if t <= d or padded:
+        cutoff = (d * torch.finfo(torch.float32).eps) ** 2
+        rows_basis, rows_coef, independent = _unit_rows(wide, cutoff, pinv, always_pack=True)
+        basis = torch.where(independent[:, None, None], rows_basis, basis)
+        if pinv:
+            coef = torch.where(independent[:, None, None], rows_coef, coef)
     basis = basis.to(x.dtype).view(x.shape)
     return Span(basis, coef.to(x.dtype).view(*x.shape[:-2], d, d) if pinv else None)
