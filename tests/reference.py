@@ -10,6 +10,7 @@ import math
 import torch
 
 from hf_spanattn import SpanAttentionConfig
+from hf_spanattn.ops.inputs import MASKED_AT
 
 
 def projector(x: torch.Tensor) -> torch.Tensor:
@@ -26,15 +27,20 @@ def _attend(attn_mask, is_causal, t, s):
         attend = attn_mask
         additive = torch.zeros(attn_mask.shape, dtype=torch.float64).masked_fill(~attend, -math.inf)
     else:
-        attend = attn_mask > torch.finfo(attn_mask.dtype).min
+        attend = attn_mask > MASKED_AT  # the package's documented rule: at or below it is masked
         additive = attn_mask.double()
     while attend.dim() < 4:
         attend, additive = attend[None], additive[None]
     return attend, additive
 
 
+def _alive(additive):
+    """Rows with a finite mask entry; the others give 0, as in SDPA."""
+    return (additive > -math.inf).any(-1, keepdim=True)
+
+
 def _head_output(scores, additive, attend, keep, p, v):
-    alive = attend.any(-1, keepdim=True)  # rows that attend nothing give 0, as in SDPA
+    alive = _alive(additive)
     probs = torch.softmax(scores + torch.where(alive, additive, 0.0), dim=-1) * alive
     weights = probs if keep is None else probs * keep / (1 - p)
     return weights @ v
@@ -45,7 +51,7 @@ def _score_grad(scores, additive, attend, keep, p, v, d_out):
     scores = scores.detach().requires_grad_(True)
     out = _head_output(scores, additive, attend, keep, p, v)
     (g,) = torch.autograd.grad(out, scores, d_out)
-    return g
+    return g * attend.any(-1, keepdim=True)  # a row that attends no key passes no gradient to Q and K
 
 
 def reference(q, k, v, d_out, config: SpanAttentionConfig, attn_mask=None, is_causal=False, scale=None,
@@ -74,7 +80,7 @@ def reference(q, k, v, d_out, config: SpanAttentionConfig, attn_mask=None, is_ca
         PK, PV, eye = projector(Kt), projector(Vt), torch.eye(t, dtype=torch.float64)
         S = scale * Q @ K.T
         out[bi, hq] = _head_output(S, add, att, kp, dropout_p, V)
-        alive = att.any(-1, keepdim=True)
+        alive = _alive(add)
         probs = torch.softmax(S + torch.where(alive, add, 0.0), -1) * alive
         weights = probs if kp is None else probs * kp / (1 - dropout_p)
         dv[bi, hk] += weights.T @ dO

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hf_spanattn.ops import rules
 from hf_spanattn.ops.blocks import BlockProducts, Workspace
 from hf_spanattn.ops.fused import fused_attention
+from hf_spanattn.ops.inputs import attended, broadcast_inputs, check_inputs
 from hf_spanattn.ops.spans import Span, span_of
 from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_range, row_tiles
 
@@ -30,19 +31,21 @@ class _Mask:
     """A mask in the (B, H_kv, g, T, S) layout: the row tiles (see `row_tiles`) that the T×S work is
     cut into, what is added to each tile's scores from its first key column where the mask is not
     zero (under a causal mask, its first row), the key positions some query may attend to (the
-    spans' support) and the query rows that attend nothing."""
+    spans' support, see `MASKED_AT`), the query rows with no finite mask entry (output 0, as SDPA) and
+    those whose entries are finite but all masked (output SDPA's, no gradient into Q and K)."""
 
     tiles: list[Tile]
     first_masked: list[int]
     additive: list[torch.Tensor | None]  # per tile: (b, h, g, rows, columns from first_masked), None where all 0
     key_valid: torch.Tensor | None  # (b, h, 1, S, 1) bool
     dead_rows: torch.Tensor | None  # (b, h, g, T, 1) bool
+    idle_rows: torch.Tensor | None = None  # (b, h, g, T, 1) bool: finite, but no key above MASKED_AT
 
     def select(self, rows: slice) -> _Mask:
         """The mask of batch entries `rows` (fields broadcast over the batch stay whole)."""
         pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
         return _Mask(self.tiles, self.first_masked, [pick(a) for a in self.additive], pick(self.key_valid),
-                     pick(self.dead_rows))
+                     pick(self.dead_rows), pick(self.idle_rows))
 
     def tile(self, i: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
         """(additive, lo, dead_rows) on the rows of tile i: the additive mask on the keys [lo, its
@@ -51,34 +54,37 @@ class _Mask:
         return self.additive[i], self.first_masked[i], row_range(self.dead_rows, start, end)
 
 
+def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attend: bool, True where the key counts for the spans; the additive mask in `dtype`)."""
+    if attn_mask.dtype == torch.bool:
+        # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
+        return attn_mask, torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
+            ~attn_mask, -math.inf)
+    return attended(attn_mask), attn_mask.to(dtype)
+
+
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
                   dtype: torch.dtype, device: torch.device) -> _Mask:
     _, h_kv, groups, t, s = shape
     if is_causal:
-        if attn_mask is not None:
-            raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
         return _causal_mask(t, s, dtype, device)
     if attn_mask is None:
         tiles = row_tiles(None, t, s)
         return _Mask(tiles, [cols for *_, cols in tiles], [None] * len(tiles), None, None)
-    if attn_mask.dtype == torch.bool:
-        attend = attn_mask
-        # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
-        additive = torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill_(~attend, -math.inf)
-    else:
-        # Transformers' eager masks use the dtype's minimum rather than -inf.
-        attend, additive = attn_mask > torch.finfo(attn_mask.dtype).min, attn_mask.to(dtype)
+    attend, additive = _attend(attn_mask, dtype)
     while attend.dim() < 4:
         attend, additive = attend.unsqueeze(0), additive.unsqueeze(0)
     b, h = attend.shape[:2]
-    if h not in (1, h_kv * groups):
-        raise ValueError(f"attn_mask has {h} heads; expected 1 or {h_kv * groups}")
     layout = (b, h_kv, groups) if h > 1 else (b, 1, 1)
     attend = attend.reshape(*layout, *attend.shape[-2:])
     additive = additive.reshape(*layout, *additive.shape[-2:])
     key_valid = attend.any(dim=-2).any(dim=2, keepdim=True).unsqueeze(-1)
-    dead_rows = ~attend.any(dim=-1, keepdim=True)
-    tiles = row_tiles(attend, t, s)
+    # SDPA's rows: a row with no finite entry gives 0; one whose entries are all at or below
+    # MASKED_AT but finite gives the softmax over all of them (uniform for the dtype's minimum)
+    defined = (additive > -math.inf).any(dim=-1, keepdim=True)
+    dead_rows, idle_rows = ~defined, defined & ~attend.any(dim=-1, keepdim=True)
+    reach = attend | idle_rows
+    tiles = row_tiles(reach, t, s)
     masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
     first_masked, parts = [], []
     for start, end, cols in tiles:
@@ -87,7 +93,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
         first_masked.append(lo)
         parts.append(row_range(additive, start, end)[..., lo:cols] if lo < cols else None)
     return _Mask(tiles, first_masked, parts, None if key_valid.all() else key_valid,
-                 dead_rows if dead_rows.any() else None)
+                 dead_rows if dead_rows.any() else None, idle_rows if idle_rows.any() else None)
 
 
 @functools.lru_cache(maxsize=4)
@@ -101,7 +107,7 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> _M
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
-    """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with nothing to attend give 0 (as SDPA)."""
+    """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with no finite mask entry give 0 (as SDPA)."""
 
     def tile(i: int) -> torch.Tensor:
         start, end, cols = mask.tiles[i]
@@ -118,7 +124,12 @@ def _dropped(probs: Tiled, keep: torch.Tensor | None, dropout_p: float) -> Tiled
     """The attention weights: probabilities times the dropout mask over (1 − p)."""
     if keep is None:
         return probs
-    return probs.map(lambda p, start, end, cols: p * keep[..., start:end, :cols] / (1 - dropout_p))
+    return probs.map(lambda p, start, end, cols: p * keep[..., start:end, :cols] * _keep_scale(dropout_p))
+
+
+def _keep_scale(dropout_p: float) -> float:
+    """1 / (1 − p), the scale of the weights that dropout keeps; 0 for p = 1, where it keeps none (as SDPA)."""
+    return 0.0 if dropout_p == 1 else 1 / (1 - dropout_p)
 
 
 class SpanAttentionFunction(torch.autograd.Function):
@@ -194,7 +205,9 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
         rows = scaled_d_out[..., start:end, :]
         tile = torch.matmul(rows, v[..., :cols, :].mT,
                             out=workspace(f"d_probs{start}", (*rows.shape[:-1], cols), d_out.dtype, d_out.device))
-        return tile.mul_(keep[..., start:end, :cols]).mul_(1 / (1 - dropout_p)) if keep is not None else tile
+        if mask.idle_rows is not None:  # rows that attend no key (by MASKED_AT): no gradient into Q and K
+            tile.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
+        return tile.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p)) if keep is not None else tile
 
     scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
@@ -226,9 +239,16 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
         probe({
             "dq_orders": [alpha_q * x for x, _ in orders], "dk_orders": [alpha_k * x for _, x in orders],
             "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": dq_std, "dk_standard": dk_std,
-            "rank_k": torch.linalg.matrix_rank(k_w), "rank_v": torch.linalg.matrix_rank(v_w),
+            "rank_k": _rank(k_w), "rank_v": _rank(v_w),
         })
     return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), (alpha_q, alpha_k, alpha_v))]
+
+
+def _rank(x: torch.Tensor) -> torch.Tensor:
+    """The rank of x (…, T, d) per leading index, as a float: NaN where x holds NaN or inf."""
+    finite = torch.isfinite(x).all(dim=-1).all(dim=-1)
+    rank = torch.linalg.matrix_rank(torch.where(finite[..., None, None], x, 0)).to(x.dtype)
+    return rank.masked_fill_(~finite, torch.nan)
 
 
 def _products(g: Tiled, operands: rules.Operands) -> rules.Products:
@@ -265,17 +285,27 @@ def span_attention(
     `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's.
 
     query (B, H_q, T, D); key, value (B, H_kv, S, D) with H_q a multiple of H_kv (grouped-query
-    attention always works; `enable_gqa` is accepted for SDPA compatibility). `attn_mask` is a
-    bool mask (True = attend) or an additive float mask, broadcastable to (B, H_q, T, S).
+    attention always works; `enable_gqa` is accepted for SDPA compatibility). As in SDPA, inputs
+    may have other numbers of batch dimensions (2-D and 3-D included) and broadcast over them;
+    a broadcast input's gradient sums over its copies. `attn_mask` is a bool mask (True = attend)
+    or an additive float mask (in float32 or the query's dtype), broadcastable to (B, H_q, T, S).
     Spans are per (batch, key/value head), over the key positions that at least one query may
-    attend to. Span rules need self-attention (T == S). Without autograd, or with the plain
-    standard gradient (`standard:QKV111`), this is SDPA itself.
+    attend to; a float mask's entry counts as masked there at or below `MASKED_AT` = −1e4 (as
+    the bool mask's False). The forward output is SDPA's in every row, also where a row attends
+    nothing: 0 under a bool or −inf mask, the softmax over its finite entries otherwise (the
+    uniform average under the dtype's minimum); on the tiles such a row passes gradient to V only,
+    not to Q and K (as under the bool mask), on the fused kernels what SDPA's backward gives it.
+    Span rules need self-attention (T == S).
+    Without autograd, with the plain standard gradient (`standard:QKV111`), or with nothing to
+    take spans of (an empty dimension, the meta device), this is SDPA itself. Bad input gets a
+    ValueError or TypeError that names the argument; NaN or inf in the input gives NaN
+    gradients for the (batch, head) it reaches, as in SDPA.
 
     `probe`, when given, is called in the backward pass (once per chunk of the batch) with the
     applied dQ, dK, their components per order (α_o-weighted: they sum to the applied ones; the
     standard rule is split into the exact score rule's orders, simple into Π_K and Π_K^⊥),
-    the standard dQ, dK and the ranks of K̃ and Ṽ per (batch, head). Diagnostics only: it
-    costs one rule evaluation per order, and runs on the tiles.
+    the standard dQ, dK and the ranks of K̃ and Ṽ per (batch, head) (floats, NaN where not
+    finite). Diagnostics only: it costs one rule evaluation per order, and runs on the tiles.
 
     `backend` says how the T×T work runs: `"fused"` on SDPA's fused kernels (`ops/fused.py`: nothing
     T×T is formed, no host synchronisation; float32 and half inputs), `"tiles"` in row tiles of
@@ -283,15 +313,18 @@ def span_attention(
     environment variable HF_SPANATTN_BACKEND if set, else fused on accelerators and tiles on the CPU
     or for float64.
     """
+    layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    query, key, value, attn_mask = broadcast_inputs(layout, query, key, value, attn_mask)
     b, h_q, t, d = query.shape
     h_kv, s = key.shape[1], key.shape[2]
-    if h_q % h_kv:
-        raise ValueError(f"span_attention: query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
     plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None
-    if not needs_grad or plain:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
+    # nothing to take spans of: no data (the meta device) or an empty dimension
+    shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d)
+    if not needs_grad or plain or shape_only:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                             is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
+        return out.reshape(layout.out_shape)
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
                          f"as keys, got {t} queries and {s} keys")
@@ -301,21 +334,17 @@ def span_attention(
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: run in the autocast dtype
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (x.to(dtype) for x in (query, key, value))
-    if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(f"span_attention: query, key and value must share a dtype, got "
-                         f"{query.dtype}, {key.dtype}, {value.dtype}")
-    if is_causal and attn_mask is not None:
-        raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
     if _backend(backend, query, probe) == "fused":
         with torch.autocast(device, enabled=False):
-            return fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, config)
+            out = fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, config)
+        return out.reshape(layout.out_shape)
     mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype, query.device)
     with torch.autocast(device, enabled=False):
         out = SpanAttentionFunction.apply(
             query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2), mask, dropout_p, scale, config,
             probe,
         )
-    return out.reshape(b, h_q, t, value.shape[-1])
+    return out.reshape(layout.out_shape)
 
 
 BACKENDS = ("auto", "tiles", "fused")

@@ -32,23 +32,20 @@ import torch
 import torch.nn.functional as F
 
 from hf_spanattn.ops import rules
+from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_without_sync
 from hf_spanattn.ops.tiles import HALF
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
-# A float mask entry at or below this is a masked key for the spans (-1e4: the value older
-# Transformers code adds; finfo.min and -inf are below it).
-MASKED = -1e4
-
-
 def key_support(attn_mask: torch.Tensor | None, h_kv: int, groups: int) -> torch.Tensor | None:
     """The key positions some query may attend to, (B or 1, H_kv, 1, S, 1) bool, from a mask
-    broadcastable to (B, H_q, T, S); None where every key is (no mask). Read on the device."""
+    broadcastable to (B, H_q, T, S) (see `inputs.MASKED_AT`); None where every key is (no mask).
+    Read on the device."""
     if attn_mask is None:
         return None
-    attend = attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED
+    attend = attended(attn_mask)
     while attend.dim() < 4:
         attend = attend.unsqueeze(0)
     b, h, _, s = attend.shape

@@ -16,7 +16,8 @@ holds their unit vectors, exactly. Where X is
 rank-deficient at its own precision (repeated rows, or fewer independent rows than columns:
 eigenvalues of XᵀX at or below max((d·eps)², d·eps₆₄)·λ_max) U comes from the
 eigendecomposition XᵀX = W Λ Wᵀ over the eigenvalues above that, U = X W Λ^-½: the
-pseudo-inverse projector, never NaN or Inf.
+pseudo-inverse projector, never NaN or Inf. Where X holds NaN or inf, its span is all NaN, so
+that the gradients show it (as SDPA's do) rather than the factorizations failing.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
         raise TypeError(f"span_of needs float32 or float64 input, got {x.dtype}")
     t, d = x.shape[-2:]
     flat = x.reshape(-1, t, d)
+    finite = torch.isfinite(flat).all(dim=-1).all(dim=-1)
+    if not finite.all():  # NaN or inf: the factorizations run on zeros there, and the span is NaN
+        flat = torch.where(finite[:, None, None], flat, 0)
     # eigenvalues of XᵀX at or below this fraction of the largest are X's rounding, or float64's
     cutoff = max((d * torch.finfo(x.dtype).eps) ** 2, d * torch.finfo(torch.float64).eps)
     if t <= d:
@@ -95,6 +99,10 @@ def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
         basis[idx] = wide_basis.to(x.dtype)
         if coef is not None:
             coef[idx] = wide_coef.to(x.dtype)
+    if not finite.all():
+        basis[~finite] = torch.nan
+        if coef is not None:
+            coef[~finite] = torch.nan
     return Span(basis.view(x.shape), None if coef is None else coef.view(*x.shape[:-2], d, d))
 
 

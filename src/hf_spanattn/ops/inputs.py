@@ -1,0 +1,122 @@
+"""The inputs of `span_attention`, checked and broadcast once for every backend: what SDPA
+accepts (at least 2-D inputs that broadcast over their batch dimensions, grouped-query heads, a
+bool or float mask that broadcasts to (batch…, H_q, T, S), 0 ≤ dropout_p ≤ 1), with an error
+that names the argument and what is allowed where SDPA gives no result."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# An additive float mask entry at or below this counts as masked: the key is left out of the
+# spans (as with a bool mask's False) and of its row's tile, where its weight exp(≤ −1e4) is 0 to
+# float64 precision. Transformers' and older models' masks (−1e4, −1e9, the dtype's minimum, −inf)
+# all fall below it; a bias such as ALiBi's (−m·distance) stays above it while m·distance < 10⁴.
+MASKED_AT = -1e4
+
+
+def attended(attn_mask: torch.Tensor) -> torch.Tensor:
+    """Where a key counts as attended for the spans: a bool mask's True, a float mask above MASKED_AT."""
+    return attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the inputs broadcast, as in SDPA: the batch dimensions (all before the heads, dim −3), the
+    query heads after broadcasting, the key/value heads, and the output's shape."""
+
+    batch: tuple[int, ...]
+    h_q: int
+    h_kv: int
+    out_shape: tuple[int, ...]
+
+
+def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                 dropout_p: float, is_causal: bool, scale: float | None) -> Layout:
+    """What every backend of `span_attention` accepts: SDPA's inputs, with an error that names the
+    argument and what is allowed where SDPA gives no result. Returns the layout they broadcast to."""
+    named = {"query": query, "key": key, "value": value}
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"span_attention: {name} must be a tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"span_attention: {name} must be a floating-point tensor, got {x.dtype}")
+        if x.dim() < 2:
+            raise ValueError(f"span_attention: {name} must have at least 2 dimensions (…, sequence, head dim), "
+                             f"got shape {tuple(x.shape)}")
+    if len({x.device for x in named.values()}) > 1:
+        raise ValueError(f"span_attention: query, key and value must be on one device, got {query.device}, "
+                         f"{key.device}, {value.device}")
+    autocast = query.device.type != "meta" and torch.is_autocast_enabled(query.device.type)
+    if not autocast and not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"span_attention: query, key and value must share a dtype, got "
+                         f"{query.dtype}, {key.dtype}, {value.dtype}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"span_attention: query and key must have the same head dim (last dimension), got "
+                         f"{query.shape[-1]} and {key.shape[-1]}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"span_attention: key and value must have the same sequence length (dimension −2), "
+                         f"got {key.shape[-2]} and {value.shape[-2]}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p <= 1:
+        raise ValueError(f"span_attention: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"span_attention: scale must be a float or None, got {type(scale).__name__}")
+    heads = lambda x: x.shape[-3] if x.dim() > 2 else 1  # noqa: E731
+    try:
+        batch = tuple(torch.broadcast_shapes(*(x.shape[:-3] for x in named.values())))
+        h_kv = torch.broadcast_shapes((heads(key),), (heads(value),))[0]
+    except RuntimeError:
+        raise ValueError(f"span_attention: query, key and value must broadcast in their batch dimensions (all "
+                         f"before dimension −3), and key and value in their heads (dimension −3), got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}") from None
+    h_q = heads(query) if heads(query) != 1 else h_kv  # one query head broadcasts over the key/value heads
+    if (h_kv == 0 and h_q > 0) or (h_kv > 0 and h_q % h_kv):
+        raise ValueError(f"span_attention: query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
+    t, s = query.shape[-2], key.shape[-2]
+    full = (*batch, h_q, t, s)
+    if max(x.dim() for x in named.values()) > 2:
+        out_shape = (*batch, h_q, t, value.shape[-1])
+    else:
+        out_shape = (t, value.shape[-1])
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"span_attention: attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+        allowed = {torch.bool, torch.float32, query.dtype}
+        if autocast:
+            allowed.add(torch.get_autocast_dtype(query.device.type))
+        if attn_mask.dtype not in allowed:
+            raise ValueError(f"span_attention: attn_mask must be bool (True = attend) or an additive float mask in "
+                             f"{' or '.join(sorted({str(d) for d in allowed - {torch.bool}}))}, "
+                             f"got {attn_mask.dtype}")
+        if attn_mask.device != query.device:
+            raise ValueError(f"span_attention: attn_mask must be on the query's device ({query.device}), "
+                             f"got {attn_mask.device}")
+        if attn_mask.dim() < 2 or not _broadcasts_to(tuple(attn_mask.shape), full):
+            raise ValueError(f"span_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                             f"(batch…, heads, T, S) = {full}")
+    return Layout(batch, h_q, h_kv, out_shape)
+
+
+def _broadcasts_to(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    return len(shape) <= len(full) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(full)))
+
+
+def broadcast_inputs(layout: Layout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """query (B, H_q, T, d), key and value (B, H_kv, S, ·) and the mask in at most 4 dimensions, the
+    batch dimensions broadcast and flattened into B. Expanded before the autograd function, so that
+    the gradients of a broadcast input sum over what it was broadcast to."""
+    b = math.prod(layout.batch)
+
+    def flat(x: torch.Tensor, heads: int) -> torch.Tensor:
+        x = x.reshape((1,) * max(0, 3 - x.dim()) + tuple(x.shape))
+        return x.expand(*layout.batch, heads, *x.shape[-2:]).reshape(b, heads, *x.shape[-2:])
+
+    if attn_mask is not None and len(layout.batch) != 1:
+        mask = attn_mask.reshape((1,) * (len(layout.batch) + 3 - attn_mask.dim()) + tuple(attn_mask.shape))
+        attn_mask = mask.expand(*layout.batch, *mask.shape[-3:]).reshape(b, *mask.shape[-3:])
+    return flat(query, layout.h_q), flat(key, layout.h_kv), flat(value, layout.h_kv), attn_mask

@@ -1,0 +1,203 @@
+"""span_attention on bad input and faults, one table: each case gives SDPA's result (forward, and
+the gradients at score:1111, the exact reading, which is SDPA's gradient) or a clear error.
+
+Rows that attend no key under a finite mask (all at or below MASKED_AT) give SDPA's forward and
+dV, and the dQ, dK of the equivalent bool mask: the case names that mask as `grads_as`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hf_spanattn import SpanAttentionConfig, span_attention
+from hf_spanattn.ops.inputs import MASKED_AT
+
+SDPA = "matches SDPA"
+EXACT = SpanAttentionConfig.from_label("score:1111")
+F64_MIN = torch.finfo(torch.float64).min
+
+
+def qkv(b=2, h_q=2, h_kv=2, t=6, d=4, d_v=None, dtype=torch.float64, seed=0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(b, h_q, t, d), (b, h_kv, t, d), (b, h_kv, t, d if d_v is None else d_v)]
+    return dict(zip(("query", "key", "value"), (torch.randn(s, generator=gen, dtype=dtype) for s in shapes)))
+
+
+def with_(x: dict, **changes) -> dict:
+    return {**x, **changes}
+
+
+def poke(name: str, index: tuple, value: float) -> dict:
+    x = qkv()
+    x[name][index] = value
+    return x
+
+
+def left_padding(fill: float | None) -> torch.Tensor:
+    """Causal with sequence 0 left-padded by 2: its rows 0, 1 attend nothing. Bool for fill None."""
+    attend = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6).clone()
+    attend[0, ..., :2] = False
+    if fill is None:
+        return attend
+    return torch.zeros(attend.shape, dtype=torch.float64).masked_fill_(~attend, fill)
+
+
+def finite_padding(fill: float, dtype: torch.dtype = torch.float64) -> dict:
+    """Left padding under a finite additive mask; the gradients expected are those of the bool mask."""
+    return with_(qkv(), attn_mask=left_padding(fill).to(dtype), grads_as=left_padding(None))
+
+
+def moved(x: dict, name: str, device: str) -> dict:
+    return with_(x, **{name: x[name].to(device)})
+
+
+CASES: dict[str, tuple[Callable[[], dict], object]] = {
+    # faults in the data: NaN/inf gradients where SDPA has them, never an exception
+    "nan_in_key": (lambda: poke("key", (0, 1, 2, 0), float("nan")), SDPA),
+    "inf_in_key": (lambda: poke("key", (1, 0, 4, 3), float("inf")), SDPA),
+    "nan_in_value": (lambda: poke("value", (1, 1, 0, 2), float("nan")), SDPA),
+    "inf_in_value": (lambda: poke("value", (0, 0, 3, 1), float("-inf")), SDPA),
+    "nan_in_query": (lambda: poke("query", (0, 0, 5, 0), float("nan")), SDPA),
+    # rows that attend nothing: 0 under bool and −inf, the softmax of equal values otherwise
+    "dead_rows_bool": (lambda: with_(qkv(), attn_mask=left_padding(None)), SDPA),
+    "dead_rows_minus_inf": (lambda: with_(qkv(), attn_mask=left_padding(float("-inf"))), SDPA),
+    "dead_rows_finfo_min": (lambda: finite_padding(F64_MIN), SDPA),
+    "dead_rows_at_threshold": (lambda: finite_padding(MASKED_AT), SDPA),
+    "dead_rows_minus_1e9": (lambda: finite_padding(-1e9), SDPA),
+    "float32_mask_on_float64": (lambda: finite_padding(-1e9, torch.float32), SDPA),
+    # broadcasting as SDPA
+    "key_value_batch_1": (lambda: with_(qkv(), key=qkv()["key"][:1], value=qkv()["value"][:1]), SDPA),
+    "query_batch_1": (lambda: with_(qkv(), query=qkv()["query"][:1]), SDPA),
+    "key_batch_1_value_batch_2": (lambda: with_(qkv(), key=qkv()["key"][:1]), SDPA),
+    "query_one_head": (lambda: qkv(h_q=1, h_kv=3), SDPA),
+    "inputs_3d": (lambda: {k: x[0] for k, x in qkv().items()}, SDPA),
+    "inputs_2d": (lambda: {k: x[0, 0] for k, x in qkv().items()}, SDPA),
+    "query_3d_key_value_4d": (lambda: with_(qkv(), query=qkv()["query"][0]), SDPA),
+    "inputs_5d_broadcast": (lambda: with_({k: x[None] for k, x in qkv().items()},
+                                          query=qkv()["query"][None].expand(3, -1, -1, -1, -1),
+                                          attn_mask=left_padding(None)[None]), SDPA),
+    "mask_5d_per_batch": (lambda: with_({k: x.expand(3, *x.shape) for k, x in qkv().items()},
+                                        attn_mask=torch.rand(3, 2, 1, 6, 6, generator=torch.Generator().manual_seed(1))
+                                        > 0.3), SDPA),
+    "gqa": (lambda: qkv(h_q=4, h_kv=2), SDPA),
+    "value_head_dim_differs": (lambda: qkv(d_v=7), SDPA),
+    "mask_key_padding_only": (lambda: with_(qkv(), attn_mask=left_padding(None)[:, :, -1:]), SDPA),
+    # empty sizes and no data
+    "no_queries": (lambda: with_(qkv(), query=qkv()["query"][:, :, :0]), SDPA),
+    "no_keys": (lambda: with_(qkv(), key=qkv()["key"][:, :, :0], value=qkv()["value"][:, :, :0]), SDPA),
+    "no_queries_no_keys": (lambda: qkv(t=0), SDPA),
+    "empty_batch": (lambda: qkv(b=0), SDPA),
+    "all_on_meta": (lambda: {k: x.to("meta") for k, x in qkv().items()}, SDPA),
+    "dropout_one": (lambda: with_(qkv(), dropout_p=1.0), SDPA),
+    # clear errors
+    "key_on_meta": (lambda: moved(qkv(), "key", "meta"), (ValueError, "one device")),
+    "query_on_meta": (lambda: moved(qkv(), "query", "meta"), (ValueError, "one device")),
+    "mask_on_meta": (lambda: with_(qkv(), attn_mask=left_padding(None).to("meta")), (ValueError, "attn_mask.*device")),
+    "dropout_negative": (lambda: with_(qkv(), dropout_p=-0.1), (ValueError, r"dropout_p.*\[0, 1\]")),
+    "dropout_above_one": (lambda: with_(qkv(), dropout_p=1.5), (ValueError, r"dropout_p.*\[0, 1\]")),
+    "dropout_nan": (lambda: with_(qkv(), dropout_p=float("nan")), (ValueError, r"dropout_p.*\[0, 1\]")),
+    "int_mask": (lambda: with_(qkv(), attn_mask=torch.ones(6, 6, dtype=torch.int64)), (ValueError, "attn_mask.*bool")),
+    "float16_mask_on_float64": (lambda: with_(qkv(), attn_mask=torch.zeros(6, 6, dtype=torch.float16)),
+                                (ValueError, "attn_mask.*float32")),
+    "mask_wrong_shape": (lambda: with_(qkv(), attn_mask=torch.ones(3, 1, 6, 6, dtype=torch.bool)),
+                         (ValueError, r"attn_mask of shape \(3, 1, 6, 6\).*\(2, 2, 6, 6\)")),
+    "mask_1d": (lambda: with_(qkv(), attn_mask=torch.ones(6, dtype=torch.bool)), (ValueError, "attn_mask of shape")),
+    "mask_too_many_dims": (lambda: with_(qkv(), attn_mask=torch.ones(2, 2, 2, 6, 6, dtype=torch.bool)),
+                           (ValueError, "attn_mask of shape")),
+    "mask_and_causal": (lambda: with_(qkv(), attn_mask=left_padding(None), is_causal=True), (ValueError, "not both")),
+    "head_dims_differ": (lambda: with_(qkv(), key=qkv(d=3)["key"]), (ValueError, "head dim")),
+    "key_value_lengths_differ": (lambda: with_(qkv(), value=qkv(t=5)["value"]), (ValueError, "sequence length")),
+    "one_dimensional": (lambda: {k: x[0, 0, 0] for k, x in qkv().items()}, (ValueError, "at least 2 dimensions")),
+    "int_inputs": (lambda: {k: x.long() for k, x in qkv().items()}, (ValueError, "query must be a floating-point")),
+    "dtypes_differ": (lambda: with_(qkv(), key=qkv()["key"].float()), (ValueError, "share a dtype")),
+    "heads_not_a_multiple": (lambda: qkv(h_q=3, h_kv=2), (ValueError, "multiple")),
+    "batches_do_not_broadcast": (lambda: with_(qkv(), key=qkv(b=3)["key"], value=qkv(b=3)["value"]),
+                                 (ValueError, "broadcast")),
+    "scale_not_a_number": (lambda: with_(qkv(), scale="0.5"), (TypeError, "scale")),
+}
+
+
+def sdpa(kwargs: dict) -> torch.Tensor:
+    q, k = kwargs["query"], kwargs["key"]
+    heads = lambda x: x.shape[-3] if x.dim() > 2 else 1  # noqa: E731
+    gqa = heads(q) > 1 and heads(k) > 1 and heads(q) != heads(k)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(**kwargs, enable_gqa=gqa)
+
+
+def blocks_not_finite(g: torch.Tensor) -> torch.Tensor:
+    """Per (batch…, head): whether the block holds NaN or inf."""
+    return ~torch.isfinite(g).flatten(-2).all(dim=-1) if g.dim() > 1 else ~torch.isfinite(g)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name):
+    build, expected = CASES[name]
+    kwargs = build()
+    if expected != SDPA:
+        error, match = expected
+        for grad in (False, True):  # the same error with or without autograd
+            if grad:
+                kwargs = {k: x.requires_grad_(True) if k in ("query", "key", "value") and x.is_floating_point() else x
+                          for k, x in kwargs.items()}
+            with pytest.raises(error, match=match):
+                span_attention(**kwargs, config=EXACT)
+        return
+    grads_as = kwargs.pop("grads_as", None)
+    leaves = {k: x.detach().clone().requires_grad_(True) if k in ("query", "key", "value") else x
+              for k, x in kwargs.items()}
+    out = span_attention(**leaves, config=EXACT)
+    expected_out = sdpa(leaves)
+    assert out.shape == expected_out.shape and out.dtype == expected_out.dtype
+    if out.device.type == "meta":
+        return
+    torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12, equal_nan=True)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    inputs = [leaves[k] for k in ("query", "key", "value")]
+    grads = torch.autograd.grad(out, inputs, d_out)
+    expected_grads = torch.autograd.grad(expected_out, inputs, d_out)
+    if grads_as is not None:
+        bool_grads = torch.autograd.grad(sdpa({**leaves, "attn_mask": grads_as}), inputs, d_out)
+        expected_grads = (*bool_grads[:2], expected_grads[2])
+    for g, e in zip(grads, expected_grads):
+        assert g.shape == e.shape
+        bad = blocks_not_finite(e)
+        assert torch.equal(blocks_not_finite(g), bad)  # NaN/inf where SDPA's are, in the same (batch, head)
+        keep = (~bad)[..., None, None] if g.dim() > 1 else ~bad
+        torch.testing.assert_close(torch.where(keep, g, 0), torch.where(keep, e, 0), rtol=1e-9, atol=1e-11)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("label", ["score:1100@per_block", "reductionistic:1100", "score:0.5,2,0,1.5"])
+@pytest.mark.parametrize("fill", [MASKED_AT, -1e9, "min", float("-inf")])
+@pytest.mark.parametrize("kind", ["left_padding_causal", "key_padding"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float_padding_masks_give_the_bool_masks_gradients(label, fill, kind, dtype):
+    """Older code's additive padding masks, with padded positions carrying no loss."""
+    config = SpanAttentionConfig.from_label(label)
+    x = qkv(b=3, h_q=4, h_kv=2, t=9, d=3, dtype=dtype, seed=2)
+    valid = torch.arange(9)[None, :] >= torch.tensor([0, 4, 7])[:, None]  # left padding by 0, 4, 7
+    attend = valid[:, None, None, :]
+    if kind == "left_padding_causal":
+        attend = attend & torch.ones(9, 9, dtype=torch.bool).tril()
+    fill = torch.finfo(dtype).min if fill == "min" else fill
+    additive = torch.zeros(attend.shape, dtype=dtype).masked_fill_(~attend, fill)
+    d_out = torch.randn(3, 4, 9, 3, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    d_out = d_out * attend.any(-1, keepdim=True)
+    results = []
+    for mask in (attend, additive):
+        leaves = [t.clone().requires_grad_(True) for t in x.values()]
+        out = span_attention(*leaves, attn_mask=mask, config=config)
+        results.append((out, torch.autograd.grad(out, leaves, d_out)))
+    (out_bool, grads_bool), (out_float, grads_float) = results
+    rows = attend.any(-1, keepdim=True)  # the forward differs (as SDPA's) only in rows that attend nothing
+    assert rel(out_float * rows, out_bool) < 1e-6
+    for name, g, e in zip("qkv", grads_float, grads_bool):
+        assert rel(g, e) < 1e-5, name

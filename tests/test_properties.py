@@ -1,0 +1,130 @@
+"""Properties of span_attention over random shapes, masks, dtypes and alphas (hypothesis):
+the forward pass is SDPA's, the gradients at alphas 1111 are SDPA's, and every rule matches the
+float64 reference of tests/reference.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference
+from test_engine import LABELS, rel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hf_spanattn import SpanAttentionConfig, span_attention
+from hf_spanattn.ops.inputs import MASKED_AT
+
+MASKS = ["none", "causal", "bool", "-inf", "min", "threshold"]
+FILLS = {"-inf": lambda dtype: float("-inf"), "min": lambda dtype: torch.finfo(dtype).min,
+         "threshold": lambda dtype: MASKED_AT}
+TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+FAST = settings(max_examples=25, deadline=None, derandomize=True)
+
+
+@st.composite
+def problems(draw):
+    """Inputs (float64), d_out, the mask's kind and its bool form (None: no mask)."""
+    b, h_kv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    d = draw(st.sampled_from([1, 2, 4, 8]))
+    t = draw(st.one_of(st.integers(1, d), st.integers(1, 12)))  # T ≤ d (T = 1 included) and T > d
+    kind = draw(st.sampled_from(MASKS))
+    pad = [draw(st.integers(0, t - 1)) for _ in range(b)]  # left padding; padded rows attend nothing
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(b, h_kv * groups, t, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, h_kv, t, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    d_out = torch.randn(b, h_kv * groups, t, d, generator=gen, dtype=torch.float64)
+    attend = None
+    if kind not in ("none", "causal"):
+        valid = torch.arange(t)[None, :] >= torch.tensor(pad)[:, None]
+        attend = valid[:, None, None, :] & torch.ones(t, t, dtype=torch.bool).tril()
+    return (q, k, v), d_out, kind, attend
+
+
+def mask_kwargs(kind: str, attend: torch.Tensor | None, dtype: torch.dtype) -> dict:
+    if kind == "none":
+        return {}
+    if kind == "causal":
+        return {"is_causal": True}
+    if kind == "bool":
+        return {"attn_mask": attend}
+    return {"attn_mask": torch.zeros(attend.shape, dtype=dtype).masked_fill_(~attend, FILLS[kind](dtype))}
+
+
+def live_rows(attend: torch.Tensor | None) -> torch.Tensor | float:
+    """1 on the query rows that attend some key: padded rows carry no loss (their gradients into Q
+    and K follow the bool mask, not SDPA's)."""
+    return 1.0 if attend is None else attend.any(-1, keepdim=True).double()
+
+
+def sdpa(inputs, **kwargs) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(*inputs, enable_gqa=inputs[0].shape[1] != inputs[1].shape[1], **kwargs)
+
+
+def run(inputs, d_out, config, **kwargs):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = span_attention(*leaves, config=config, **kwargs)
+    return out, torch.autograd.grad(out, leaves, d_out)
+
+
+@FAST
+@given(problems(), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), st.sampled_from(LABELS))
+def test_forward_is_sdpa(problem, dtype, label):
+    inputs, _, kind, attend = problem
+    kwargs = mask_kwargs(kind, attend, dtype)
+    leaves = [x.to(dtype).requires_grad_(True) for x in inputs]
+    out = span_attention(*leaves, config=SpanAttentionConfig.from_label(label), **kwargs)
+    wide = {k: (m.double() if torch.is_tensor(m) and m.is_floating_point() else m) for k, m in kwargs.items()}
+    expected = sdpa([x.detach().double() for x in leaves], **wide)  # SDPA on the same (rounded) inputs
+    assert out.dtype == dtype
+    # bf16 keeps 8 significant bits: its scores and weights round to 2^-9 relative
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    assert (out.double() - expected).abs().max().item() <= tol * max(1.0, expected.abs().max().item())
+
+
+@FAST
+@given(problems(), st.sampled_from([torch.float32, torch.float64]), st.sampled_from(["score:1111",
+                                                                                   "reductionistic:1111"]))
+def test_gradients_at_1111_are_sdpa(problem, dtype, label):
+    inputs, d_out, kind, attend = problem
+    kwargs = mask_kwargs(kind, attend, dtype)
+    inputs, d_out = [x.to(dtype) for x in inputs], (d_out * live_rows(attend)).to(dtype)
+    _, grads = run(inputs, d_out, SpanAttentionConfig.from_label(label), **kwargs)
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    expected = torch.autograd.grad(sdpa(leaves, **kwargs), leaves, d_out)
+    for name, g, e in zip("qkv", grads, expected):
+        assert rel(g, e) < TOLERANCE[dtype] / 10, name
+
+
+alphas = st.tuples(*[st.sampled_from([0.0, 0.5, 1.0, 2.0])] * 4)
+
+
+@FAST
+@given(problems(), st.sampled_from([torch.float32, torch.float64]),
+       st.one_of(st.sampled_from(LABELS).map(SpanAttentionConfig.from_label),
+                 st.builds(SpanAttentionConfig, method=st.sampled_from(["score", "reductionistic"]), alphas=alphas,
+                           score_grad=st.just("exact")),
+                 st.builds(SpanAttentionConfig, method=st.just("score"), alphas=alphas,
+                           score_grad=st.just("per_block"))))
+def test_every_rule_matches_the_float64_reference(problem, dtype, config):
+    inputs, d_out, kind, attend = problem
+    kwargs64 = mask_kwargs(kind, attend, torch.float64)
+    ref_out, ref_grads = reference(*inputs, d_out, config, **kwargs64)
+    _, std_grads = reference(*inputs, d_out, SpanAttentionConfig(method="standard"), **kwargs64)
+    out, grads = run([x.to(dtype) for x in inputs], d_out.to(dtype), config, **mask_kwargs(kind, attend, dtype))
+    assert rel(out, ref_out) < TOLERANCE[dtype]
+    for name, g, r, std in zip("qkv", grads, ref_grads, std_grads):
+        assert rel(g, r, std) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("kind", MASKS)
+def test_the_strategy_reaches_every_mask(kind):
+    """The masks above are built as meant: float masks hide what the bool mask hides."""
+    attend = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    kwargs = mask_kwargs(kind, attend, torch.float32)
+    if "attn_mask" in kwargs:
+        mask = kwargs["attn_mask"]
+        hidden = ~mask if mask.dtype == torch.bool else mask <= MASKED_AT
+        assert torch.equal(hidden, ~attend)
