@@ -1,270 +1,29 @@
-"""`span_attention`: SDPA's forward pass, with the paper's gradient rules in the backward pass."""
+"""`span_attention`: SDPA's forward pass, with the paper's gradient rules in the backward pass.
+
+The inputs are checked and broadcast once (`inputs.py`), then a backend runs the T×T work:
+`tile_engine.py` (explicit T×T tiles, any dtype; the CPU's) or `fused.py` (SDPA's fused kernels,
+nothing T×T kept and no host synchronisation; an accelerator's). A backend is a function of
+(query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe) in `BACKENDS`.
+"""
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from hf_spanattn.ops import rules
-from hf_spanattn.ops.blocks import BlockProducts, Workspace
 from hf_spanattn.ops.fused import fused_attention
-from hf_spanattn.ops.inputs import attended, broadcast_inputs, check_inputs
-from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_range, row_tiles
+from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs
+from hf_spanattn.ops.tile_engine import Probe, tile_attention
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
-Probe = Callable[[dict], None]
-_BACKWARD_CHUNKS = 4
-
-
-@dataclass
-class _Mask:
-    """A mask in the (B, H_kv, g, T, S) layout: the row tiles (see `row_tiles`) that the T×S work is
-    cut into, what is added to each tile's scores from its first key column where the mask is not
-    zero (under a causal mask, its first row), the key positions some query may attend to (the
-    spans' support, see `MASKED_AT`), the query rows with no finite mask entry (output 0, as SDPA) and
-    those whose entries are finite but all masked (output SDPA's, no gradient into Q and K)."""
-
-    tiles: list[Tile]
-    first_masked: list[int]
-    additive: list[torch.Tensor | None]  # per tile: (b, h, g, rows, columns from first_masked), None where all 0
-    key_valid: torch.Tensor | None  # (b, h, 1, S, 1) bool
-    dead_rows: torch.Tensor | None  # (b, h, g, T, 1) bool
-    idle_rows: torch.Tensor | None = None  # (b, h, g, T, 1) bool: finite, but no key above MASKED_AT
-
-    def select(self, rows: slice) -> _Mask:
-        """The mask of batch entries `rows` (fields broadcast over the batch stay whole)."""
-        pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
-        return _Mask(self.tiles, self.first_masked, [pick(a) for a in self.additive], pick(self.key_valid),
-                     pick(self.dead_rows), pick(self.idle_rows))
-
-    def tile(self, i: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
-        """(additive, lo, dead_rows) on the rows of tile i: the additive mask on the keys [lo, its
-        columns), None where it is zero on all of them."""
-        start, end, _ = self.tiles[i]
-        return self.additive[i], self.first_masked[i], row_range(self.dead_rows, start, end)
-
-
-def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(attend: bool, True where the key counts for the spans; the additive mask in `dtype`)."""
-    if attn_mask.dtype == torch.bool:
-        # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
-        return attn_mask, torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
-            ~attn_mask, -math.inf)
-    return attended(attn_mask), attn_mask.to(dtype)
-
-
-def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-                  dtype: torch.dtype, device: torch.device) -> _Mask:
-    _, h_kv, groups, t, s = shape
-    if is_causal:
-        return _causal_mask(t, s, dtype, device)
-    if attn_mask is None:
-        tiles = row_tiles(None, t, s)
-        return _Mask(tiles, [cols for *_, cols in tiles], [None] * len(tiles), None, None)
-    attend, additive = _attend(attn_mask, dtype)
-    while attend.dim() < 4:
-        attend, additive = attend.unsqueeze(0), additive.unsqueeze(0)
-    b, h = attend.shape[:2]
-    layout = (b, h_kv, groups) if h > 1 else (b, 1, 1)
-    attend = attend.reshape(*layout, *attend.shape[-2:])
-    additive = additive.reshape(*layout, *additive.shape[-2:])
-    key_valid = attend.any(dim=-2).any(dim=2, keepdim=True).unsqueeze(-1)
-    # SDPA's rows: a row with no finite entry gives 0; one whose entries are all at or below
-    # MASKED_AT but finite gives the softmax over all of them (uniform for the dtype's minimum)
-    defined = (additive > -math.inf).any(dim=-1, keepdim=True)
-    dead_rows, idle_rows = ~defined, defined & ~attend.any(dim=-1, keepdim=True)
-    reach = attend | idle_rows
-    tiles = row_tiles(reach, t, s)
-    masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
-    first_masked, parts = [], []
-    for start, end, cols in tiles:
-        columns = masked[start:end, :cols].any(dim=0)
-        lo = int(columns.int().argmax()) if columns.any() else cols
-        first_masked.append(lo)
-        parts.append(row_range(additive, start, end)[..., lo:cols] if lo < cols else None)
-    return _Mask(tiles, first_masked, parts, None if key_valid.all() else key_valid,
-                 dead_rows if dead_rows.any() else None, idle_rows if idle_rows.any() else None)
-
-
-@functools.lru_cache(maxsize=4)
-def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> _Mask:
-    """The causal mask, built once per shape. It keeps only the tiles' parts that are not zero, the
-    squares on the diagonal (T × rows per tile numbers rather than T·S); nothing reads them but to
-    add them."""
-    attend = torch.ones(t, s, dtype=torch.bool, device=device).tril()
-    mask = _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device)
-    return replace(mask, additive=[a.clone() if a is not None else None for a in mask.additive])
-
-
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
-    """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with no finite mask entry give 0 (as SDPA)."""
-
-    def tile(i: int) -> torch.Tensor:
-        start, end, cols = mask.tiles[i]
-        additive, lo, dead_rows = mask.tile(i)
-        scores = (q[..., start:end, :] * scale).to(dtype) @ k[..., :cols, :].to(dtype).mT
-        if additive is not None:
-            scores[..., lo:].add_(additive)
-        return masked_softmax(scores, dead_rows)
-
-    return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])
-
-
-def _dropped(probs: Tiled, keep: torch.Tensor | None, dropout_p: float) -> Tiled:
-    """The attention weights: probabilities times the dropout mask over (1 − p)."""
-    if keep is None:
-        return probs
-    return probs.map(lambda p, start, end, cols: p * keep[..., start:end, :cols] * _keep_scale(dropout_p))
-
-
-def _keep_scale(dropout_p: float) -> float:
-    """1 / (1 − p), the scale of the weights that dropout keeps; 0 for p = 1, where it keeps none (as SDPA)."""
-    return 0.0 if dropout_p == 1 else 1 / (1 - dropout_p)
-
-
-class SpanAttentionFunction(torch.autograd.Function):
-    """Attention on (B, H_kv, g, T, d) queries and (B, H_kv, 1, S, d) keys/values."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
-                probe: Probe | None):
-        probs = _probs(q, k, mask, scale, q.dtype)
-        keep = None
-        if dropout_p > 0:
-            # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
-            keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
-        out = _dropped(probs, keep, dropout_p) @ v
-        ctx.save_for_backward(q, k, v, keep, *probs.parts)
-        ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, keep, *parts = ctx.saved_tensors
-        config, mask = ctx.config, ctx.mask
-        work = torch.float32 if q.dtype in HALF else q.dtype  # the projector maths
-        masked = lambda x: x.to(work) * mask.key_valid if mask.key_valid is not None else x.to(work)  # noqa: E731
-        rule, probing = config.rule, ctx.probe is not None
-        k_w, v_w = masked(k), masked(v) if probing or "v" in rule.spans else None
-        span_k = span_of(k_w, pinv=rule.pinv) if probing or rule.spans else None
-        batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask,
-                       q.to(work), k_w, v_w, span_k, span_of(v_w) if v_w is not None else None)
-        grads = [torch.empty_like(x) for x in (q, k, v)]
-        # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
-        step = max(1, math.ceil(q.shape[0] / _BACKWARD_CHUNKS))
-        workspace = Workspace()
-        for start in range(0, q.shape[0], step):
-            rows = slice(start, start + step)
-            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, config, ctx.probe, workspace)
-            for grad, part in zip(grads, chunk):
-                grad[rows] = part
-        return (*grads, None, None, None, None, None)
-
-
-@dataclass
-class _Batch:
-    """What the backward pass reads, for the whole batch or a chunk of it. The `_w` tensors and
-    the spans are in the projector dtype, with padded key positions zeroed."""
-
-    v: torch.Tensor
-    keep: torch.Tensor | None
-    d_out: torch.Tensor
-    probs: Tiled
-    mask: _Mask
-    q_w: torch.Tensor
-    k_w: torch.Tensor
-    v_w: torch.Tensor | None
-    span_k: Span | None
-    span_v: Span | None
-
-    def select(self, rows: slice) -> _Batch:
-        """The batch entries `rows`."""
-        pick = lambda x: x.select(rows) if isinstance(x, (Tiled, _Mask, Span)) else x[rows]  # noqa: E731
-        return _Batch(*(None if x is None else pick(x) for x in (getattr(self, f.name) for f in fields(self))))
-
-
-def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig, probe: Probe | None,
-              workspace: Workspace):
-    """One chunk of the batch."""
-    v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
-    q_w, k_w, v_w, span_k, span_v = batch.q_w, batch.k_w, batch.v_w, batch.span_k, batch.span_v
-    dv = rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out)
-
-    def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
-        """scale·∂L/∂P on a tile: G = ∂L/∂S then carries the factor of S = scale·QKᵀ."""
-        rows = scaled_d_out[..., start:end, :]
-        tile = torch.matmul(rows, v[..., :cols, :].mT,
-                            out=workspace(f"d_probs{start}", (*rows.shape[:-1], cols), d_out.dtype, d_out.device))
-        if mask.idle_rows is not None:  # rows that attend no key (by MASKED_AT): no gradient into Q and K
-            tile.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
-        return tile.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p)) if keep is not None else tile
-
-    scaled_d_out = d_out * scale
-    d_probs = probs.map(tile_d_probs)
-
-    def softmax_grad(in_place: bool) -> Tiled:
-        """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers if `in_place`."""
-        return Tiled(d_probs.tiles, [torch.ops.aten._softmax_backward_data.out(
-            dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp))
-            for dp, p in zip(d_probs.parts, probs.parts)], d_probs.t, d_probs.s)
-
-    rule, spans = config.rule, rules.Spans(span_k, span_v)
-    if rule.blocks is not None:
-        block_products = BlockProducts(d_probs, scale, mask.tile, workspace)
-        g = softmax_grad(in_place=False) if probe is not None else None  # the probe's standard gradient
-    else:
-        g = softmax_grad(in_place=True)
-
-    def evaluate(rule: rules.Rule, alphas) -> tuple[torch.Tensor, torch.Tensor]:
-        if rule.blocks is not None:
-            return rule.blocks(block_products, q_w, k_w, mask.key_valid, spans, alphas)
-        return rule.finish(_products(g, rule.operands(q_w, k_w, spans, alphas)), q_w, k_w, spans, alphas)
-
-    dq, dk = evaluate(rule, config.alphas)
-    alpha_q, alpha_k, alpha_v = config.qkv_alphas
-    if probe is not None:
-        split, order_alphas = rule.split(config.alphas)
-        orders = [evaluate(split, alphas) for alphas in order_alphas]
-        (dq_std,), (dk_std,) = _products(g, ([k_w], [q_w]))
-        probe({
-            "dq_orders": [alpha_q * x for x, _ in orders], "dk_orders": [alpha_k * x for _, x in orders],
-            "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": dq_std, "dk_standard": dk_std,
-            "rank_k": _rank(k_w), "rank_v": _rank(v_w),
-        })
-    return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), (alpha_q, alpha_k, alpha_v))]
-
-
-def _rank(x: torch.Tensor) -> torch.Tensor:
-    """The rank of x (…, T, d) per leading index, as a float: NaN where x holds NaN or inf."""
-    finite = torch.isfinite(x).all(dim=-1).all(dim=-1)
-    rank = torch.linalg.matrix_rank(torch.where(finite[..., None, None], x, 0)).to(x.dtype)
-    return rank.masked_fill_(~finite, torch.nan)
-
-
-def _products(g: Tiled, operands: rules.Operands) -> rules.Products:
-    """The products a rule asks for, G·X and Gᵀ·Y (summed over query heads), each side as one product."""
-    key_side, query_side = operands
-    return _side(g, key_side), [rules.group_sum(x) for x in _side(g.mT, query_side)]
-
-
-def _side(g, rights: list[rules.Part]) -> list[rules.Part]:
-    """[g @ r for r in rights] as one product; a missing right gives None."""
-    used = [r for r in rights if r is not None]
-    if not used:
-        return [None] * len(rights)
-    out = iter(rules.matmul(g, torch.cat(used, dim=-1) if len(used) > 1 else used[0]).split(
-        [r.shape[-1] for r in used], dim=-1))
-    return [next(out) if r is not None else None for r in rights]
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"tiles": tile_attention, "fused": fused_attention}
 
 
 def span_attention(
@@ -309,7 +68,7 @@ def span_attention(
 
     `backend` says how the T×T work runs: `"fused"` on SDPA's fused kernels (`ops/fused.py`: nothing
     T×T is formed, no host synchronisation; float32 and half inputs), `"tiles"` in row tiles of
-    explicit T×T matrices (this module; any dtype, the faster on a CPU), `"auto"` (default): the
+    explicit T×T matrices (`ops/tile_engine.py`; any dtype, the faster on a CPU), `"auto"` (default): the
     environment variable HF_SPANATTN_BACKEND if set, else fused on accelerators and tiles on the CPU
     or for float64.
     """
@@ -328,34 +87,23 @@ def span_attention(
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
                          f"as keys, got {t} queries and {s} keys")
-    groups = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     device = query.device.type
     if torch.is_autocast_enabled(device):  # as SDPA under autocast: run in the autocast dtype
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (x.to(dtype) for x in (query, key, value))
-    if _backend(backend, query, probe) == "fused":
-        with torch.autocast(device, enabled=False):
-            out = fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, config)
-        return out.reshape(layout.out_shape)
-    mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype, query.device)
     with torch.autocast(device, enabled=False):
-        out = SpanAttentionFunction.apply(
-            query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2), mask, dropout_p, scale, config,
-            probe,
-        )
+        out = BACKENDS[_backend(backend, query, probe)](query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                         config, probe)
     return out.reshape(layout.out_shape)
-
-
-BACKENDS = ("auto", "tiles", "fused")
 
 
 def _backend(name: str, query: torch.Tensor, probe: Probe | None) -> str:
     """The backend that runs this call: see `span_attention`."""
     if name == "auto":
         name = os.environ.get("HF_SPANATTN_BACKEND", "auto")
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r}: allowed values are {', '.join(BACKENDS)} "
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: allowed values are auto, {', '.join(BACKENDS)} "
                          "(also for the environment variable HF_SPANATTN_BACKEND)")
     if name == "fused" and query.dtype == torch.float64:
         raise ValueError("backend='fused' runs float32 and half inputs; float64 runs on backend='tiles'")

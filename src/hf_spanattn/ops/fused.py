@@ -24,7 +24,6 @@ mask no step waits for the host.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -244,12 +243,13 @@ class _replaying:
 
 
 def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                    dropout_p: float, is_causal: bool, scale: float | None,
-                    config: SpanAttentionConfig) -> torch.Tensor:
-    """`span_attention` on SDPA's fused kernels; inputs (B, H, T, D) as SDPA's, T == S."""
-    h_q, d = query.shape[1], query.shape[-1]
-    h_kv = key.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale  # explicit: the augmented width is not d
+                    dropout_p: float, is_causal: bool, scale: float, config: SpanAttentionConfig,
+                    probe: None = None) -> torch.Tensor:
+    """`span_attention` on SDPA's fused kernels; (B, H, T, D) inputs as checked and broadcast by it,
+    T == S. `scale` must be given: the augmented width is not D. Diagnostics (a probe) run on the tiles."""
+    if probe is not None:
+        raise ValueError("fused_attention takes no probe: diagnostics run on backend='tiles'")
+    h_q, h_kv = query.shape[1], key.shape[1]
     key_valid = key_support(attn_mask, h_kv, h_q // h_kv)
     if config.rule.blocks is not None:
         return _PerBlock.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, key_valid, config)
