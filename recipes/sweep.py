@@ -14,6 +14,7 @@ skipped; an interrupted one resumes from its last checkpoint.
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import shlex
 import shutil
@@ -84,14 +85,34 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + shlex.join(command))
             continue
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "train.log", "a") as log:
-            result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        if result.returncode != 0:
-            print(f"  failed with exit code {result.returncode}; see {folder / 'train.log'}", flush=True)
-            return result.returncode
+        returncode = run_and_log(command, folder / "train.log")
+        if returncode != 0:
+            print(f"  failed with exit code {returncode}: {key_line(folder / 'train.log')}\n"
+                  f"  full log: {folder / 'train.log'}", flush=True)
+            return returncode
         if not args.keep_weights:
             prune(folder)
     return 0
+
+
+def run_and_log(command: list[str], log_path: Path) -> int:
+    """Run `command`, its output (progress bars included) to the console and appended to `log_path`."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+        while chunk := process.stdout.read1(65536):
+            log.write(chunk)
+            sys.stdout.write(decoder.decode(chunk))
+            sys.stdout.flush()
+    return process.wait()
+
+
+def key_line(log_path: Path) -> str:
+    """What a failed run said last: its final unindented line (a traceback's exception) and what follows it."""
+    lines = [line.rstrip() for line in log_path.read_text(errors="replace").replace("\r", "\n").splitlines()]
+    lines = [line for line in lines if line.strip()]
+    starts = [i for i, line in enumerate(lines) if not line[0].isspace()]
+    return "\n".join(lines[starts[-1]:][:3]) if starts else "(the log is empty)"
 
 
 def prune(folder: Path) -> None:
