@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -32,9 +33,15 @@ def flags(args: dict) -> list[str]:
     return [f"--{k}={v}" for k, v in args.items()]
 
 
-def test_training_writes_the_metrics_json(tmp_path):
+def test_training_writes_the_metrics_json(tmp_path, capfd, monkeypatch):
+    logging.Logger.warning_once.cache_clear()  # Transformers warns once per process
+    loads, load_best = [], run_clm.Trainer._load_best_model
+    monkeypatch.setattr(run_clm.Trainer, "_load_best_model", lambda self: [loads.append(1), load_best(self)][1])
     metrics = run_clm.main(flags({**TINY, "span": "score:1000@per_block", "span_layers": "0",
                                   "output_dir": tmp_path, "num_train_epochs": 2}))
+    console = "".join(capfd.readouterr())
+    assert "loss_type" not in console  # nor, loading the best checkpoint, a missing tied lm_head.weight:
+    assert "missing keys" not in console and loads == [1]
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["span"] == metrics["span"] == "score:1000@per_block"
     assert saved["span_config"]["layers"] == [0]
