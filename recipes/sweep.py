@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         returncode = run_and_log(command, folder / "train.log")
         if returncode != 0:
-            print(f"  failed with exit code {returncode}: {key_line(folder / 'train.log')}\n"
-                  f"  full log: {folder / 'train.log'}", flush=True)
+            print(f"  failed with exit code {returncode} (its last lines above); full log: {folder / 'train.log'}",
+                  flush=True)
             return returncode
         if not args.keep_weights:
             prune(folder)
@@ -105,14 +105,6 @@ def run_and_log(command: list[str], log_path: Path) -> int:
             sys.stdout.write(decoder.decode(chunk))
             sys.stdout.flush()
     return process.wait()
-
-
-def key_line(log_path: Path) -> str:
-    """What a failed run said last: its final unindented line (a traceback's exception) and what follows it."""
-    lines = [line.rstrip() for line in log_path.read_text(errors="replace").replace("\r", "\n").splitlines()]
-    lines = [line for line in lines if line.strip()]
-    starts = [i for i, line in enumerate(lines) if not line[0].isspace()]
-    return "\n".join(lines[starts[-1]:][:3]) if starts else "(the log is empty)"
 
 
 def prune(folder: Path) -> None:

@@ -206,7 +206,7 @@ def test_without_the_hub_the_console_names_the_offline_route(hub_call, monkeypat
     assert "SPANATTN_DATA=../shared/data bash scripts/compare.sh" in message
 
 
-def test_a_failed_run_shows_its_key_line_and_its_output_on_the_console(tmp_path, capsys):
+def test_a_failed_run_shows_its_output_and_its_last_lines_on_the_console(tmp_path, capsys):
     config = write_sweep(tmp_path, ["standard:QKV111"], [0])
     launcher = tmp_path / "fails.py"
     launcher.write_text("import sys\nprint('  3%|▎ | 1/30 [00:01<00:29]', flush=True)\n"
@@ -214,7 +214,7 @@ def test_a_failed_run_shows_its_key_line_and_its_output_on_the_console(tmp_path,
     assert sweep.main([str(config), "--launcher", f"{sys.executable} {launcher}"]) == 1
     out = capsys.readouterr().out
     assert "1/30 [00:01<00:29]" in out  # the progress bar reaches the console
-    assert "failed with exit code 1: run_clm.py: the real reason\n  what to do about it" in out
+    assert "run_clm.py: the real reason\n  what to do about it\n  failed with exit code 1" in out
 
 
 def fake_run(runs: Path, label: str, seed: int, val: list[float], diagnostics: bool = False) -> None:
