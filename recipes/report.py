@@ -5,9 +5,12 @@
 
 Reads every <runs>/<shape>/<span>/seed<k>/metrics.json and writes, per model shape:
 report.md and report.csv (final train loss, minimum validation loss, Δ % against the
-standard:QKV111 baseline of the same shape, mean ± std over seeds, runs counted),
-loss_curves.png (validation loss per epoch, mean over seeds, the baseline dashed) and
-improvements.png (Δ % of minimum validation loss over the baseline, bars with seed spread).
+standard:QKV111 baseline of the same shape with its spread over seeds, runs counted, and
+what the comparison can and cannot show at that size), loss_curves_<shape>.png (losses over
+steps, and each run's validation Δ % against the baseline run of the same seed, around a zero
+line), improvements_<shape>.png (Δ % of minimum validation loss, bars with the seed spread on
+an axis no narrower than the paper's effect, so that noise is not blown up) and, for runs made
+with --span_diagnostics_every, diagnostics_<shape>_<span>.png (the per-order shares of dQ, dK).
 Δ % is (baseline − value) / baseline · 100: positive is better, as in the paper.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import statistics
 import sys
@@ -22,9 +26,11 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from plot_diagnostics import plot as plot_diagnostics
 from run_identity import read_json  # noqa: E402
 
 BASELINE = "standard:QKV111"
+PAPER_DELTA = 0.56  # Δ % of score:1000 in the paper (GPT-2 d = 256, 6 layers, 50 epochs of WikiText-2)
 
 
 def load_runs(runs_dir: Path) -> dict[str, dict[str, dict[int, dict]]]:
@@ -34,7 +40,7 @@ def load_runs(runs_dir: Path) -> dict[str, dict[str, dict[int, dict]]]:
     for path in sorted(runs_dir.glob("*/*/seed*/metrics.json")):
         if not re.fullmatch(r"seed\d+", path.parent.name):
             continue  # a run moved aside by sweep.py (seed0.replaced-1), made with other settings
-        metrics = read_json(path)
+        metrics = {**read_json(path), "_dir": path.parent}
         seed = metrics["config"]["training"]["seed"]
         key = (path.parts[-4], metrics["span"], seed)
         if key in paths:
@@ -80,14 +86,23 @@ def fmt(x: float | None, digits: int = 4, signed: bool = False) -> str:
 
 def markdown(shape: str, rows: list[dict]) -> str:
     lines = [f"### {shape}", "",
-             "| span | runs | final train loss | Δ % | min val loss | Δ % | Δ % per seed |",
+             "| span | runs | final train loss | Δ % | min val loss | Δ % ± seed std | Δ % per seed |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        per_seed = ", ".join(f"{d:+.2f}" for d in r["val_delta_paired"]) if r["span"] != BASELINE else ""
+        per_seed = ", ".join(f"{d:+.3f}" for d in r["val_delta_paired"]) if r["span"] != BASELINE else ""
+        spread = f" ± {fmt(r['val_delta_std'], 3)}" if r["span"] != BASELINE and r["val_delta_std"] is not None else ""
         lines.append(f"| {r['span']} | {r['runs']} | {fmt(r['train_mean'])} ± {fmt(r['train_std'])} | "
                      f"{fmt(r['train_delta'], 3, True)} | {fmt(r['val_mean'])} ± {fmt(r['val_std'])} | "
-                     f"{fmt(r['val_delta'], 3, True)} | {per_seed} |")
+                     f"{fmt(r['val_delta'], 3, True)}{spread} | {per_seed} |")
     return "\n".join(lines) + "\n"
+
+
+def delta_limit(rows: list[dict]) -> float:
+    """Half-height of the Δ % axis: what the bars, seeds and error bars need, and never less than the
+    paper's effect, so that a difference of a few parts per million does not fill the plot."""
+    extent = [abs(r["val_delta"]) + (r["val_delta_std"] or 0) for r in rows]
+    extent += [abs(d) for r in rows for d in r["val_delta_paired"]]
+    return 1.15 * max([PAPER_DELTA, *extent])
 
 
 def plot(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict], out: Path) -> list[Path]:
@@ -96,17 +111,37 @@ def plot(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict], out: P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, seeds in sorted(spans.items()):
-        by_epoch = defaultdict(list)
+    base = spans.get(BASELINE, {})
+    fig, (ax, dax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, seeds in sorted(spans.items(), key=lambda kv: kv[0] != BASELINE):
+        style = dict(linestyle="--", color="black") if label == BASELINE else {}
+        train, evals = defaultdict(list), defaultdict(list)
         for m in seeds.values():
+            for h in m["train_history"]:
+                train[h["step"]].append(h["loss"])
             for e in m["eval_history"]:
-                by_epoch[e["epoch"]].append(e["loss"])
-        epochs = sorted(by_epoch)
-        style = dict(linestyle="--", color="black", linewidth=2) if label == BASELINE else {}
-        ax.plot(epochs, [statistics.fmean(by_epoch[e]) for e in epochs], marker="o", label=label, **style)
-    ax.set(xlabel="epoch", ylabel="validation loss (mean over seeds)", title=f"{shape}: validation loss")
+                evals[e["step"]].append(e["loss"])
+        line, = ax.plot(sorted(train), [statistics.fmean(train[s]) for s in sorted(train)], linewidth=1,
+                        alpha=0.7, label=f"{label} train", **style)
+        ax.plot(sorted(evals), [statistics.fmean(evals[s]) for s in sorted(evals)], marker="o",
+                color=line.get_color(), linestyle=style.get("linestyle", "-"), label=f"{label} validation")
+        if label == BASELINE:
+            continue
+        for i, (seed, m) in enumerate(sorted(seeds.items())):
+            reference = {e["step"]: e["loss"] for e in base.get(seed, {}).get("eval_history", [])}
+            points = [(e["step"], delta(reference[e["step"]], e["loss"])) for e in m["eval_history"]
+                      if e["step"] in reference]
+            if points:
+                dax.plot(*zip(*points), marker="o", color=line.get_color(), linestyle=("-", "--", ":", "-.")[i % 4],
+                         label=f"{label} seed {seed}")
+    ax.set(xlabel="optimizer step", ylabel="loss (mean over seeds)", title=f"{shape}: training and validation loss")
     ax.legend(fontsize=8)
+    dax.axhline(0, color="black", linewidth=0.8)
+    dax.set_ylim(-delta_limit(rows), delta_limit(rows))
+    dax.set(xlabel="optimizer step", ylabel="Δ % validation loss vs QKV111, same seed",
+            title="each seed against its baseline run (higher is better)")
+    if dax.lines[1:]:
+        dax.legend(fontsize=8)
     fig.tight_layout()
     curves = out / f"loss_curves_{shape}.png"
     fig.savefig(curves, dpi=120)
@@ -119,14 +154,65 @@ def plot(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict], out: P
     for i, r in enumerate(others):
         ax.scatter([i] * len(r["val_delta_paired"]), r["val_delta_paired"], color="black", s=12, zorder=3)
     ax.axhline(0, color="black", linewidth=0.8)
+    ax.axhline(PAPER_DELTA, color="gray", linestyle=":", linewidth=1)
+    ax.annotate(f"paper's score:1000, +{PAPER_DELTA} %", (-0.45, PAPER_DELTA), fontsize=7, color="gray",
+                va="bottom")
+    ax.set_ylim(-delta_limit(rows), delta_limit(rows))
+    ax.set_xlim(-0.5, max(len(others), 1) - 0.5)
     ax.set_xticks(range(len(others)), [r["span"] for r in others], rotation=30, ha="right", fontsize=8)
     ax.set(ylabel="Δ % min validation loss vs QKV111 (higher is better)",
-           title=f"{shape}: improvement over the standard gradient (dots: seeds)")
+           title=f"{shape}: mean over seeds ± std (dots: seeds)")
     fig.tight_layout()
     bars = out / f"improvements_{shape}.png"
     fig.savefig(bars, dpi=120)
     plt.close(fig)
-    return [curves, bars]
+
+    figures = [curves, bars]
+    for label, seeds in sorted(spans.items()):
+        jsonl = seeds[min(seeds)].get("_dir", Path()) / "span_diagnostics.jsonl"
+        if jsonl.is_file():
+            records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+            if records:
+                name = label.replace(":", "-").replace("@", "_").replace("+", "_").replace(",", "_")
+                figures.append(plot_diagnostics(records, out / f"diagnostics_{shape}_{name}.png"))
+    return figures
+
+
+def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> str:
+    """What the comparison can and cannot show, from its own numbers."""
+    runs = [m for seeds in spans.values() for m in seeds.values()]
+    first = runs[0]
+    training, data = first["config"]["training"], first["config"]["data"]
+    steps = max((h["step"] for h in first["train_history"] + first["eval_history"]), default=0)
+    tokens = steps * training["per_device_train_batch_size"] * training["gradient_accumulation_steps"] \
+        * first.get("world_size", 1) * data["block_size"]
+    source = (f"{data['data_dir']}/{data['train_file']}" if data.get("data_dir")
+              else f"{data['dataset_name']} {data['dataset_config_name']} from the Hub")
+    lines = [f"**What this comparison can and cannot show.** Each run trained {steps} optimizer steps on about "
+             f"{tokens:,} tokens of {source} (blocks of {data['block_size']}), "
+             f"{statistics.fmean(m['train_runtime_s'] for m in runs):.0f} s of training per run on this machine."]
+    base = next((r for r in rows if r["span"] == BASELINE), None)
+    if base is not None:
+        lines.append(f"The baseline reached validation loss {base['val_mean']:.3f} (perplexity "
+                     f"{2.718281828 ** base['val_mean']:.0f}); its seed-to-seed spread is "
+                     f"±{base['val_std'] / base['val_mean'] * 100:.3f} %.")
+    for r in rows:
+        if r["span"] == BASELINE or r["val_delta"] is None:
+            continue
+        spread = r["val_delta_std"] or 0.0
+        if len(r["val_delta_paired"]) < 2:
+            judged = "one seed gives no spread to judge it by"
+        elif abs(r["val_delta"]) <= 2 * spread:
+            judged = "within twice its seed spread: this run cannot tell the two rules apart"
+        else:
+            judged = (f"beyond twice its seed spread over {len(r['val_delta_paired'])} seeds: a hint at this "
+                      "size, not a result")
+        lines.append(f"{r['span']}: Δ = {r['val_delta']:+.3f} % ± {spread:.3f} % ({judged}).")
+    lines.append(f"The paper's +{PAPER_DELTA} % for score:1000 came from 50 epochs of a GPT-2 with d = 256 and "
+                 "6 layers; a model this small and this briefly trained can neither confirm nor refute it. It "
+                 "does show both rules training the same model end to end, and the diagnostics figures show how "
+                 "much of dQ and dK each order of span violation carries.")
+    return " ".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape, spans in sorted(runs.items()):
         rows = table(spans)
         text.append(markdown(shape, rows))
+        text.append(verdict(shape, spans, rows))
         figures = plot(shape, spans, rows, out)
         text.extend(f"![{f.stem}]({f.name})" for f in figures)
         text.append("")

@@ -111,7 +111,7 @@ class SpanArguments:
     span_layers: str | None = field(default=None, metadata={"help": "Comma-separated layer indices (default all)."})
     span_schedule: str | None = field(default=None, metadata={
         "help": "α schedule: a YAML/JSON file or inline JSON list of keyframes {at, span, ramp}, e.g. "
-                '\'[{"at": 0, "span": "standard:QKV111"}, {"at": "20%", "span": "score:1000"}]\'; a keyframe\'s '
+                '\'[{"at": 0, "span": "standard:QKV111"}, {"at": "20%%", "span": "score:1000"}]\'; a keyframe\'s '
                 'span may be a per-layer table {"3-5": "score:1000"}.'})
     span_diagnostics_every: int = field(default=0, metadata={
         "help": "Every N steps, log per-order norms and shares of dQ, dK per layer (0 = off)."})
@@ -200,19 +200,33 @@ def training_defaults(argv: list[str]) -> list[str]:
     defaults = {"--per_device_train_batch_size": "8", "--gradient_accumulation_steps": "16",
                 "--eval_strategy": "epoch", "--save_strategy": "epoch", "--logging_strategy": "epoch",
                 "--num_train_epochs": "50", "--learning_rate": "5e-4", "--load_best_model_at_end": "true",
-                "--metric_for_best_model": "eval_loss", "--save_total_limit": "2", "--report_to": "none"}
+                "--metric_for_best_model": "eval_loss", "--save_total_limit": "2", "--report_to": "none",
+                "--dataloader_pin_memory": str(torch.cuda.is_available()).lower()}  # no pin-memory warning on CPUs
     given = {a.split("=")[0] for a in argv if a.startswith("--")}
     return [*argv, *(x for k, v in defaults.items() if k not in given for x in (k, v))]
 
 
 def load_texts(data: DataArguments) -> datasets.DatasetDict:
     if data.data_dir is None:
-        return datasets.load_dataset(data.dataset_name, data.dataset_config_name)
+        return from_hub(datasets.load_dataset, data.dataset_name, data.dataset_config_name)
     files = {"train": os.path.join(data.data_dir, data.train_file),
              "validation": os.path.join(data.data_dir, data.validation_file)}
     raw = datasets.load_dataset("text", data_files=files, keep_linebreaks=True)
     # as the Hub's wikitext rows: a whitespace-only line is an empty row
     return raw.map(lambda row: {"text": row["text"] if row["text"].strip() else ""})
+
+
+def from_hub(load, name: str, *args):
+    """load(name, *args), with a console message naming the offline route when the Hub cannot be reached."""
+    try:
+        return load(name, *args)
+    except OSError as err:
+        if os.path.isdir(name):  # a local folder: its own error says what is wrong
+            raise
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise SystemExit(f"run_clm.py: could not download {name!r} from the Hugging Face Hub ({reason})\n"
+                         f"  To run offline: SPANATTN_DATA=../shared/data bash scripts/compare.sh, or --data_dir and "
+                         f"--tokenizer_name pointing to local copies (see ../shared/data/README.md)") from None
 
 
 def blocks(ids: list[int], size: int, overlap: float) -> dict[str, list[list[int]]]:
@@ -253,7 +267,16 @@ def build_model(model_args: ModelArguments, data: DataArguments, vocab_size: int
         n_layer=model_args.n_layer, n_inner=model_args.ffn_mult * model_args.n_embd, activation_function="gelu",
         resid_pdrop=model_args.dropout, embd_pdrop=model_args.dropout, attn_pdrop=model_args.dropout,
     )
-    return GPT2LMHeadModel(config)
+    return stock_causal_lm(GPT2LMHeadModel(config))
+
+
+def stock_causal_lm(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
+    """GPT2LMHeadModel's class name maps to no loss type in Transformers, which then warns on every loss;
+    its tied lm_head.weight is left out of checkpoints, which the Trainer reports as missing on every
+    load unless it is listed as a key not saved (then it re-ties it)."""
+    model.loss_type = "ForCausalLM"
+    model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
+    return model
 
 
 def token_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -283,10 +306,11 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
                         if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
+    datasets.disable_progress_bars()  # the Trainer's bars are the ones to watch
     span = span_args.config()
     set_seed(training_args.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(data_args.tokenizer_name)
+    tokenizer = from_hub(AutoTokenizer.from_pretrained, data_args.tokenizer_name)
     splits = build_datasets(data_args, tokenizer, training_args)
     model = build_model(model_args, data_args, len(tokenizer))
     hf_spanattn.patch_model(model, span)

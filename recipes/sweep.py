@@ -18,6 +18,7 @@ and `score:1000` are one setting, run once, in a folder named after its canonica
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import shlex
 import shutil
@@ -132,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + shlex.join(command))
             continue
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "train.log", "a") as log:
-            result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        if result.returncode != 0:
-            print(f"  failed with exit code {result.returncode}; see {folder / 'train.log'}", flush=True)
-            return result.returncode
+        returncode = run_and_log(command, folder / "train.log")
+        if returncode != 0:
+            print(f"  failed with exit code {returncode} (its last lines above); full log: {folder / 'train.log'}",
+                  flush=True)
+            return returncode
         if not args.keep_weights:
             prune(folder)
     return 0
@@ -161,6 +162,18 @@ def expected_config(run_args: list[str]) -> dict:
 
     *all_args, _ = run_clm.parse_args(run_clm.training_defaults(run_args))  # the last: output arguments
     return run_clm.run_config(all_args, world_size=None)
+
+
+def run_and_log(command: list[str], log_path: Path) -> int:
+    """Run `command`, its output (progress bars included) to the console and appended to `log_path`."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+        while chunk := process.stdout.read1(65536):
+            log.write(chunk)
+            sys.stdout.write(decoder.decode(chunk))
+            sys.stdout.flush()
+    return process.wait()
 
 
 def prune(folder: Path) -> None:

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install hf_spanattn with its dev extras into it.
+# Create .venv (once) and install hf_spanattn with its dev extras into it; a second call returns at once
+# unless pyproject.toml, the torch pin or the checkout's folder changed.
 # torch is pinned here, not in the package: a bare range would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+stamp=.venv/.hf_spanattn-setup
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch==${TORCH_VERSION} $PWD"
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+echo "setting up .venv (the first time takes a few minutes)" >&2
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
@@ -11,3 +18,4 @@ PY=.venv/bin/python
 $PY -m pip install -q --upgrade pip >/dev/null
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==${TORCH_VERSION}"
 $PY -m pip install -q -e ".[dev]"
+echo "$want" > "$stamp"

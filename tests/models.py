@@ -24,7 +24,11 @@ def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
     if family == "gpt2":
         config = GPT2Config(n_embd=32, n_head=4, n_layer=layers, vocab_size=VOCAB, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        return GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(config)
+        # as recipes/run_clm.py: no loss_type warning, tied lm_head.weight re-tied without a warning on load
+        model.loss_type = "ForCausalLM"
+        model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
+        return model
     if family == "gpt_neo":
         config = GPTNeoConfig(hidden_size=32, num_heads=4, num_layers=layers, vocab_size=VOCAB,
                               attention_types=[[["global", "local"], layers // 2]] if layers > 1 else [[["global"], 1]],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -33,9 +34,15 @@ def flags(args: dict) -> list[str]:
     return [f"--{k}={v}" for k, v in args.items()]
 
 
-def test_training_writes_the_metrics_json(tmp_path):
+def test_training_writes_the_metrics_json(tmp_path, capfd, monkeypatch):
+    logging.Logger.warning_once.cache_clear()  # Transformers warns once per process
+    loads, load_best = [], run_clm.Trainer._load_best_model
+    monkeypatch.setattr(run_clm.Trainer, "_load_best_model", lambda self: [loads.append(1), load_best(self)][1])
     metrics = run_clm.main(flags({**TINY, "span": "score:1000@per_block", "span_layers": "0",
                                   "output_dir": tmp_path, "num_train_epochs": 2}))
+    console = "".join(capfd.readouterr())
+    assert "loss_type" not in console  # nor, loading the best checkpoint, a missing tied lm_head.weight:
+    assert "missing keys" not in console and loads == [1]
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["span"] == metrics["span"] == "score:1000@per_block"
     assert saved["span_config"]["layers"] == [0]
@@ -230,3 +237,92 @@ def test_sweep_runs_one_setting_once_and_redoes_a_run_made_otherwise(tmp_path, c
     assert redone["config"]["data"]["train_file"] == "validation.txt"
     runs = report.load_runs(tmp_path / "runs")  # the run moved aside is not in the report
     assert runs["H2xL1"]["score:1000"][0]["config"]["data"]["train_file"] == "validation.txt"
+
+
+@pytest.mark.parametrize("recipe", ["run_clm", "sweep", "report", "plot_diagnostics"])
+def test_every_recipe_prints_its_help(recipe, capsys):
+    module = __import__(recipe)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage:")
+
+
+@pytest.mark.parametrize("hub_call", ["tokenizer", "dataset"])
+def test_without_the_hub_the_console_names_the_offline_route(hub_call, monkeypatch, tmp_path):
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    argv = ["--output_dir", str(tmp_path)]
+    if hub_call == "tokenizer":
+        monkeypatch.setattr(run_clm.AutoTokenizer, "from_pretrained", unreachable)
+    else:
+        monkeypatch.setattr(run_clm.datasets, "load_dataset", unreachable)
+        argv += ["--tokenizer_name", TINY["tokenizer_name"]]
+    with pytest.raises(SystemExit) as exit_:
+        run_clm.main(argv)
+    message = str(exit_.value)
+    assert "could not download" in message and "couldn't connect" in message
+    assert "SPANATTN_DATA=../shared/data bash scripts/compare.sh" in message
+
+
+def test_a_failed_run_shows_its_output_and_its_last_lines_on_the_console(tmp_path, capsys):
+    config = write_sweep(tmp_path, ["standard:QKV111"], [0])
+    launcher = tmp_path / "fails.py"
+    launcher.write_text("import sys\nprint('  3%|▎ | 1/30 [00:01<00:29]', flush=True)\n"
+                        "sys.exit('run_clm.py: the real reason\\n  what to do about it')\n")
+    assert sweep.main([str(config), "--launcher", f"{sys.executable} {launcher}"]) == 1
+    out = capsys.readouterr().out
+    assert "1/30 [00:01<00:29]" in out  # the progress bar reaches the console
+    assert "run_clm.py: the real reason\n  what to do about it\n  failed with exit code 1" in out
+
+
+def fake_run(runs: Path, label: str, seed: int, val: list[float], diagnostics: bool = False) -> None:
+    """A metrics.json as run_clm.py writes it, with validation losses `val` at steps 10, 20, ..."""
+    folder = runs / "H1xL2" / sweep.span_dir(label) / f"seed{seed}"
+    folder.mkdir(parents=True)
+    evals = [{"epoch": i / len(val), "step": 10 * i, "loss": v, "accuracy": 0.1, "perplexity": 2.718 ** v}
+             for i, v in enumerate(val, 1)]
+    metrics = {"span": label, "min_val_loss": min(val), "final_train_loss": val[-1] - 0.1, "train_runtime_s": 50.0,
+               "train_history": [{"epoch": e["epoch"], "step": e["step"], "loss": e["loss"] - 0.1} for e in evals],
+               "eval_history": evals, "world_size": 1,
+               "config": {"training": {"seed": seed, "per_device_train_batch_size": 4,
+                                       "gradient_accumulation_steps": 1},
+                          "data": {"data_dir": None, "dataset_name": "wikitext",
+                                   "dataset_config_name": "wikitext-2-v1", "block_size": 128}}}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    if diagnostics:
+        record = {"step": 1, "epoch": 0.1, "layer": 0, "span": label, "dq_share": [0.8, 0.1, 0.1, 0.0],
+                  "dk_share": [0.9, 0.1, 0.0, 0.0], "cos_q": 1.0, "cos_k": 1.0}
+        lines = [json.dumps({**record, "step": s}) for s in (1, 11)]
+        (folder / "span_diagnostics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_report_states_delta_with_its_seed_spread_and_keeps_noise_small(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, (base, other) in enumerate([(6.40, 6.40001), (6.50, 6.49998)]):
+        fake_run(runs, "standard:QKV111", seed, [7.0, base], diagnostics=seed == 0)
+        fake_run(runs, "score:1000", seed, [7.0, other], diagnostics=seed == 0)
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "report.md").read_text()
+    deltas = [(6.40 - 6.40001) / 6.40 * 100, (6.50 - 6.49998) / 6.50 * 100]
+    mean, std = sum(deltas) / 2, abs(deltas[0] - deltas[1]) / 2 ** 0.5
+    assert f"| {mean:+.3f} ± {std:.3f} |" in text
+    assert f"score:1000: Δ = {mean:+.3f} % ± {std:.3f} % (within twice its seed spread" in text
+    assert "can neither confirm nor refute" in text and "20 optimizer steps on about 10,240 tokens" in text
+    rows = report.table(report.load_runs(runs)["H1xL2"])
+    assert report.delta_limit(rows) >= report.PAPER_DELTA  # a 0.0003 % difference stays a sliver
+    for png in ("loss_curves_H1xL2.png", "improvements_H1xL2.png", "diagnostics_H1xL2_standard-QKV111.png",
+                "diagnostics_H1xL2_score-1000.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in text
+
+
+def test_a_clear_difference_is_called_beyond_the_spread(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, (base, other) in enumerate([(6.40, 6.30), (6.50, 6.41)]):
+        fake_run(runs, "standard:QKV111", seed, [base])
+        fake_run(runs, "score:1000", seed, [other])
+    rows = report.table(report.load_runs(runs)["H1xL2"])
+    assert report.delta_limit(rows) > max(rows[1]["val_delta_paired"])
+    assert "beyond twice its seed spread over 2 seeds" in report.verdict("H1xL2", report.load_runs(runs)["H1xL2"], rows)
