@@ -51,8 +51,9 @@ def load_runs(runs_dir: Path) -> dict[str, dict[str, dict[int, dict]]]:
     return runs
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and standard deviation; one value has no deviation (None)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
 def delta(baseline: float, value: float) -> float:
@@ -84,6 +85,10 @@ def fmt(x: float | None, digits: int = 4, signed: bool = False) -> str:
     return "–" if x is None else (f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}")
 
 
+def pm(mean: float, std: float | None) -> str:
+    return fmt(mean) if std is None else f"{fmt(mean)} ± {fmt(std)}"
+
+
 def markdown(shape: str, rows: list[dict]) -> str:
     lines = [f"### {shape}", "",
              "| span | runs | final train loss | Δ % | min val loss | Δ % ± seed std | Δ % per seed |",
@@ -91,8 +96,8 @@ def markdown(shape: str, rows: list[dict]) -> str:
     for r in rows:
         per_seed = ", ".join(f"{d:+.3f}" for d in r["val_delta_paired"]) if r["span"] != BASELINE else ""
         spread = f" ± {fmt(r['val_delta_std'], 3)}" if r["span"] != BASELINE and r["val_delta_std"] is not None else ""
-        lines.append(f"| {r['span']} | {r['runs']} | {fmt(r['train_mean'])} ± {fmt(r['train_std'])} | "
-                     f"{fmt(r['train_delta'], 3, True)} | {fmt(r['val_mean'])} ± {fmt(r['val_std'])} | "
+        lines.append(f"| {r['span']} | {r['runs']} | {pm(r['train_mean'], r['train_std'])} | "
+                     f"{fmt(r['train_delta'], 3, True)} | {pm(r['val_mean'], r['val_std'])} | "
                      f"{fmt(r['val_delta'], 3, True)}{spread} | {per_seed} |")
     return "\n".join(lines) + "\n"
 
@@ -193,20 +198,21 @@ def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> 
              f"{statistics.fmean(m['train_runtime_s'] for m in runs):.0f} s of training per run on this machine."]
     base = next((r for r in rows if r["span"] == BASELINE), None)
     if base is not None:
+        spread = ("one seed, so no seed-to-seed spread" if base["val_std"] is None
+                  else f"its seed-to-seed spread is ±{base['val_std'] / base['val_mean'] * 100:.3f} %")
         lines.append(f"The baseline reached validation loss {base['val_mean']:.3f} (perplexity "
-                     f"{2.718281828 ** base['val_mean']:.0f}); its seed-to-seed spread is "
-                     f"±{base['val_std'] / base['val_mean'] * 100:.3f} %.")
+                     f"{2.718281828 ** base['val_mean']:.0f}); {spread}.")
     for r in rows:
         if r["span"] == BASELINE or r["val_delta"] is None:
             continue
-        spread = r["val_delta_std"] or 0.0
-        if len(r["val_delta_paired"]) < 2:
-            judged = "one seed gives no spread to judge it by"
-        elif abs(r["val_delta"]) <= 2 * spread:
-            judged = "within twice its seed spread: this run cannot tell the two rules apart"
-        else:
-            judged = (f"beyond twice its seed spread over {len(r['val_delta_paired'])} seeds: a hint at this "
-                      "size, not a result")
+        spread = r["val_delta_std"]
+        if spread is None:
+            lines.append(f"{r['span']}: Δ = {r['val_delta']:+.3f} % from one seed, with no spread to judge it by.")
+            continue
+        judged = ("within twice its seed spread: this run cannot tell the two rules apart"
+                  if abs(r["val_delta"]) <= 2 * spread else
+                  f"beyond twice its seed spread over {len(r['val_delta_paired'])} seeds: a hint at this size, "
+                  "not a result")
         lines.append(f"{r['span']}: Δ = {r['val_delta']:+.3f} % ± {spread:.3f} % ({judged}).")
     lines.append(f"The paper's +{PAPER_DELTA} % for score:1000 came from 50 epochs of a GPT-2 with d = 256 and "
                  "6 layers; a model this small and this briefly trained can neither confirm nor refute it. It "
