@@ -269,3 +269,20 @@ def test_output_attentions_behaves_as_stock_sdpa(family, caplog):
     for name in ("hf_spanattn", "transformers.integrations.sdpa_attention"):  # ours, and stock SDPA's
         warned = [r for r in caplog.records if r.name == name and "not support `output_attentions=True`" in r.msg]
         assert len(warned) == passed_down, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padding_keeps_the_stock_forward_in_every_row(family):
+    """Rows of left padding attend nothing (GPT-Neo's float mask gives them the uniform average, as
+    its eager attention does): the patched model's outputs and loss are the stock model's."""
+    model, ids = tiny(family), tokens()
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :5] = 0
+    labels = ids.masked_fill(attention_mask == 0, -100)
+    model.train()
+    stock = model(ids, attention_mask=attention_mask, labels=labels)
+    patch_model(model, "score:1111")
+    patched = model(ids, attention_mask=attention_mask, labels=labels)
+    patched.loss.backward()
+    assert (patched.logits - stock.logits).abs().max() <= 1e-5
+    assert abs(patched.loss.item() - stock.loss.item()) <= 1e-6
