@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import statistics
 import sys
@@ -189,12 +190,13 @@ def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> 
     first = runs[0]
     training, data = first["config"]["training"], first["config"]["data"]
     steps = max((h["step"] for h in first["train_history"] + first["eval_history"]), default=0)
-    tokens = steps * training["per_device_train_batch_size"] * training["gradient_accumulation_steps"] \
-        * first.get("world_size", 1) * data["block_size"]
+    sizes = (training.get("per_device_train_batch_size"), training.get("gradient_accumulation_steps"),
+             first.get("world_size") or 1, data.get("block_size"))
+    tokens = f"about {steps * math.prod(sizes):,} tokens" if None not in sizes else "tokens"
     source = (f"{data['data_dir']}/{data['train_file']}" if data.get("data_dir")
               else f"{data['dataset_name']} {data['dataset_config_name']} from the Hub")
-    lines = [f"**What this comparison can and cannot show.** Each run trained {steps} optimizer steps on about "
-             f"{tokens:,} tokens of {source} (blocks of {data['block_size']}), "
+    lines = [f"**What this comparison can and cannot show.** Each run trained {steps} optimizer steps on "
+             f"{tokens} of {source} (blocks of {data.get('block_size')}), "
              f"{statistics.fmean(m['train_runtime_s'] for m in runs):.0f} s of training per run on this machine."]
     base = next((r for r in rows if r["span"] == BASELINE), None)
     if base is not None:
