@@ -36,8 +36,13 @@ def case_inputs(case: str):
     return inputs, d_out, dict(is_causal=True)
 
 
+QUICK_CASES = ["causal", "gqa_padded_scale", "float_mask", "padded_to_d", "t_eq_d", "repeated_rows", "short_rows"]
+ALL_CASES = [*CASES, "repeated_rows", "zero_rows", "short_rows"]
+
+
 @pytest.mark.parametrize("label", LABELS)
-@pytest.mark.parametrize("case", list(CASES) + ["repeated_rows", "zero_rows", "short_rows"])
+@pytest.mark.parametrize("case", [c if c in QUICK_CASES else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in ALL_CASES])
 def test_float32_matches_float64_reference(label, case):
     config = SpanAttentionConfig.from_label(label)
     inputs, d_out, kwargs = case_inputs(case)
