@@ -22,7 +22,7 @@ from pathlib import Path
 
 import report
 from pack import load_records
-from sweep import span_dir
+from run_identity import span_dir
 
 
 def destination(runs_dir: Path, record: dict) -> Path:

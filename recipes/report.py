@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plot_diagnostics import plot as plot_diagnostics
-from run_identity import read_json  # noqa: E402
+from run_identity import read_json, span_dir  # noqa: E402
 
 BASELINE = "standard:QKV111"
 PAPER_DELTA = 0.56  # Δ % of score:1000 in the paper (GPT-2 d = 256, 6 layers, 50 epochs of WikiText-2)
@@ -179,7 +179,7 @@ def plot(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict], out: P
         if jsonl.is_file():
             records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
             if records:
-                name = label.replace(":", "-").replace("@", "_").replace("+", "_").replace(",", "_")
+                name = span_dir(label)
                 figures.append(plot_diagnostics(records, out / f"diagnostics_{shape}_{name}.png"))
     return figures
 

@@ -26,6 +26,11 @@ NOT_IDENTITY = {
 }
 
 
+def span_dir(label: str) -> str:
+    """The folder name of a span label in a sweep's tree (score:1000@per_block → score-1000_per_block)."""
+    return label.replace(":", "-").replace("@", "_").replace("+", "_").replace(",", "_")
+
+
 def read_json(path: Path) -> Any:
     """The JSON in `path`; a file that is not valid JSON (cut short, say) gives an error naming it."""
     try:

@@ -31,7 +31,7 @@ import yaml
 from hf_spanattn import SpanAttentionConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_identity import differences, move_aside, saved_config  # noqa: E402
+from run_identity import differences, move_aside, saved_config, span_dir  # noqa: E402
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
 
@@ -41,10 +41,6 @@ def shape_name(shape: dict) -> str:
     name = f"H{shape.get('n_head', 4)}xL{shape.get('n_layer', 6)}"
     extra = [f"{k}={v}" for k, v in sorted(shape.items()) if k not in ("n_head", "n_layer")]
     return "_".join([name, *extra])
-
-
-def span_dir(label: str) -> str:
-    return label.replace(":", "-").replace("@", "_").replace("+", "_").replace(",", "_")
 
 
 def _list_of(config: dict, key: str, kind: type, what: str) -> list:
