@@ -8,6 +8,8 @@ the masked K̃ and Ṽ (padded key positions zeroed), Π_X^⊥ = I − Π_X.
 
 The order of a score block S^B = scale·Π_V^a Π_K^b Q Kᵀ Π_K Π_V^δ is its count of ⊥ among
 (a, b, δ); block B is weighted by α_order(B). Terms whose weight is zero are never computed.
+
+`RULES` is the registry: one `Rule` per (method, score reading), which is all a new rule needs.
 """
 
 from __future__ import annotations
@@ -265,8 +267,3 @@ RULES: dict[tuple[str, str], Rule] = {
     ("score", "per_block"): Rule("score", "per_block", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), spans="kv", pinv=True,
                                  blocks=score_per_block),
 }
-
-
-def rule_of(method: str, score_grad: str = "exact") -> Rule:
-    """The registry entry of (method, score_grad)."""
-    return RULES[method, score_grad]
