@@ -195,15 +195,19 @@ def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> 
     tokens = f"about {steps * math.prod(sizes):,} tokens" if None not in sizes else "tokens"
     source = (f"{data['data_dir']}/{data['train_file']}" if data.get("data_dir")
               else f"{data['dataset_name']} {data['dataset_config_name']} from the Hub")
+    spread_over = ", spread evenly over the whole split" if data.get("token_subset") == "spread" else ""
     lines = [f"**What this comparison can and cannot show.** Each run trained {steps} optimizer steps on "
-             f"{tokens} of {source} (blocks of {data.get('block_size')}), "
+             f"{tokens} of {source} (blocks of {data.get('block_size')}{spread_over}), "
              f"{statistics.fmean(m['train_runtime_s'] for m in runs):.0f} s of training per run on this machine."]
     base = next((r for r in rows if r["span"] == BASELINE), None)
     if base is not None:
         spread = ("one seed, so no seed-to-seed spread" if base["val_std"] is None
                   else f"its seed-to-seed spread is ±{base['val_std'] / base['val_mean'] * 100:.3f} %")
+        unigram = [m["unigram_val_loss"] for m in spans[BASELINE].values() if "unigram_val_loss" in m]
+        against = (f", against {statistics.fmean(unigram):.3f} from the training tokens' frequencies alone (a "
+                   "unigram model, which reads no context)" if unigram else "")
         lines.append(f"The baseline reached validation loss {base['val_mean']:.3f} (perplexity "
-                     f"{2.718281828 ** base['val_mean']:.0f}); {spread}.")
+                     f"{2.718281828 ** base['val_mean']:.0f}){against}; {spread}.")
     for r in rows:
         if r["span"] == BASELINE or r["val_delta"] is None:
             continue

@@ -13,8 +13,9 @@ with the GPT-2 tokenizer, blocks of 512 tokens with 50 % overlap, GPT-2 with d =
     accelerate launch --num_processes 2 recipes/run_clm.py ...
 
 Writes `metrics.json` (the full configuration, per-epoch losses and learning rates, best
-validation loss, perplexity, next-token accuracy, the device, and with --early_stopping_patience
-whether and at which epoch training stopped early) into --output_dir. A run resumes the last
+validation loss, perplexity, next-token accuracy, the validation loss of the training tokens'
+unigram frequencies, the device, and with --early_stopping_patience whether and at which epoch
+training stopped early) into --output_dir. A run resumes the last
 checkpoint in --output_dir only where `run_config.json` there records the same settings (see
 run_identity.py).
 """
@@ -27,15 +28,19 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import datasets
 import evaluate
+import numpy
+import pyarrow.compute
 import torch
 import transformers
 import yaml
+from datasets.fingerprint import Hasher
 from transformers import (
     AutoTokenizer,
     EarlyStoppingCallback,
@@ -84,6 +89,10 @@ class DataArguments:
     overlap: float = field(default=0.5, metadata={"help": "Overlap of consecutive blocks (stride = T·(1−overlap))."})
     max_train_tokens: int | None = field(default=None, metadata={"help": "Use only the first N train tokens."})
     max_eval_tokens: int | None = field(default=None, metadata={"help": "Use only the first N validation tokens."})
+    token_subset: Literal["first", "spread"] = field(default="first", metadata={
+        "help": "Which tokens --max_train_tokens and --max_eval_tokens keep: the first N of the split, or N tokens' "
+                "worth of blocks spread evenly over the whole split (every part of the text, at the cost of "
+                "tokenizing all of it)."})
 
     def __post_init__(self):
         if not 0 <= self.overlap < 1:
@@ -229,16 +238,29 @@ def from_hub(load, name: str, *args):
                          f"--tokenizer_name pointing to local copies (see ../shared/data/README.md)") from None
 
 
-def blocks(ids: list[int], size: int, overlap: float) -> dict[str, list[list[int]]]:
-    """Windows of `size` tokens every size·(1 − overlap) tokens; labels are the inputs.
+def blocks(ids: Sequence[int], size: int, overlap: float, keep: int | None = None) -> dict[str, list[list[int]]]:
+    """Windows of `size` tokens every size·(1 − overlap) tokens; labels are the inputs. With `keep`,
+    only that many of them, evenly spaced from the first on.
 
     The first label, which no position predicts, is -100: the Trainer counts the labels it
     averages over before the model shifts them, so the losses are exact token means.
     """
     stride = max(1, int(size * (1 - overlap)))
-    starts = range(0, max(len(ids) - size, 0) + 1, stride)
-    windows = [ids[s : s + size] for s in starts if len(ids[s : s + size]) == size]
+    starts = range(0, len(ids) - size + 1, stride)
+    if keep is not None and keep < len(starts):
+        starts = [starts[i * len(starts) // keep] for i in range(keep)]
+    windows = [numpy.asarray(ids[s : s + size]).tolist() for s in starts]
     return {"input_ids": windows, "labels": [[-100, *w[1:]] for w in windows]}
+
+
+def tokenized_fingerprint(texts: datasets.Dataset, tokenizer) -> str | None:
+    """The cache key of `texts` tokenized: the texts' and the tokenizer's own definitions. A fast
+    tokenizer's JSON is hashed in milliseconds, where `datasets` would pickle the whole object
+    (seconds); for another tokenizer `datasets` does that (None)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return Hasher.hash([texts._fingerprint, backend.to_str(), tokenizer.__class__.__name__])
 
 
 def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) -> dict[str, datasets.Dataset]:
@@ -247,10 +269,13 @@ def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) 
     limits = {"train": data.max_train_tokens, "validation": data.max_eval_tokens}
     files = {"train": data.train_file, "validation": data.validation_file}
     for split in ("train", "validation"):
-        with training.main_process_first(desc=f"tokenizing {split}"):
-            ids = [t for row in tokenizer(list(raw[split]["text"]))["input_ids"] for t in row]
-        ids = ids[: limits[split]] if limits[split] else ids
-        windows = blocks(ids, data.block_size, data.overlap)
+        with training.main_process_first(desc=f"tokenizing {split}"):  # cached: later runs read it back
+            tokenized = raw[split].map(lambda rows: tokenizer(rows["text"]), batched=True, remove_columns=["text"],
+                                       new_fingerprint=tokenized_fingerprint(raw[split], tokenizer))
+        ids = pyarrow.compute.list_flatten(tokenized.data.column("input_ids")).to_numpy()
+        spread = limits[split] and data.token_subset == "spread"
+        windows = blocks(ids[: None if spread else limits[split]], data.block_size, data.overlap,
+                         keep=limits[split] // data.block_size if spread else None)
         if not windows["input_ids"]:
             source = os.path.join(data.data_dir, files[split]) if data.data_dir else f"{data.dataset_name}[{split}]"
             limit = f" (--{'max_train_tokens' if split == 'train' else 'max_eval_tokens'} {limits[split]})" \
@@ -259,6 +284,14 @@ def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) 
                              f"{data.block_size}; use more data or a smaller --block_size")
         out[split] = datasets.Dataset.from_dict(windows).with_format("torch")
     return out
+
+
+def unigram_loss(train: datasets.Dataset, validation: datasets.Dataset, vocab_size: int) -> float:
+    """Validation loss (nats per token) of the training tokens' frequencies, add-½ smoothed: what
+    token counts alone reach, without any context."""
+    counts = torch.bincount(train[:]["input_ids"].flatten(), minlength=vocab_size).double() + 0.5
+    targets = validation[:]["labels"][:, 1:].flatten()
+    return -(counts / counts.sum()).log()[targets[targets >= 0]].mean().item()
 
 
 def build_model(model_args: ModelArguments, data: DataArguments, vocab_size: int) -> GPT2LMHeadModel:
@@ -280,10 +313,14 @@ def stock_causal_lm(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
 
 
 def token_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per position: the argmax and the NLL of the next token (keeps evaluation memory O(T))."""
-    logits, targets = logits[:, :-1].float(), labels[:, 1:]
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none")
-    return torch.stack([logits.argmax(-1).float(), nll], dim=-1)
+    """Per position: the argmax and the NLL of the next token (keeps evaluation memory O(T)).
+
+    Read on the whole contiguous logits, each row against the label one position on (the last
+    column, which has no next token, is dropped): a strided slice of the logits is several times slower.
+    """
+    targets = labels.roll(-1, dims=1).clamp_min(0)
+    nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    return torch.stack([logits.argmax(-1).float(), nll.view(targets.shape)], dim=-1)[:, :-1]
 
 
 def make_compute_metrics():
@@ -337,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.evaluate()
     metrics = summarize(trainer, train_result, span, (model_args, data_args, span_args, training_args, stop_args),
                         time.time() - start, resumed_from=resume)
+    metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer))
     if trainer.is_world_process_zero():
         trainer.save_model()
         with open(os.path.join(training_args.output_dir, "metrics.json"), "w") as f:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +60,66 @@ def test_blocks_overlap_by_half_and_mark_the_unpredicted_label():
     out = run_clm.blocks(list(range(10)), size=4, overlap=0.5)
     assert out["input_ids"] == [[0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, 7], [6, 7, 8, 9]]
     assert out["labels"][1] == [-100, 3, 4, 5]
+
+
+def test_blocks_keep_spreads_the_windows_over_the_whole_text():
+    out = run_clm.blocks(list(range(40)), size=4, overlap=0, keep=3)  # 10 windows, starting 0, 4, …, 36
+    assert [w[0] for w in out["input_ids"]] == [0, 12, 24]
+    assert out["labels"][1] == [-100, 13, 14, 15]
+    assert run_clm.blocks(list(range(40)), size=4, overlap=0, keep=10) == run_clm.blocks(list(range(40)), 4, 0)
+    assert len(run_clm.blocks(list(range(40)), size=4, overlap=0, keep=50)["input_ids"]) == 10
+
+
+def test_spread_subset_reads_the_whole_split(tmp_path):
+    """--token_subset spread draws its blocks from the whole file; first takes the file's first tokens."""
+    text = "".join(f" part{i} a b\n" for i in range(500))
+    (tmp_path / "train.txt").write_text(text)
+    (tmp_path / "validation.txt").write_text(text)
+    tokenizer = run_clm.AutoTokenizer.from_pretrained(DATA / "gpt2-tokenizer")
+    training = run_clm.TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
+    seen = {}
+    for subset in ("first", "spread"):
+        data = run_clm.DataArguments(data_dir=str(tmp_path), block_size=32, overlap=0, max_train_tokens=320,
+                                     max_eval_tokens=64, token_subset=subset)
+        train = run_clm.build_datasets(data, tokenizer, training)["train"]
+        assert len(train) == 10
+        seen[subset] = [int(i) for i in re.findall(r"part(\d+)", tokenizer.decode(train[:]["input_ids"].flatten()))]
+    assert min(seen["first"]) == 0 and max(seen["first"]) < 100  # 320 tokens: the first lines
+    assert min(seen["spread"]) == 0 and max(seen["spread"]) > 400
+
+
+def test_tokenized_cache_key_follows_the_texts_and_the_tokenizer():
+    tokenizer = run_clm.AutoTokenizer.from_pretrained(DATA / "gpt2-tokenizer")
+    other = run_clm.AutoTokenizer.from_pretrained(DATA / "gpt2-tokenizer")
+    texts = run_clm.datasets.Dataset.from_dict({"text": ["a b c", "d e"]})
+    key = run_clm.tokenized_fingerprint(texts, tokenizer)
+    assert key == run_clm.tokenized_fingerprint(texts, other)
+    assert key != run_clm.tokenized_fingerprint(run_clm.datasets.Dataset.from_dict({"text": ["a b c", "d f"]}), other)
+    other.add_tokens(["zzqq"])
+    assert key != run_clm.tokenized_fingerprint(texts, other)
+
+
+def test_token_scores_are_the_next_token_argmax_and_nll():
+    torch = run_clm.torch
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=generator)
+    labels = torch.randint(0, 11, (3, 7), generator=generator)
+    labels[:, 0], labels[1, 4] = -100, -100
+    scores = run_clm.token_scores(logits, labels)
+    log_p = torch.log_softmax(logits[:, :-1].double(), -1)
+    nll = -log_p.gather(-1, labels[:, 1:].clamp_min(0)[..., None]).squeeze(-1)
+    assert scores.shape == (3, 6, 2)
+    assert torch.equal(scores[..., 0], logits[:, :-1].argmax(-1).float())
+    assert torch.allclose(scores[..., 1].double(), nll, atol=1e-5)
+
+
+def test_unigram_loss_counts_the_training_tokens():
+    train = run_clm.datasets.Dataset.from_dict({"input_ids": [[1, 2, 2, 3], [2, 2, 0, 4]]}).with_format("torch")
+    validation = run_clm.datasets.Dataset.from_dict({"labels": [[-100, 2, 3, 5], [-100, 4, -100, 1]]}) \
+        .with_format("torch")
+    counts = {0: 1, 1: 1, 2: 4, 3: 1, 4: 1, 5: 0}  # over a vocabulary of 6, add-½
+    expected = -sum(math.log((counts[t] + 0.5) / (8 + 0.5 * 6)) for t in (2, 3, 5, 4, 1)) / 5
+    assert run_clm.unigram_loss(train, validation, vocab_size=6) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("argv,message", [
