@@ -87,8 +87,10 @@ class DataArguments:
     tokenizer_name: str = field(default="openai-community/gpt2", metadata={"help": "Hub name or local folder."})
     block_size: int = field(default=512, metadata={"help": "Sequence length T."})
     overlap: float = field(default=0.5, metadata={"help": "Overlap of consecutive blocks (stride = T·(1−overlap))."})
-    max_train_tokens: int | None = field(default=None, metadata={"help": "Use only the first N train tokens."})
-    max_eval_tokens: int | None = field(default=None, metadata={"help": "Use only the first N validation tokens."})
+    max_train_tokens: int | None = field(default=None, metadata={
+        "help": "Use only N train tokens (see --token_subset)."})
+    max_eval_tokens: int | None = field(default=None, metadata={
+        "help": "Use only N validation tokens (see --token_subset)."})
     token_subset: Literal["first", "spread"] = field(default="first", metadata={
         "help": "Which tokens --max_train_tokens and --max_eval_tokens keep: the first N of the split, or N tokens' "
                 "worth of blocks spread evenly over the whole split (every part of the text, at the cost of "
@@ -273,9 +275,10 @@ def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) 
             tokenized = raw[split].map(lambda rows: tokenizer(rows["text"]), batched=True, remove_columns=["text"],
                                        new_fingerprint=tokenized_fingerprint(raw[split], tokenizer))
         ids = pyarrow.compute.list_flatten(tokenized.data.column("input_ids")).to_numpy()
-        spread = limits[split] and data.token_subset == "spread"
-        windows = blocks(ids[: None if spread else limits[split]], data.block_size, data.overlap,
-                         keep=limits[split] // data.block_size if spread else None)
+        if limits[split] and data.token_subset == "spread":
+            windows = blocks(ids, data.block_size, data.overlap, keep=limits[split] // data.block_size)
+        else:
+            windows = blocks(ids[: limits[split]], data.block_size, data.overlap)
         if not windows["input_ids"]:
             source = os.path.join(data.data_dir, files[split]) if data.data_dir else f"{data.dataset_name}[{split}]"
             limit = f" (--{'max_train_tokens' if split == 'train' else 'max_eval_tokens'} {limits[split]})" \
