@@ -8,9 +8,10 @@ side) and Y (query side), [Q, 0, Y]·[K, X, 0]ᵀ = Q Kᵀ, so attention on
 
 has SDPA's probabilities and output, and its fused backward returns G·K, G·X_i (dQ_aug) and
 Gᵀ·Q, Gᵀ·Y_i (dK_aug, summed over the query heads of a key/value head), all a rule asks for
-(`rules.Operands`). The operands depend on K and V through the spans; they enter detached, and
-their gradients reach Q and K through the rule only. Standard, simple and reductionistic need no
-extra column; the exact score rule needs Π_V K and its mixes R_∥, R_⊥ (width 3d for [1000], 4d
+(`rules.Operands`, by name: the contract in `backward.py`; "k" and "q" are the standard
+columns). The operands depend on K and V through the spans; they enter detached, and their
+gradients reach Q and K through the rule only. Standard, simple and reductionistic need no extra
+column; the exact score rule needs Π_V K and its mixes R_∥, R_⊥ (width 3d for [1000], 4d
 at most). Dropout is SDPA's own, the same in both passes.
 
 The per-block rule's blocks are attention calls softmax(mask(S^B))·V with S^B = scale·Q_ab K_δᵀ:

@@ -9,6 +9,9 @@ the masked K̃ and Ṽ (padded key positions zeroed), Π_X^⊥ = I − Π_X.
 The order of a score block S^B = scale·Π_V^a Π_K^b Q Kᵀ Π_K Π_V^δ is its count of ⊥ among
 (a, b, δ); block B is weighted by α_order(B). Terms whose weight is zero are never computed.
 
+A rule states what it asks of G by name: `Operands` (products G·X and Gᵀ·Y) or, under the
+per-block reading, `Blocks` (the blocks Q_i, K_δ and their weights); a backend answers with
+`Products` or `BlockProducts` (see `backward.py`), and the rule's finish gives dQ and dK.
 `RULES` is the registry: one `Rule` per (method, score reading), which is all a new rule needs.
 """
 

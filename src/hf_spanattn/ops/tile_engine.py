@@ -1,7 +1,8 @@
 """The tile backend of `span_attention`: the T×T work (scores, probabilities, ∂L/∂S and their
 products) as explicit matrices in row tiles of queries that meet only the keys their rows may
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
-`span_of`; the faster way on a CPU. The probabilities are kept from the forward pass.
+`span_of`; the faster way on a CPU. The probabilities are kept from the forward pass. It answers
+the rules' `Operands` and `Blocks` from them (the contract in `backward.py`).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class _Batch:
     d_out: torch.Tensor
     probs: Tiled
     mask: _Mask
-    x: backward.RuleInputs
+    inputs: backward.RuleInputs
 
     def select(self, rows: slice) -> _Batch:
         """The batch entries `rows`."""
@@ -206,20 +207,23 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
     block_products = TileBlocks(d_probs, scale, mask.tile, workspace)
-    g: list[Tiled] = []
+
+    @functools.cache
+    def softmax_grad() -> Tiled:
+        """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers unless blocks read dP."""
+        in_place = not config.rule.per_block
+        return Tiled(d_probs.tiles, [torch.ops.aten._softmax_backward_data.out(
+            dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp))
+            for dp, p in zip(d_probs.parts, probs.parts)], d_probs.t, d_probs.s)
 
     def products(needs: rules.Operands | rules.Blocks) -> rules.Products | rules.BlockProducts:
         if isinstance(needs, rules.Blocks):
             return block_products(needs)
-        if not g:  # G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers unless blocks read dP
-            in_place = not config.rule.per_block
-            g.append(Tiled(d_probs.tiles, [torch.ops.aten._softmax_backward_data.out(
-                dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp))
-                for dp, p in zip(d_probs.parts, probs.parts)], d_probs.t, d_probs.s))
-        return rules.Products(_side(g[0], needs.query),
-                              {name: rules.group_sum(y) for name, y in _side(g[0].mT, needs.key).items()})
+        g = softmax_grad()
+        return rules.Products(_side(g, needs.query),
+                              {name: rules.group_sum(y) for name, y in _side(g.mT, needs.key).items()})
 
-    dq, dk = backward.rule_grads(config, batch.x, products, probe)
+    dq, dk = backward.rule_grads(config, batch.inputs, products, probe)
     return backward.scaled((dq, dk, dv), config.qkv_alphas)
 
 
@@ -237,10 +241,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    dropout_p: float, is_causal: bool, scale: float, config: SpanAttentionConfig,
                    probe: Probe | None = None) -> torch.Tensor:
     """`span_attention` on the tiles; (B, H, T, D) inputs as checked and broadcast by it."""
-    b, h_q, t, d = query.shape
-    h_kv, s = key.shape[1], key.shape[2]
-    groups = h_q // h_kv
-    mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype, query.device)
-    out = SpanAttentionFunction.apply(query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2),
-                                      mask, dropout_p, scale, config, probe)
-    return out.reshape(b, h_q, t, value.shape[-1])
+    q, k = backward.grouped(query, key)
+    mask = _prepare_mask(attn_mask, is_causal, (*q.shape[:-1], k.shape[-2]), query.dtype, query.device)
+    out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), mask, dropout_p, scale, config, probe)
+    return out.reshape(*query.shape[:-1], value.shape[-1])
