@@ -8,15 +8,24 @@ A backend runs the T×T work and answers what a rule asks of G = ∂L/∂S (whic
         (B, H_kv, 1, T, ·) summed over the g query heads of a key/value head: GQA), under the same
         names. "k" (X = K̃) and "q" (Y = Q) are the standard backward's G·K and Gᵀ·Q.
     products(needs: rules.Blocks) -> rules.BlockProducts   (rules with `Rule.per_block`)
-        for stacked query blocks Q_i and key blocks K_δ, block (i, δ) is attention on (Q_i, K_δ, V)
-        with the real ∂L/∂O, G_iδ its ∂L/∂S: Σ_δ c_δ G_iδ K_δ for each `needs.sums[name] = (i, c)`
-        and per δ Σ_i w_iδ G_iδᵀ Q_i summed over the query heads (w = `needs.key_weights`).
+        for query blocks Q_i (B, H_kv, g, T, d) and key blocks K_δ (B, H_kv, 1, T, d), block (i, δ)
+        is attention on (Q_i, K_δ, V) under the call's mask with the real ∂L/∂O, G_iδ its ∂L/∂S:
+        Σ_δ c_δ G_iδ K_δ for each `needs.sums[name] = (i, c)` and per δ Σ_i w_iδ G_iδᵀ Q_i summed
+        over the query heads (w = `needs.key_weights`; None where no w_iδ is non-zero). Only the
+        blocks that `needs.meets` lists need to run, best all in one call (a block axis).
 
-Both in the work dtype (`work_dtype`), masked keys' rows of G zero. The backend also runs the
-forward pass and gives dV. Everything else is here: the (B, H_kv, g, T, d) layout of GQA
-(`grouped`), the work dtype, the key-valid mask and the spans (`prepare`), the rule's evaluation
-and the diagnostics probe (`rule_grads`), α_QKV (`scaled`). A backend is one module with a
-function of (query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe) in
+Operands and results are in the work dtype (`work_dtype`); G is zero at masked keys. The backend
+also runs the forward pass and gives dV. Everything else is here: the (B, H_kv, g, T, d) layout
+of GQA (`grouped`), the work dtype, the key-valid mask and the spans (`prepare`), the rule's
+evaluation and the diagnostics probe (`rule_grads`), α_QKV (`scaled`). A backward pass is then
+
+    inputs = prepare(q, k, v, key_valid, config.rule, spans_of, probing=probe is not None)
+    dq, dk = rule_grads(config, inputs, products, probe)
+    dq, dk, dv = scaled((dq, dk, dv), config.qkv_alphas)
+
+(a backend that must know the operands in its forward pass, as `fused.py` does, calls
+`config.rule.needs` there and `config.rule.finish` in its backward). A backend is one module with
+a function of (query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe) in
 `attention.BACKENDS`.
 """
 
