@@ -1,0 +1,192 @@
+"""Every code block of the README runs as written, in the order a reader meets them.
+
+The README names Hub models and datasets, as users will run it; here each Hub name is swapped for
+a local stand-in by `SUBSTITUTIONS` (a tiny model saved to a folder, with the GPT-2 tokenizer from
+`../shared/data`, and a few hundred lines of WikiText-2 from there), nothing else in a block is
+changed. Python blocks run in one namespace, like a notebook; shell blocks run command by command
+in bash, in the same folder. Three rules say what does not run as written, each narrow and named:
+  - `pip install` commands are checked as already done (the package from this checkout, its
+    extras and the named packages importable), not run;
+  - `recipes/run_clm.py` runs with `TINY_RUN` appended (its later flags win), so that a recipe
+    command trains a few steps on a few blocks;
+  - `SKIPPED` names every other command that does not run here, and why.
+A block that fails fails the test with its README line number.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DATA = ROOT.parent / "shared" / "data"  # beside the clone, as on CI
+RUN = {"python", "bash"}
+SHOWN = {"text", "bibtex"}  # code blocks that are shown, not run
+
+# Hub name (as the README writes it) -> local stand-in; {fields} are filled by `world`.
+SUBSTITUTIONS = {
+    '"distilbert/distilgpt2"': '"{gpt2}"',
+    'load_dataset("wikitext", "wikitext-2-raw-v1", ': 'load_dataset("text", data_files={{"train": "{train}"}}, ',
+}
+TINY_RUN = ["--block_size", "32", "--max_train_samples", "8", "--max_eval_samples", "4", "--max_steps", "2",
+            "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
+            "--gradient_accumulation_steps", "1"]
+SKIPPED = {
+    "bash scripts/compare.sh": "the main job: minutes of training, data from the Hub",
+    "SPANATTN_DATA=../shared/data bash scripts/compare.sh": "the main job: minutes of training",
+    "bash scripts/test.sh": "the test suite, this test included",
+}
+
+
+@dataclass
+class Block:
+    line: int  # README line of the block's first line of code
+    lang: str
+    code: str
+
+
+def readme_blocks(text: str) -> list[Block]:
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        fence = re.match(r"^```(\S*)\s*$", lines[i])
+        if fence:
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            blocks.append(Block(i + 2, fence[1], "\n".join(lines[i + 1:end]) + "\n"))
+            i = end
+        i += 1
+    return blocks
+
+
+def shell_commands(block: Block) -> list[tuple[int, str]]:
+    """(README line, command text) per command: lines joined over `\\` and open quotes."""
+    commands, text, first = [], "", 0
+    for n, line in enumerate(block.code.splitlines(), block.line):
+        if not text:
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            first = n
+        text += line + "\n"
+        if line.endswith("\\"):
+            continue
+        try:
+            shlex.split(text, comments=True)
+        except ValueError:  # a quote still open
+            continue
+        commands.append((first, text))
+        text = ""
+    assert not text, f"README.md:{first}: unfinished shell command {text!r}"
+    return commands
+
+
+def substitute(code: str, world: dict[str, str]) -> str:
+    for hub, local in SUBSTITUTIONS.items():
+        code = code.replace(hub, local.format(**world))
+    return code
+
+
+def check_installed(argv: list[str], line: int) -> None:
+    """`pip install` of this checkout (with extras) or of named packages: already done here."""
+    for spec in (a for a in argv[2:] if not a.startswith("-")):
+        path, _, extras = re.match(r"^([^\[]*)(\[(.*)\])?$", spec).groups()
+        if path.startswith("."):
+            import hf_spanattn
+
+            assert Path(hf_spanattn.__file__).resolve().is_relative_to(ROOT), \
+                f"README.md:{line}: hf_spanattn is not installed from this checkout"
+            for extra in filter(None, (extras or "").split(",")):
+                requires = importlib.metadata.requires("hf_spanattn") or []
+                names = [re.split(r"[<>=!~ ;\[]", r)[0] for r in requires if f'extra == "{extra}"' in r]
+                assert names, f"README.md:{line}: hf_spanattn has no extra {extra!r}"
+                for name in names:
+                    importlib.metadata.version(name)
+        else:
+            importlib.metadata.version(spec)
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """A folder laid out as a clone next to `shared/`: recipes/ and ../shared/data reachable, tiny
+    stand-ins for the Hub models, and local text for the Hub datasets."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / "recipes").symlink_to(ROOT / "recipes")
+    (tmp_path / "shared").symlink_to(DATA.parent)
+    local = tmp_path / "local"
+    gpt2 = local / "gpt2"  # DistilGPT-2's 6 layers and tokenizer, one head 16 wide
+    GPT2LMHeadModel(GPT2Config(n_embd=16, n_head=1, n_layer=6)).save_pretrained(gpt2)
+    for file in (DATA / "gpt2-tokenizer").iterdir():
+        shutil.copy(file, gpt2)
+    lines = (DATA / "wikitext-2-raw-v1" / "train.PARTIAL-first-1MB.txt").read_text().splitlines(keepends=True)
+    short = [line[:100].rstrip() + "\n" for line in lines]  # about 25 tokens a line
+    (local / "train.txt").write_text("".join(short[:300]))
+    (local / "validation.txt").write_text("".join(short[300:360]))
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(offline, "1")
+    return {"gpt2": str(gpt2), "train": str(local / "train.txt"), "validation": str(local / "validation.txt")}
+
+
+def run_shell(block: Block, world: dict[str, str]) -> None:
+    for line, text in shell_commands(block):
+        argv = shlex.split(text, comments=True)
+        if any(argv == shlex.split(skipped) for skipped in SKIPPED):
+            continue
+        if argv[:2] == ["pip", "install"]:
+            check_installed(argv, line)
+            continue
+        argv = shlex.split(substitute(text, world), comments=True)
+        if "recipes/run_clm.py" in argv:
+            argv += TINY_RUN
+        done = subprocess.run(["bash", "-c", shlex.join(argv)], capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            pytest.fail(f"README.md:{line}: `{' '.join(argv)}` exited with {done.returncode}:\n{done.stderr[-3000:]}")
+
+
+def run_python(block: Block, namespace: dict, world: dict[str, str]) -> None:
+    code = compile("\n" * (block.line - 1) + substitute(block.code, world), str(README), "exec")
+    try:
+        exec(code, namespace)
+    except Exception as err:
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == str(README)]
+        where = frames[-1].lineno if frames else block.line
+        pytest.fail(f"README.md:{where}: the Python block at line {block.line} raised "
+                    f"{type(err).__name__}: {err}\n{''.join(traceback.format_exception(err)[-12:])}")
+
+
+def test_every_block_is_run_or_shown():
+    langs = {block.lang for block in readme_blocks(README.read_text())}
+    assert langs <= RUN | SHOWN, f"code blocks of unknown kind {langs - RUN - SHOWN}: name the language"
+
+
+def test_every_substitution_and_skip_names_something_in_the_readme():
+    text = README.read_text()
+    commands = [shlex.split(c, comments=True) for b in readme_blocks(text) if b.lang == "bash"
+                for _, c in shell_commands(b)]
+    assert [hub for hub in SUBSTITUTIONS if hub not in text] == []
+    assert [s for s in SKIPPED if shlex.split(s) not in commands] == []
+
+
+def test_readme_snippets_run_as_written(world):
+    namespace: dict = {"__name__": "__readme__"}
+    for block in readme_blocks(README.read_text()):
+        if block.lang == "python":
+            run_python(block, namespace, world)
+        elif block.lang == "bash":
+            run_shell(block, world)
+    saved = json.loads((Path("my-model") / "config.json").read_text())
+    assert saved["span_attention"]["method"] == "score"  # the snippets ran on the patched model
