@@ -355,7 +355,7 @@ def test_diagnostics_under_ddp_are_those_of_one_process_over_the_global_batch(tm
     one = train_with_diagnostics(str(tmp_path / "one"), per_device=4, max_steps=2)
     spawn(train_with_diagnostics, 2, str(tmp_path / "two"), 2, 2)
     ranks = [json.loads((tmp_path / "two" / f"log_history-{r}.json").read_text()) for r in range(2)]
-    assert ranks[0] == ranks[1]
+    assert [e for e in ranks[0] if "loss" in e] == [e for e in ranks[1] if "loss" in e]
     figures = [[_span_figures(e) for e in history if "loss" in e] for history in (one, ranks[0])]
     assert len(figures[0]) == len(figures[1]) == 2 and all(len(f) == 7 + 2 * 2 * 4 + 2 * 4 for f in figures[0])
     for want, got in zip(*figures):
