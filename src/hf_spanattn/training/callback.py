@@ -58,10 +58,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
       would have written their logs before `on_log` adds anything. So at `on_train_begin` the callback
       moves itself to the front of the `CallbackHandler` running the event (callbacks are not handed
       the handler; it is the caller of the event, found on the call stack by type and by holding this
-      callback in its `callbacks` list). A reordering cannot be undone by the Trainer's own code: the
-      list is rebuilt only by `remove_callback`/`add_callback`, and a copy restored from a checkpoint
-      moves itself first the same way. Where no handler is found (a trainer that dispatches events
-      otherwise), the callback warns and the figures reach log_history and the callbacks after it.
+      callback in its `callbacks` list); a copy that the Trainer restores from a checkpoint moves
+      itself first the same way. Where no handler is found (a trainer that dispatches events
+      otherwise), the callback warns, and the figures reach log_history and the callbacks after it.
       This is preferred over overriding `Trainer.log`, which needs a Trainer subclass, and over
       writing to TensorBoard or W&B directly, which would bypass `report_to`.
 
