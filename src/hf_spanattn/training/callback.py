@@ -170,7 +170,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             return
         figures, self._pending = self._pending, {}
         if self._layers and state.global_step != self._alphas_logged_at:  # the α once per logged step
-            figures = {**self.alphas_in_force(), **figures}
+            figures = {**self._alphas_in_force(), **figures}
             self._alphas_logged_at = state.global_step
         if not figures:
             return
@@ -180,7 +180,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             entry.update(figures)  # the Trainer's copy of these logs
         logs.update(figures)
 
-    def alphas_in_force(self) -> dict[str, float]:
+    def _alphas_in_force(self) -> dict[str, float]:
         """The α each layer trains with now, as log entries (stock layers: α_Q = α_K = α_V = 1)."""
         figures = {}
         for index, modules in sorted(self._layers.items()):
