@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.integration import adapters
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
@@ -60,6 +61,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     `push_to_hub` carry them. Patching again replaces them. Returns `model`.
     """
     register()
+    adapters.install()
     base = base_model(model)
     if isinstance(config, str):
         config = SpanAttentionConfig.from_label(config)
@@ -141,7 +143,14 @@ def _neo_attn(self, query, key, value, attention_mask=None):
 
 
 def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
-                    model_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
-    """Load a model and patch it: with `config` if given, else with the settings saved in its config."""
+                    model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
+                    **kwargs: Any) -> torch.nn.Module:
+    """Load a model and patch it: with `config` if given, else with the settings saved in its config.
+
+    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
+    (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
+    patched with the settings saved beside the adapter (else those of the base model's config)."""
+    if adapters.is_adapter_folder(name_or_path):
+        return adapters.load_adapter(name_or_path, config, model_class, is_trainable, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)
     return patch_model(model, config)

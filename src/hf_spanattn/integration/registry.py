@@ -142,9 +142,9 @@ def span_attention_forward(
     q_length, k_length = query.shape[2], key.shape[2]
     if q_length != k_length and config.method != "standard":  # a cached forward, prefix keys, cross-attention
         logger.warning_once(
-            f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; this "
-            f"call has {q_length} queries and {k_length} keys (a forward with past_key_values, or cross-attention) "
-            "and gets SDPA's result with the standard gradient.")
+            f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
+            "where they differ (a forward with past_key_values under autograd, or cross-attention) get "
+            "SDPA's result with the standard gradient.")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
