@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.integration import adapters
+from hf_spanattn.integration import adapters, card
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
@@ -58,7 +58,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             least one and each inside the model; overrides `config.layers`.
 
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
-    `push_to_hub` carry them. Patching again replaces them. Returns `model`.
+    `push_to_hub` carry them, and the model's tags name them for the Hub page (`card.py`).
+    Patching again replaces them. Returns `model`.
     """
     register()
     adapters.install()
@@ -90,6 +91,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             _set_reorder(base, False)
         setattr(base, _ORIGINAL, original)
     setattr(base.config, CONFIG_KEY, config.to_dict())
+    card.set_tags(base, config)
     if neo:
         for module in neo:
             module._attn = types.MethodType(_neo_attn, module)
@@ -106,6 +108,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model  # not patched
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
+    card.set_tags(base, None)
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"
