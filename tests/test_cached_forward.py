@@ -24,7 +24,7 @@ def decode_step_gradients(model, ids, prompt: int):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neo"])
 def test_cached_forward_under_grad_is_sdpa_with_the_standard_gradient(family, caplog):
     stock = tiny(family).train()
     patched = patch_model(copy.deepcopy(stock), "score:1000").train()

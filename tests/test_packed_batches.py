@@ -16,9 +16,9 @@ from hf_spanattn.integration import packing, registry
 LENGTHS = (5, 9, 3)
 
 
-def documents(seed: int = 0) -> list[list[int]]:
+def documents(lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in LENGTHS]
+    return [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
 def summed_loss(model, embeds, labels, **kwargs) -> torch.Tensor:
@@ -41,10 +41,11 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check_packed_equals_alone(family: str, label: str, collator, monkeypatch, backend: str) -> float:
+def check_packed_equals_alone(family: str, label: str, collator, monkeypatch, backend: str,
+                              lengths=LENGTHS) -> float:
     monkeypatch.setenv("HF_SPANATTN_BACKEND", backend)
     model = patch_model(tiny(family), label).train()
-    docs = documents()
+    docs = documents(lengths)
     batch = collator([{"input_ids": doc} for doc in docs])
     ids = batch.pop("input_ids")
     labels = batch.pop("labels")
@@ -57,7 +58,7 @@ def check_packed_equals_alone(family: str, label: str, collator, monkeypatch, ba
         alone_input.append(grad_input)
         for name, grad in grad_params.items():
             alone_params[name] = alone_params.get(name, 0) + grad
-    worst = rel(packed_input[: sum(LENGTHS)], torch.cat(alone_input))  # after them: padding, if any
+    worst = rel(packed_input[: sum(lengths)], torch.cat(alone_input))  # after them: padding, if any
     assert worst <= 1e-5
     assert packed_params.keys() == alone_params.keys()
     for name, grad in packed_params.items():
@@ -85,9 +86,15 @@ def test_trl_padding_free_packing(backend, monkeypatch):
     check_packed_equals_alone("llama", "score:1000", collator, monkeypatch, backend)
 
 
+def test_gpt_neo_packed_documents_within_its_local_window(monkeypatch):
+    """GPT-Neo's own attention adapter reads the packing from its float mask too (documents no longer
+    than the local window of 6, which would otherwise cut them into blocks that are not documents)."""
+    check_packed_equals_alone("gpt_neo", "score:1100", DataCollatorWithFlattening(), monkeypatch, "tiles", (5, 6, 3))
+
+
 def test_packed_rows_without_the_split_would_differ(monkeypatch):
     """The comparison can fail: read as one sequence per row, the packed document's gradients differ."""
-    monkeypatch.setattr(registry, "_documents", lambda *args: None)
+    monkeypatch.setattr(registry.packing, "from_mask", lambda *args: None)
     with pytest.raises(AssertionError):
         check_packed_equals_alone("gpt2", "score:1000", DataCollatorWithFlattening(), monkeypatch, "tiles")
 
@@ -107,6 +114,18 @@ def test_mask_reading_finds_documents_padding_and_blocks():
     window = causal & ~torch.ones(t, t, dtype=torch.bool).tril(-2)  # a sliding window is not packing
     assert packing.from_mask(window[None, None], 1) is None
     assert packing.from_mask((window & packed[0, 0])[None, None], 1) == "unreadable"
+
+
+def test_cu_seq_lens_without_a_mask_that_separates_documents_warns(caplog):
+    """cu_seq_lens without position ids: SDPA's forward attends across the documents, so spans
+    follow it, and a warning says why."""
+    model = patch_model(tiny("gpt2"), "score:1000").train()
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
+    batch = collator([{"input_ids": doc} for doc in documents()])
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model(**batch, use_cache=False).loss.backward()
+    assert len([r for r in caplog.records if "no attention mask separates them" in r.getMessage()]) == 1
 
 
 def test_unreadable_packing_warns_once(caplog, monkeypatch):

@@ -7,6 +7,7 @@ registry, gets a small adapter on its attention modules.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from typing import Any
@@ -15,12 +16,14 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.integration import adapters, card
+from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
     PROBE_ATTR,
     config_of,
+    documents_of,
+    keeps_sdpa,
     register,
     settings_for,
 )
@@ -135,13 +138,20 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if config is None:
         return type(self)._attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
+    if keeps_sdpa(config, q_len, k_len):
+        return type(self)._attn(self, query, key, value, attention_mask)
     window = self.bias[:, :, k_len - q_len : k_len, :k_len]
     mask = torch.zeros(window.shape, dtype=torch.float32, device=query.device).masked_fill_(~window, float("-inf"))
     if attention_mask is not None:
         mask = mask + attention_mask.to(torch.float32)
-    out = span_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=1.0,
-                         dropout_p=self.attn_dropout.p if self.training else 0.0, config=config,
-                         probe=getattr(self, PROBE_ATTR, None))
+    run = functools.partial(span_attention, scale=1.0, dropout_p=self.attn_dropout.p if self.training else 0.0,
+                            config=config, probe=getattr(self, PROBE_ATTR, None))
+    packed = attention_mask is not None and q_len == k_len  # packing comes with a mask
+    docs = documents_of(query, mask, True, {}) if packed else None
+    if docs is not None:
+        out = run(*(packing.unpack(x.float(), docs) for x in (query, key, value)), attn_mask=docs.mask)
+        return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
+    out = run(query.float(), key.float(), value.float(), attn_mask=mask)
     return out.to(value.dtype), None
 
 

@@ -140,15 +140,11 @@ def span_attention_forward(
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "
                                       f"(attention of {type(module).__name__})")
     q_length, k_length = query.shape[2], key.shape[2]
-    if q_length != k_length and config.method != "standard":  # a cached forward, prefix keys, cross-attention
-        logger.warning_once(
-            f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
-            "where they differ (a forward with past_key_values under autograd, or cross-attention) get "
-            "SDPA's result with the standard gradient.")
+    if keeps_sdpa(config, q_length, k_length):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    docs = _documents(query, attention_mask, is_causal, kwargs) if q_length == k_length else None
+    docs = documents_of(query, attention_mask, is_causal, kwargs) if q_length == k_length else None
     probe = getattr(module, PROBE_ATTR, None)
     if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
         out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
@@ -162,9 +158,22 @@ def span_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _documents(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool,
-               kwargs: dict[str, Any]) -> packing.Documents | None:
-    """The documents of a packed batch (see `packing`), or None where each row is one sequence."""
+def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int) -> bool:
+    """Whether a call with these lengths gets SDPA's result and standard gradient: span rules need
+    self-attention (said once)."""
+    if q_length == k_length or config.method == "standard":
+        return False
+    logger.warning_once(
+        f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
+        "where they differ (a forward with past_key_values under autograd, or cross-attention) get SDPA's "
+        "result with the standard gradient.")
+    return True
+
+
+def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool,
+                 kwargs: dict[str, Any]) -> packing.Documents | None:
+    """The documents of a packed batch of self-attention (see `packing`), or None where each row is
+    one sequence."""
     b, t = query.shape[0], query.shape[2]
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
