@@ -142,3 +142,14 @@ def test_unreadable_packing_warns_once(caplog, monkeypatch):
         model(ids, attention_mask=mask.clone(), labels=ids).loss.backward()
     warned = [r for r in caplog.records if "cannot be read" in r.getMessage()]
     assert len(warned) == 1
+
+
+def test_the_mask_is_read_once_per_forward(monkeypatch):
+    """All layers share the mask Transformers builds: its documents are read (one host sync) once."""
+    reads = []
+    read = packing._read_mask
+    monkeypatch.setattr(packing, "_read_mask", lambda *args: reads.append(1) or read(*args))
+    model = patch_model(tiny("llama", layers=3), "score:1000").train()
+    batch = DataCollatorWithFlattening()([{"input_ids": doc} for doc in documents()])
+    model(**batch, use_cache=False).loss.backward()
+    assert len(reads) == 1

@@ -92,18 +92,18 @@ def from_cu_seq_lens(cu_seq_lens: torch.Tensor, max_length: Any, t: int, causal:
     return _documents(doc[None], pos[None], inside[None], inside[None], count, length, causal)
 
 
-_LAST: list[Any] = [None, None]  # [weakref to the last mask read, its Documents or None]
+_LAST: list[Any] = [None, None]  # the last mask read: (a weakref to it, its version, the batch), its documents
 
 
 def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     """The documents of a block-diagonal 4-D mask (B or 1, H or 1, T, T): a Documents where some row
     holds several, None where every row holds at most one, "unreadable" where a row is cut into
     blocks that are not a block-diagonal causal or bidirectional mask of whole documents."""
-    cached, result = _LAST
-    if cached is not None and cached() is mask:
+    key, result = _LAST
+    if key is not None and key[0]() is mask and key[1:] == (mask._version, b):
         return result
     result = _read_mask(mask, b)
-    _LAST[:] = [weakref.ref(mask), result]
+    _LAST[:] = [(weakref.ref(mask), mask._version, b), result]
     return result
 
 
