@@ -178,9 +178,9 @@ def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_ca
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
         if b == 1 and attention_mask is not None:
-            return packing.from_cu_seq_lens(cu_seq_lens, kwargs.get("max_length_q"), t, is_causal)
+            return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
         logger.warning_once(
-            f"span_attention: cu_seq_lens_q gives {cu_seq_lens.numel() - 1} documents, but "
+            "span_attention: cu_seq_lens_q marks several documents, but "
             + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
                "no attention mask separates them (SDPA attends across them; pass position_ids restarting per "
                "document, as DataCollatorWithFlattening does)")
