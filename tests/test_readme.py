@@ -250,3 +250,13 @@ def test_readme_snippets_run_as_written(world, hub):
     assert saved["span_attention"]["method"] == "score"  # the snippets ran on the patched model
     assert hub.cards and all("hf_spanattn" in card for card in hub.cards)  # the pushed card names the method
 
+
+
+def test_every_relative_link_of_the_readme_and_docs_exists():
+    broken = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#")[0]
+            if path and "://" not in path and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
