@@ -75,14 +75,14 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     dv = torch.empty_like(call.v) if want_dv else None
     query_side = []
     groups = _groups(query_operands)
-    if want_dv and not groups:  # dV alone: the key-side kernel with Y = Q, its product dropped
+    if want_dv and not groups:  # dV alone
         groups = [[call.q]]
     for i, group in enumerate(groups):
         y, width, is_q = _stack(group, call.q, call.q.shape[:-2] + (call.t,), q.dtype)
         gy = torch.empty(*call.k.shape[:-1], width, device=q.device, dtype=torch.float32)
         kernels.keys_kernel[call.grid(call.s, call.h_kv, "BLOCK_N")](
             *args, y, dv if dv is not None else gy, gy, *sizes, W=width, BLOCK_W=_pow2(width), Y_IS_Q=is_q,
-            WANT_DV=want_dv and i == 0, **call.meta)
+            WANT_DV=want_dv and i == 0, WANT_GY=bool(query_operands), **call.meta)
         if query_operands:
             query_side += _split(gy, group, call.blocked)
     key_side = []

@@ -73,8 +73,8 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _keep(seed, bh, rows, cols, S, p_drop):
-    """The dropout draw for the (rows, cols) tile of head bh: True where the entry is kept."""
-    offsets = rows[:, None] * S + cols[None, :]
+    """The dropout draw for head bh at (rows, cols) (broadcasting index tensors): True where kept."""
+    offsets = rows * S + cols
     r, _, _, _ = tl.philox(seed, offsets, tl.zeros_like(offsets) + bh.to(tl.int32), 0, 0)
     return tl.uint_to_uniform_float(r) >= p_drop
 
@@ -127,7 +127,7 @@ def forward_kernel(Q, K, V, O, LSE, BIAS, SEED, B, H_Q, H_KV, T, S, scale_log2, 
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(_keep(seed, bh, rows, cols, S, p_drop), p / (1.0 - p_drop), 0.0)
+            p = tl.where(_keep(seed, bh, rows[:, None], cols[None, :], S, p_drop), p / (1.0 - p_drop), 0.0)
         v = tl.load(v_base + cols[:, None] * DV + dv[None, :], mask=(cols[:, None] < S) & (dv[None, :] < DV),
                     other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
@@ -153,18 +153,22 @@ def _probabilities(q, k, bias_ptr, lse, b, rows, cols, T, S, scale_log2,
 def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV, T, S, scale, scale_log2, p_drop,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 W: tl.constexpr, BLOCK_W: tl.constexpr, Y_IS_Q: tl.constexpr, WANT_DV: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                WANT_GY: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One key block of one key/value head: dV = Σ_h Pᵀ dO and Gᵀ·Y summed over the head's query heads h."""
+    """One key block of one key/value head: dV = Σ_h Pᵀ dO and Gᵀ·Y summed over the head's query heads h.
+    Tiles are held transposed (keys × queries), as in the Triton tutorial's dK/dV loop."""
     pid_n, bkv, blk = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     b, h_kv = bkv // H_KV, bkv % H_KV
     group = H_Q // H_KV
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     d, dv, w = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_W)
     k_row = (blk * B * H_KV + bkv) * S + cols
-    k = tl.load(K + k_row[:, None] * D + d[None, :], mask=(cols[:, None] < S) & (d[None, :] < D), other=0.0)
-    v = tl.load(V + (bkv * S + cols)[:, None] * DV + dv[None, :], mask=(cols[:, None] < S) & (dv[None, :] < DV),
-                other=0.0)
+    c_mask = cols[:, None] < S
+    k = tl.load(K + k_row[:, None] * D + d[None, :], mask=c_mask & (d[None, :] < D), other=0.0)
+    v = tl.load(V + (bkv * S + cols)[:, None] * DV + dv[None, :], mask=c_mask & (dv[None, :] < DV), other=0.0)
+    bias = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + b * S + cols, mask=cols < S, other=0.0)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -179,34 +183,40 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
         for start in range(lo, T, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             q_row = (blk * B * H_Q + bh) * T + rows
-            q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=(rows[:, None] < T) & (d[None, :] < D), other=0.0)
+            r_mask = rows[:, None] < T
+            q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=r_mask & (d[None, :] < D), other=0.0)
             lse = tl.load(LSE + q_row, mask=rows < T, other=float("inf")) * 1.4426950408889634
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(DELTA + q_row, mask=rows < T, other=0.0)
-            d_out = tl.load(DO + (bh * T + rows)[:, None] * DV + dv[None, :],
-                            mask=(rows[:, None] < T) & (dv[None, :] < DV), other=0.0)
-            p = _probabilities(q, k, BIAS, lse, b, rows, cols, T, S, scale_log2, CAUSAL, HAS_BIAS, UPCAST, PRECISION)
-            dp = _dot(d_out, tl.trans(v), UPCAST, PRECISION)
-            if DROPOUT:
-                keep = _keep(seed, bh, rows, cols, S, p_drop)
-                dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
-                p_used = tl.where(keep, p / (1.0 - p_drop), 0.0)
-            else:
-                p_used = p
-            if WANT_DV:
-                acc_dv += _dot(tl.trans(p_used.to(d_out.dtype)), d_out, UPCAST, PRECISION)
-            ds = p * (dp - delta[:, None]) * scale  # G's tile: it carries the factor scale
-            if Y_IS_Q:
-                y = q
-            else:
-                y = tl.load(Y + q_row[:, None] * W + w[None, :], mask=(rows[:, None] < T) & (w[None, :] < W),
+            d_out = tl.load(DO + (bh * T + rows)[:, None] * DV + dv[None, :], mask=r_mask & (dv[None, :] < DV),
                             other=0.0)
-            acc_gy += _dot(tl.trans(ds.to(y.dtype)), y, UPCAST, PRECISION)
-    k_mask = cols[:, None] < S
+            s_t = _dot(k, tl.trans(q), UPCAST, PRECISION) * scale_log2 + bias[:, None]
+            valid = c_mask & (rows[None, :] < T)
+            if CAUSAL:
+                valid = valid & (cols[:, None] <= rows[None, :])
+            p_t = tl.math.exp2(tl.where(valid, s_t, float("-inf")) - lse[None, :])
+            if DROPOUT:
+                keep = _keep(seed, bh, rows[None, :], cols[:, None], S, p_drop)
+                p_used = tl.where(keep, p_t / (1.0 - p_drop), 0.0)
+            else:
+                p_used = p_t
+            if WANT_DV:
+                acc_dv += _dot(p_used.to(d_out.dtype), d_out, UPCAST, PRECISION)
+            if WANT_GY:
+                delta = tl.load(DELTA + q_row, mask=rows < T, other=0.0)
+                dp_t = _dot(v, tl.trans(d_out), UPCAST, PRECISION)
+                if DROPOUT:
+                    dp_t = tl.where(keep, dp_t / (1.0 - p_drop), 0.0)
+                ds_t = p_t * (dp_t - delta[None, :]) * scale  # Gᵀ's tile: G carries the factor scale
+                if Y_IS_Q:
+                    y = q
+                else:
+                    y = tl.load(Y + q_row[:, None] * W + w[None, :], mask=r_mask & (w[None, :] < W), other=0.0)
+                acc_gy += _dot(ds_t.to(y.dtype), y, UPCAST, PRECISION)
     if WANT_DV:
         tl.store(DV_OUT + (bkv * S + cols)[:, None] * DV + dv[None, :], acc_dv.to(DV_OUT.dtype.element_ty),
-                 mask=k_mask & (dv[None, :] < DV))
-    tl.store(GY + k_row[:, None] * W + w[None, :], acc_gy, mask=k_mask & (w[None, :] < W))
+                 mask=c_mask & (dv[None, :] < DV))
+    if WANT_GY:
+        tl.store(GY + k_row[:, None] * W + w[None, :], acc_gy, mask=c_mask & (w[None, :] < W))
 
 
 @triton.autotune(configs=_configs("queries"), key=_KEY)
@@ -246,7 +256,7 @@ def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, 
         p = _probabilities(q, k, BIAS, lse, b, rows, cols, T, S, scale_log2, CAUSAL, HAS_BIAS, UPCAST, PRECISION)
         dp = _dot(d_out, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
-            dp = tl.where(_keep(seed, bh, rows, cols, S, p_drop), dp / (1.0 - p_drop), 0.0)
+            dp = tl.where(_keep(seed, bh, rows[:, None], cols[None, :], S, p_drop), dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None]) * scale
         if X_IS_K:
             x = k
