@@ -3,13 +3,21 @@ forward against SDPA. Without CUDA they run in Triton's interpreter on CPU tenso
 TRITON_INTERPRET unset) the same tests run compiled on the GPU."""
 
 import os
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import reference
+from test_engine import make, random_float_mask, rel
+from test_fused import case_inputs, float32
+
+from hf_spanattn import SpanAttentionConfig, span_attention
+from hf_spanattn.ops import attention
 
 pytest.importorskip("triton")
 
+from hf_spanattn.ops.triton import backend as triton_backend  # noqa: E402
 from hf_spanattn.ops.triton import flash, key_mask  # noqa: E402
 
 # conftest.py sets TRITON_INTERPRET=1 without CUDA
@@ -86,7 +94,8 @@ def test_products_are_torch_products(causal):
     q, k, v, d_out = _inputs(t=40, d=32)
     bias = _padding(2, 40, [40, 27])
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(2, 2, 40, 32, generator=gen).to(DEVICE), torch.randn(2, 2, 40, 16, generator=gen).to(DEVICE)]
+    xs = [torch.randn(2, 2, 40, 32, generator=gen).to(DEVICE), torch.randn(2, 2, 40, 16, generator=gen).to(DEVICE),
+          torch.randn(2, 4, 40, 16, generator=gen).to(DEVICE)]  # the last one per query head
     ys = [torch.randn(2, 4, 40, 32, generator=gen).to(DEVICE)]
     out, lse = flash.forward(q, k, v, scale=0.2, causal=causal, key_bias=bias)
     got = flash.backward(q, k, v, out, lse, d_out, scale=0.2, causal=causal, key_bias=bias,
@@ -96,7 +105,7 @@ def test_products_are_torch_products(causal):
     p = _reference(q, k, v, d_out, 0.2, causal, bias)[1]
     _close(got.dv, _group_sum(p.transpose(-1, -2) @ d_out.double(), 2), 1e-5)
     for x, product in zip([k, *xs], got.key_side, strict=True):
-        _close(product, grad @ x.double().repeat_interleave(2, 1), 1e-5)
+        _close(product, grad @ x.double().repeat_interleave(4 // x.shape[1], 1), 1e-5)
     for y, product in zip([q, *ys], got.query_side, strict=True):
         _close(product, _group_sum(grad.transpose(-1, -2) @ y.double(), 2), 1e-5)
 
@@ -248,3 +257,148 @@ def test_key_mask(case):
 
 def test_key_mask_of_causal_call():
     assert key_mask(None, is_causal=True).causal and key_mask(None).bias is None
+
+
+# ---- the backend: every rule through the kernels ---------------------------------------------------
+
+RULE_LABELS = ["standard:QKV101", "simple:10", "reductionistic:1100", "score:1000", "score:1100", "score:1111",
+               "score:0.5,2,0,1.5", "score:1000@per_block", "score:1111@per_block", "score:0.5,2,0,1.5@per_block"]
+RULE_CASES = ["causal", "gqa_padded_scale", "padded_to_d", "short_rows", "gqa", "t_lt_d", "t_eq_d", "first_rows_dead",
+              "repeated_rows", "zero_rows", "float_padding"]
+# the default run: each rule once, the cases spread over them (causal, padded, GQA, rank-deficient T ≤ d)
+QUICK = {("standard:QKV101", "gqa_padded_scale"), ("simple:10", "short_rows"), ("reductionistic:1100", "t_eq_d"),
+         ("score:1000", "gqa_padded_scale"), ("score:1100", "padded_to_d"), ("score:1111", "causal"),
+         ("score:0.5,2,0,1.5", "short_rows"), ("score:1000@per_block", "short_rows"),
+         ("score:1111@per_block", "t_lt_d"), ("score:0.5,2,0,1.5@per_block", "float_padding")}
+
+
+def run_triton(inputs, d_out, config, **kwargs):
+    leaves = [x.detach().to(DEVICE).requires_grad_(True) for x in inputs]
+    kwargs = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        out = span_attention(*leaves, config=config, backend="triton", **kwargs)
+        return out, torch.autograd.grad(out, leaves, d_out.to(DEVICE))
+
+
+@pytest.mark.parametrize("label,case", [(label, case) if (label, case) in QUICK else
+                                        pytest.param(label, case, marks=pytest.mark.slow)
+                                        for label in RULE_LABELS for case in RULE_CASES])
+def test_rules_match_float64_reference(label, case):
+    """Every rule and both readings in float32 against the float64 reference: causal, padded, GQA and
+    rank-deficient K (T ≤ d, repeated or zero rows)."""
+    config = SpanAttentionConfig.from_label(label)
+    if case == "float_padding":  # Transformers' additive padding mask, (B, 1, 1, S)
+        inputs, d_out = make(h_q=2, h_kv=1, t=12, d=8)
+        kwargs = dict(attn_mask=torch.zeros(2, 1, 1, 12, dtype=torch.float64).masked_fill(
+            torch.arange(12) >= torch.tensor([12, 7])[:, None, None, None], torch.finfo(torch.float32).min))
+    else:
+        inputs, d_out, kwargs = case_inputs(case)
+    if config.rule.per_block and (label, case) in QUICK and "attn_mask" not in kwargs:  # the interpreter's pace
+        inputs, d_out = [x[:1, :2] for x in inputs], d_out[:1, :2]
+    ref_out, ref_grads = reference(*inputs, d_out, config, **kwargs)
+    _, std_grads = reference(*inputs, d_out, SpanAttentionConfig(method="standard"), **kwargs)
+    out, grads = run_triton([x.float() for x in inputs], d_out.float(), config, **float32(kwargs))
+    assert rel(out.cpu(), ref_out) < 1e-5
+    for name, g, r, std in zip("qkv", grads, ref_grads, std_grads):
+        assert g.dtype == torch.float32
+        assert rel(g.cpu(), r, std) < 1e-4, f"d{name}: {rel(g.cpu(), r, std):.2e}"
+
+
+@pytest.mark.parametrize("label", ["score:1000", pytest.param("score:1111@per_block", marks=pytest.mark.slow),
+                                   pytest.param("simple:10", marks=pytest.mark.slow)])
+def test_bf16_inputs_through_the_backend(label):
+    config = SpanAttentionConfig.from_label(label)
+    inputs, d_out = make(b=1, t=32, d=16, h_q=2, h_kv=1)
+    _, ref_grads = reference(*inputs, d_out, config, is_causal=True)
+    out, grads = run_triton([x.bfloat16() for x in inputs], d_out.bfloat16(), config, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.bfloat16 and rel(g.float().cpu(), r) < 2e-2
+
+
+@pytest.mark.parametrize("label", ["score:1100", pytest.param("reductionistic:1100", marks=pytest.mark.slow),
+                                   "score:1100@per_block"])
+def test_dropout_through_the_backend(label):
+    """The kernels' dropout mask (read off V = I under the same seed) in the float64 reference: the
+    forward pass, the backward pass and every block use it."""
+    config = SpanAttentionConfig.from_label(label)
+    (q, k, v), d_out = make(b=1, h_q=2, h_kv=1, t=16, d=8, dtype=torch.float32)
+    p = 0.3
+    torch.manual_seed(5)
+    eye = torch.eye(16).expand(1, 1, 16, 16).to(DEVICE)
+    dropped, _ = flash.forward(q.to(DEVICE), k.to(DEVICE), eye, scale=8**-0.5, causal=True, dropout_p=p,
+                               seed=flash.new_seed(torch.device(DEVICE)))
+    keep = (dropped != 0).cpu()
+    torch.manual_seed(5)
+    out, grads = run_triton((q, k, v), d_out, config, is_causal=True, dropout_p=p)
+    ref_out, ref_grads = reference(q, k, v, d_out, config, is_causal=True, keep=keep, dropout_p=p)
+    _, std_grads = reference(q, k, v, d_out, SpanAttentionConfig(method="standard"), is_causal=True, keep=keep,
+                             dropout_p=p)
+    assert rel(out.cpu(), ref_out) < 1e-5
+    for g, r, std in zip(grads, ref_grads, std_grads):
+        assert rel(g.cpu(), r, std) < 1e-4
+
+
+def test_blocks_run_in_one_launch(monkeypatch):
+    """The per-block rule: one forward and one backward launch over all its blocks, one for dV."""
+    calls = []
+    for name in ("forward", "backward"):
+        original = getattr(flash, name)
+        monkeypatch.setattr(flash, name, lambda *a, _f=original, _n=name, **kw: calls.append((_n, a[0].dim())) or
+                            _f(*a, **kw))
+    inputs, d_out = make(b=1, h_q=1, h_kv=1, t=16, d=8, dtype=torch.float32)
+    run_triton(inputs, d_out, SpanAttentionConfig.from_label("score:1100@per_block"), is_causal=True)
+    assert sorted(calls) == [("backward", 4), ("backward", 5), ("forward", 4), ("forward", 5)]
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(triton_backend, "_warned", set())
+
+
+@pytest.mark.parametrize("why", ["mask", "head_dim", "missing", "kernel"])
+def test_falls_back_to_fused_with_one_warning(why, monkeypatch, fresh_warnings):
+    config = SpanAttentionConfig.from_label("score:1100")
+    inputs, d_out = make(b=1, h_q=2, h_kv=2, t=12, d=160 if why == "head_dim" else 8, dtype=torch.float32)
+    kwargs = dict(attn_mask=random_float_mask(1, 12).float()) if why == "mask" else dict(is_causal=True)
+    if why == "missing":
+        monkeypatch.setattr(triton_backend, "missing", lambda: "Triton is not installed")
+    if why == "kernel":
+        monkeypatch.setattr(triton_backend, "_checked", {})
+        monkeypatch.setattr(flash, "forward", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no kernel image")))
+    expected = {"mask": "attn_mask", "head_dim": "head dims", "missing": "not installed", "kernel": "no kernel image"}
+    leaves = [x.detach().to(DEVICE).requires_grad_(True) for x in inputs]
+    kwargs = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    with pytest.warns(UserWarning, match=expected[why]) as record:
+        out = span_attention(*leaves, config=config, backend="triton", **kwargs)
+    assert len(record) == 1 and "backend='fused'" in str(record[0].message)
+    grads = torch.autograd.grad(out, leaves, d_out.to(DEVICE))
+    ref_out, ref_grads = reference(*inputs, d_out, config, **{k: v.cpu() if torch.is_tensor(v) else v
+                                                               for k, v in kwargs.items()})
+    assert rel(out.cpu(), ref_out) < 1e-5 and all(rel(g.cpu(), r) < 1e-4 for g, r in zip(grads, ref_grads))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        span_attention(*leaves, config=config, backend="triton", **kwargs)
+
+
+def test_float64_falls_back_to_tiles(fresh_warnings):
+    inputs, d_out = make(t=12, d=8)
+    with pytest.warns(UserWarning, match="backend='tiles'"):
+        out = span_attention(*(x.to(DEVICE).requires_grad_(True) for x in inputs),
+                             config=SpanAttentionConfig.from_label("score:1000"), backend="triton", is_causal=True)
+    assert out.dtype == torch.float64
+
+
+def test_environment_picks_triton(monkeypatch):
+    """HF_SPANATTN_BACKEND=triton selects it; auto does not (fused on CUDA, tiles on the CPU)."""
+    seen = []
+    for name in ("triton", "tiles", "fused"):
+        monkeypatch.setitem(attention.BACKENDS, name, lambda *a, _n=name, **kw: seen.append(_n) or a[0])
+    inputs, _ = make(t=8, d=8, dtype=torch.float32)
+    leaves = [x.to(DEVICE).requires_grad_(True) for x in inputs]
+    config = SpanAttentionConfig.from_label("score:1000")
+    span_attention(*leaves, config=config, is_causal=True)
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    span_attention(*leaves, config=config, is_causal=True)
+    assert seen == ["tiles" if DEVICE == "cpu" else "fused", "triton"]

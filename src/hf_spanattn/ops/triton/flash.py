@@ -59,9 +59,9 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
              query_operands: Sequence[torch.Tensor] = (), want_dv: bool = True) -> Products:
     """From the forward's `out` and `lse` and ∂L/∂O (B, H_q, T, D_v): dV (if `want_dv`; with a block
     axis, the sum over the blocks is not formed: pass want_dv=False), G·X for every X in
-    `key_operands` (key-side: ((N,) B, H_kv, S, ·)) and Gᵀ·Y for every Y in `query_operands` ((N,) B,
-    H_q, T, ·). The standard backward is key_operands=[k], query_operands=[q] (dQ = G K, dK = Gᵀ Q);
-    passing k or q itself reuses the tile already loaded."""
+    `key_operands` (key-side: ((N,) B, H_kv, S, ·), or H_q heads for an X per query head) and Gᵀ·Y
+    for every Y in `query_operands` ((N,) B, H_q, T, ·). The standard backward is key_operands=[k],
+    query_operands=[q] (dQ = G K, dK = Gᵀ Q); passing k or q itself reuses the tile already loaded."""
     from hf_spanattn.ops.triton import kernels
 
     call = _Call(q, k, v, scale, causal, key_bias, dropout_p, seed)
@@ -87,10 +87,13 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             query_side += _split(gy, group, call.blocked)
     key_side = []
     for group in _groups(key_operands):
-        x, width, is_k = _stack(group, call.k, call.k.shape[:-2] + (call.s,), q.dtype)
+        per_query_head = group[0].shape[-3] != call.h_kv
+        heads = call.h_q if per_query_head else call.h_kv
+        x, width, is_k = _stack(group, call.k, (call.n, call.b, heads, call.s), q.dtype)
         gx = torch.empty(*call.q.shape[:-1], width, device=q.device, dtype=torch.float32)
         kernels.queries_kernel[call.grid(call.t, call.h_q, "BLOCK_M")](
-            *args, x, gx, *sizes, W=width, BLOCK_W=_pow2(width), X_IS_K=is_k, **call.meta)
+            *args, x, gx, *sizes, W=width, BLOCK_W=_pow2(width), X_IS_K=is_k, X_PER_QUERY_HEAD=per_query_head,
+            **call.meta)
         key_side += _split(gx, group, call.blocked)
     return Products(dv, key_side, query_side)
 
@@ -141,11 +144,11 @@ def _pow2(n: int) -> int:
 
 
 def _groups(operands: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The operands in launch groups of at most MAX_WIDTH columns."""
+    """The operands in launch groups of at most MAX_WIDTH columns and one head count."""
     groups: list[list[torch.Tensor]] = []
     width = MAX_WIDTH
     for x in operands:
-        if groups and width + x.shape[-1] <= MAX_WIDTH:
+        if groups and width + x.shape[-1] <= MAX_WIDTH and x.shape[-3] == groups[-1][0].shape[-3]:
             groups[-1].append(x)
             width += x.shape[-1]
         else:

@@ -223,10 +223,10 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
 @triton.jit
 def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, S, scale, scale_log2, p_drop,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   W: tl.constexpr, BLOCK_W: tl.constexpr, X_IS_K: tl.constexpr,
+                   W: tl.constexpr, BLOCK_W: tl.constexpr, X_IS_K: tl.constexpr, X_PER_QUERY_HEAD: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One query block of one query head: G·X."""
+    """One query block of one query head: G·X, X per key/value head (or per query head)."""
     pid_m, bh, blk = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     b, h = bh // H_Q, bh % H_Q
     bkv = b * H_KV + h // (H_Q // H_KV)
@@ -240,6 +240,9 @@ def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, 
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     delta = tl.load(DELTA + q_row, mask=rows < T, other=0.0)
     k_base = (blk * B * H_KV + bkv) * S
+    x_base = k_base
+    if X_PER_QUERY_HEAD:
+        x_base = (blk * B * H_Q + bh) * S
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -261,6 +264,6 @@ def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, 
         if X_IS_K:
             x = k
         else:
-            x = tl.load(X + (k_base + cols)[:, None] * W + w[None, :], mask=c_mask & (w[None, :] < W), other=0.0)
+            x = tl.load(X + (x_base + cols)[:, None] * W + w[None, :], mask=c_mask & (w[None, :] < W), other=0.0)
         acc += _dot(ds.to(x.dtype), x, UPCAST, PRECISION)
     tl.store(GX + q_row[:, None] * W + w[None, :], acc, mask=r_mask & (w[None, :] < W))
