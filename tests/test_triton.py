@@ -402,3 +402,97 @@ def test_environment_picks_triton(monkeypatch):
     monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
     span_attention(*leaves, config=config, is_causal=True)
     assert seen == ["tiles" if DEVICE == "cpu" else "fused", "triton"]
+
+
+# ---- a model: Transformers' GPT-2 on the kernels -------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def gpt2(attn_pdrop: float, device: str, label: str = "score:1100"):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_spanattn import patch_model
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=97, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=attn_pdrop)
+    model = patch_model(GPT2LMHeadModel(config), label).to(device)
+    model.loss_type = "ForCausalLM"
+    ids = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, ids
+
+
+def grads_of(model, ids) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_gpt2_step_matches_the_tiles(monkeypatch):
+    """A patched GPT-2's gradients on the kernels equal those on the tiles (the backend chosen by
+    HF_SPANATTN_BACKEND, as a training script sets it)."""
+    model, ids = gpt2(0.0, DEVICE)
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "tiles" if DEVICE == "cpu" else "fused")
+    expected = grads_of(model, ids)
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        got = grads_of(model, ids)
+    for g, e in zip(got, expected, strict=True):
+        assert rel(g.cpu(), e.cpu()) < 1e-4
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["score:1000", "score:1111@per_block"])
+def test_cuda_train_step_never_synchronises(label, monkeypatch):
+    """A bf16-autocast GPT-2 train step (attention dropout 0.1, AdamW) on the kernels with CUDA's sync
+    debug mode raising on any host synchronisation, after a warm-up step (autotuning, first checks)."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    model, ids = gpt2(0.1, "cuda", label)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@cuda
+@pytest.mark.gpu
+def test_cuda_graph_of_a_train_step(monkeypatch):
+    """Forward and backward of a GPT-2 on the kernels captured in a CUDA graph: a replay gives the
+    eager step's gradients."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    model, ids = gpt2(0.0, "cuda")
+    expected = grads_of(model, ids)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            grads_of(model, ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for p in model.parameters():
+        p.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for p, e in zip(model.parameters(), expected, strict=True):
+        assert rel(p.grad, e) < 1e-4

@@ -39,7 +39,8 @@ def _configs(kind: str) -> list[triton.Config]:
     """Block sizes, warps and stages to autotune over (one config under the interpreter, which runs
     programs one after another and rejects several). kind: "forward", "keys" (the dK/dV side: one
     key block per program) or "queries" (the dQ side). Lists per GPU family, after the Triton
-    fused-attention tutorial and FlagAttention; the autotuner picks per shape."""
+    fused-attention tutorial and FlagAttention; the autotuner picks per shape. HF_SPANATTN_TRITON_TUNE=0
+    takes the first of the list without tuning (tests: many shapes, each tuned once otherwise)."""
     if INTERPRET or not torch.cuda.is_available():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
     major, _ = torch.cuda.get_device_capability()
@@ -56,7 +57,8 @@ def _configs(kind: str) -> list[triton.Config]:
         table = {"forward": [(64, 64, 4, 2), (64, 32, 4, 2)],
                  "keys": [(32, 64, 4, 2), (64, 64, 4, 2)],
                  "queries": [(64, 32, 4, 2), (64, 64, 4, 2)]}
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table[kind]]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table[kind]]
+    return configs if os.environ.get("HF_SPANATTN_TRITON_TUNE", "1") != "0" else configs[:1]
 
 
 _KEY = ["T", "S", "D", "DV", "W", "CAUSAL", "HAS_BIAS", "DROPOUT"]
