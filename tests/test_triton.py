@@ -496,3 +496,60 @@ def test_cuda_graph_of_a_train_step(monkeypatch):
     torch.cuda.synchronize()
     for p, e in zip(model.parameters(), expected, strict=True):
         assert rel(p.grad, e) < 1e-4
+
+
+@pytest.mark.parametrize("label,mask", [
+    ("score:1100", "float_padding"), ("score:1111@per_block", "causal"),
+    *(pytest.param(label, mask, marks=pytest.mark.slow)
+      for label in ["score:1000", "score:1100", "score:1111@per_block", "reductionistic:1100", "simple:10"]
+      for mask in ["causal", "padding", "float_padding"]
+      if (label, mask) not in [("score:1100", "float_padding"), ("score:1111@per_block", "causal")])])
+def test_no_host_synchronisation(label, mask, monkeypatch):
+    """Nothing around the kernels reads the device on the host, forward or backward: the calls that
+    would synchronise a CUDA device are recorded (the interpreter's own copies inside a launch are not
+    the kernels' on a GPU, and are left out; the backward pass runs without the caller's mode, so it
+    is entered again there). Masks broadcast over the queries, as Transformers' padding masks without
+    causality."""
+    from test_fused import HostReads
+
+    from hf_spanattn.ops.triton import kernels
+
+    config = SpanAttentionConfig.from_label(label)
+    (q, k, v), d_out = make(b=2, h_q=2, h_kv=1, t=12, d=8, dtype=torch.float32)
+    kwargs = dict(is_causal=True)
+    if mask != "causal":
+        valid = (torch.arange(12) < torch.tensor([12, 7])[:, None])[:, None, None, :]
+        kwargs = dict(attn_mask=valid if mask == "padding" else torch.zeros(valid.shape).masked_fill(
+            ~valid, torch.finfo(torch.float32).min))
+    run_triton((q, k, v), d_out, config, **kwargs)  # the first call of a kernel variant checks it once
+    for name in ("forward_kernel", "keys_kernel", "queries_kernel"):
+        monkeypatch.setattr(kernels, name, _Unrecorded(getattr(kernels, name)))
+    mode = HostReads()
+    backward = triton_backend._Attention.backward
+
+    def recorded_backward(ctx, *grads):
+        with mode:
+            return backward(ctx, *grads)
+
+    monkeypatch.setattr(triton_backend._Attention, "backward", staticmethod(recorded_backward))
+    leaves = [x.to(DEVICE).requires_grad_(True) for x in (q, k, v)]
+    with mode:
+        out = span_attention(*leaves, config=config, backend="triton", **kwargs)
+    out.backward(d_out)
+    assert mode.calls == []
+
+
+class _Unrecorded:
+    """A kernel whose launches run outside the recording mode."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if not torch.overrides._get_current_function_mode_stack():
+                return self.kernel[grid](*args, **kwargs)
+            with torch.overrides._pop_mode_temporarily():
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
