@@ -352,6 +352,27 @@ def test_blocks_run_in_one_launch(monkeypatch):
     assert sorted(calls) == [("backward", 4), ("backward", 5), ("forward", 4), ("forward", 5)]
 
 
+@pytest.mark.parametrize("label", ["score:1100", "score:1100@per_block"])
+def test_the_probe_runs_on_the_kernels(label):
+    """The diagnostics are glue (`backward.rule_grads`): from the kernels they record what the tiles do."""
+    config = SpanAttentionConfig.from_label(label)
+    inputs, d_out = make(b=1, h_q=2, h_kv=1, t=10, dtype=torch.float32)
+    records = {}
+    for name in ("triton", "tiles"):
+        calls = []
+        leaves = [x.clone().to(DEVICE).requires_grad_(True) for x in inputs]
+        out = attention.BACKENDS[name](*leaves, None, 0.0, True, 0.5, config, calls.append)
+        out.backward(d_out.to(DEVICE))
+        records[name] = calls
+    assert len(records["triton"]) == 1
+    for key in ("dq", "dk", "dq_standard", "dk_standard", "rank_k", "rank_v"):
+        tiles_value = torch.cat([r[key] for r in records["tiles"]])
+        assert rel(records["triton"][0][key].cpu(), tiles_value.cpu()) < 1e-5, key
+    for key in ("dq_orders", "dk_orders"):
+        for a, b in zip(records["triton"][0][key], records["tiles"][0][key], strict=True):
+            assert rel(a.cpu(), b.cpu(), records["triton"][0][key.replace("_orders", "")].cpu()) < 1e-5, key
+
+
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     monkeypatch.setattr(triton_backend, "_warned", set())

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_spanattn.ops import backward, rules
-from hf_spanattn.ops.backward import grouped
+from hf_spanattn.ops.backward import Probe, grouped
 from hf_spanattn.ops.fused import _spans, fused_attention, key_support
 from hf_spanattn.ops.tile_engine import tile_attention
 from hf_spanattn.ops.triton import flash, masks, missing
@@ -39,24 +39,23 @@ _checked: dict[tuple, str | None] = {}  # kernel variant -> None if it ran, else
 
 def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                      dropout_p: float, is_causal: bool, scale: float, config: SpanAttentionConfig,
-                     probe: None = None) -> torch.Tensor:
-    """`span_attention` on the Triton kernels; (B, H, T, D) inputs as checked and broadcast by it."""
-    if probe is not None:
-        raise ValueError("triton_attention takes no probe: diagnostics run on backend='tiles'")
+                     probe: Probe | None = None) -> torch.Tensor:
+    """`span_attention` on the Triton kernels; (B, H, T, D) inputs as checked and broadcast by it.
+    `probe` (diagnostics) is called from the backward pass as on any backend (`backward.rule_grads`)."""
     form = masks.key_mask(attn_mask, is_causal)
     reason = _unsupported(query, value, form, dropout_p)
     if reason is None:
         reason = _check(query, value, form, dropout_p)
     if reason is not None:
-        fallback = "tiles" if query.dtype == torch.float64 else "fused"
+        fallback = "tiles" if query.dtype == torch.float64 or probe is not None else "fused"
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"backend='triton' runs on backend='{fallback}' here: {reason}", stacklevel=4)
         run = tile_attention if fallback == "tiles" else fused_attention
-        return run(query, key, value, attn_mask, dropout_p, is_causal, scale, config)
+        return run(query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe)
     h_q, h_kv = query.shape[1], key.shape[1]
     key_valid = key_support(attn_mask, h_kv, h_q // h_kv)
-    return _Attention.apply(query, key, value, form.bias, form.causal, dropout_p, scale, key_valid, config)
+    return _Attention.apply(query, key, value, form.bias, form.causal, dropout_p, scale, key_valid, config, probe)
 
 
 def _unsupported(query: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | None, dropout_p: float) -> str | None:
@@ -113,10 +112,10 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, causal: bool, dropout_p: float, scale: float, key_valid,
-                config: SpanAttentionConfig):
+                config: SpanAttentionConfig, probe: Probe | None):
         seed = flash.new_seed(q.device) if dropout_p > 0 else None
         ctx.call = dict(scale=scale, causal=causal, dropout_p=dropout_p)
-        ctx.config = config
+        ctx.config, ctx.probe = config, probe
         out, lse = flash.forward(q, k, v, key_bias=bias, seed=seed, **ctx.call)
         ctx.save_for_backward(q, k, v, out, lse, bias, seed, key_valid)
         return out
@@ -126,12 +125,13 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, bias, seed, key_valid = ctx.saved_tensors
         config = ctx.config
         products = _Products(q, k, v, out, lse, d_out, dict(ctx.call, key_bias=bias, seed=seed))
-        inputs = backward.prepare(*grouped(q, k), v.unsqueeze(2), key_valid, config.rule,
-                                  functools.partial(_spans, padded=key_valid is not None))
-        dq, dk = backward.rule_grads(config, inputs, products)
+        spans_of = functools.partial(_spans, padded=key_valid is not None)
+        inputs = backward.prepare(*grouped(q, k), v.unsqueeze(2), key_valid, config.rule, spans_of,
+                                  probing=ctx.probe is not None)
+        dq, dk = backward.rule_grads(config, inputs, products, ctx.probe)
         dv = products.dv if products.dv is not None else products.dv_alone()
         dq, dk, dv = backward.scaled((dq.reshape(q.shape), dk.squeeze(2), dv), config.qkv_alphas)
-        return dq.to(q.dtype), dk.to(k.dtype), dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv, None, None, None, None, None, None, None
 
 
 class _Products:
