@@ -43,14 +43,14 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """`span_attention` on the Triton kernels; (B, H, T, D) inputs as checked and broadcast by it.
     `probe` (diagnostics) is called from the backward pass as on any backend (`backward.rule_grads`)."""
     form = masks.key_mask(attn_mask, is_causal)
-    reason = _unsupported(query, value, form, dropout_p)
+    reason = _unsupported(query, key, value, form, dropout_p)
     if reason is None:
         reason = _check(query, value, form, dropout_p)
     if reason is not None:
         fallback = "tiles" if query.dtype == torch.float64 or probe is not None else "fused"
         if reason not in _warned:
             _warned.add(reason)
-            warnings.warn(f"backend='triton' runs on backend='{fallback}' here: {reason}", stacklevel=4)
+            warnings.warn(f"backend='triton' runs on backend='{fallback}' here: {reason}", stacklevel=3)
         run = tile_attention if fallback == "tiles" else fused_attention
         return run(query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe)
     h_q, h_kv = query.shape[1], key.shape[1]
@@ -58,7 +58,8 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return _Attention.apply(query, key, value, form.bias, form.causal, dropout_p, scale, key_valid, config, probe)
 
 
-def _unsupported(query: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | None, dropout_p: float) -> str | None:
+def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | None,
+                 dropout_p: float) -> str | None:
     """Why the kernels cannot run this call, or None."""
     if missing():
         return missing()
@@ -73,6 +74,10 @@ def _unsupported(query: torch.Tensor, value: torch.Tensor, form: masks.KeyMask |
         return f"head dims up to {MAX_HEAD_DIM}, got {query.shape[-1]} (query, key) and {value.shape[-1]} (value)"
     if form is None:
         return "attn_mask is neither causal nor a key-padding mask (one bias per key for every query)"
+    if dropout_p >= 1:
+        return f"dropout_p={dropout_p} drops every weight"
+    if query.shape[-2] * key.shape[-2] >= 2**31:
+        return f"T·S = {query.shape[-2]}·{key.shape[-2]} reaches 2³¹, past the dropout counters"
     return None
 
 
