@@ -166,7 +166,7 @@ class _Products:
     def _blocks(self, needs: rules.Blocks) -> rules.BlockProducts:
         """Block (i, δ) is attention on (Q_i, K_δ, V) with the real ∂L/∂O: G_iδ K_δ and Σ_g G_iδᵀ Q_i
         from one forward and one backward launch over all blocks."""
-        pairs = [(i, delta) for i in range(len(needs.q)) for delta in needs.meets(i)]
+        pairs = needs.pairs()
         b, h_q, t, d = self.q.shape
         dtype = self.q.dtype
         q_blocks = torch.stack([needs.q[i].reshape(b, h_q, t, d) for i, _ in pairs]).to(dtype)
@@ -177,11 +177,7 @@ class _Products:
         g = h_q // self.k.shape[1]
         gk = {pair: x.reshape(b, -1, g, t, d) for pair, x in zip(pairs, got.key_side[0])}  # G_iδ K_δ
         gq = {pair: x.unsqueeze(2) for pair, x in zip(pairs, got.query_side[0])}  # Σ_g G_iδᵀ Q_i
-        sums = {name: rules.lincomb(*((c[delta], gk.get((i, delta))) for delta in range(len(needs.k))))
-                for name, (i, c) in needs.sums.items()}
-        key = [rules.lincomb(*((needs.key_weights[i][delta], gq.get((i, delta))) for i in range(len(needs.q))))
-               for delta in range(len(needs.k))]
-        return rules.BlockProducts(sums, key)
+        return needs.answer(gk, gq)
 
     def dv_alone(self) -> torch.Tensor:
         return flash.backward(self.q, self.k, self.v, self.out, self.lse, self.d_out, **self.call).dv
