@@ -589,3 +589,25 @@ def test_kernels_compile_for_the_gpu(arch, dtype):
     done = subprocess.run([sys.executable, str(script), str(arch), dtype], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("compiled") == 10
+
+
+def test_works_without_triton():
+    """Without Triton the package imports, and backend='triton' runs on fused with a warning."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, warnings
+sys.modules["triton"] = None  # as if it were not installed
+import torch
+from hf_spanattn import SpanAttentionConfig, span_attention
+q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = span_attention(q, k, v, is_causal=True, config=SpanAttentionConfig.from_label("score:1000"), backend="triton")
+out.sum().backward()
+print([str(w.message) for w in caught if "triton" in str(w.message)], torch.isfinite(q.grad).all().item())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "runs on backend='fused' here: Triton is not installed" in done.stdout and "True" in done.stdout
