@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.config import SpanAttentionConfig, as_config
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
@@ -31,11 +31,13 @@ _ORIGINAL = "_hf_spanattn_original"  # model attribute: what patch_model changed
 
 
 def base_model(model: torch.nn.Module) -> PreTrainedModel:
-    """The Transformers model under a PEFT wrapper (or the model itself)."""
+    """The Transformers model under a `torch.compile` or PEFT wrapper (or the model itself)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"patch_model needs a transformers PreTrainedModel (or a PEFT model around one), "
-                        f"got {type(model).__name__}")
+        raise TypeError(f"patch_model needs a transformers PreTrainedModel (or a PEFT model or torch.compile "
+                        f"module around one), got {type(model).__name__}")
     return base
 
 
@@ -50,7 +52,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     """Give `model` span-decomposed attention gradients; the forward pass is unchanged.
 
     Args:
-        model: a Transformers model, or a PEFT model around one (patched through its base model).
+        model: a Transformers model, or a PEFT model or `torch.compile` module around one (patched
+            through the model inside; a compiled module then trains with the span gradients).
         config: a SpanAttentionConfig or a label such as `"score:1000"`; None keeps the settings
             already on the model config, or takes the default.
         layers: decoder layer indices that use span gradients (the others keep stock ones), at
@@ -61,11 +64,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     """
     register()
     base = base_model(model)
-    if isinstance(config, str):
-        config = SpanAttentionConfig.from_label(config)
-    elif config is not None and not isinstance(config, SpanAttentionConfig):
-        raise TypeError(f"patch_model: config={config!r} ({type(config).__name__}): expected a SpanAttentionConfig, "
-                        "a label string such as 'score:1000', or None (keep the model's settings)")
+    config = as_config(config, "patch_model", "keep the model's settings")
     if config is None:
         config = config_of(base.config) or SpanAttentionConfig()
     if layers is not None:
@@ -88,6 +87,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             _set_reorder(base, False)
         setattr(base, _ORIGINAL, original)
     setattr(base.config, CONFIG_KEY, config.to_dict())
+    config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     if neo:
         for module in neo:
             module._attn = types.MethodType(_neo_attn, module)
@@ -142,6 +142,8 @@ def _neo_attn(self, query, key, value, attention_mask=None):
 
 def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
                     model_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
-    """Load a model and patch it: with `config` if given, else with the settings saved in its config."""
+    """Load a model and patch it: with `config` if given, else with the settings saved in its config.
+    Saved settings that are bad fail here, naming the config.json and the field."""
+    config = as_config(config, "load_pretrained", "the settings saved with the model")
     model = model_class.from_pretrained(name_or_path, **kwargs)
     return patch_model(model, config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 from hf_spanattn.config import SpanAttentionConfig
@@ -26,6 +27,10 @@ class Keyframe:
     at: int | str
     span: str | dict[str, str]
     ramp: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ramp, bool):
+            raise ValueError(f"keyframe ramp={self.ramp!r}: expected True or False")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Keyframe:
@@ -44,8 +49,8 @@ class Keyframe:
                 value = float(at[:-1]) / 100 * max_steps
             elif epoch:
                 value = float(at[:-2])
-            elif isinstance(at, int) and not isinstance(at, bool):
-                value = at
+            elif isinstance(at, numbers.Integral) and not isinstance(at, bool):
+                value = int(at)
             else:
                 raise ValueError
         except ValueError:
