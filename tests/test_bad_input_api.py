@@ -308,3 +308,17 @@ def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
     assert resume_with_saved(tmp_path, RUN, {**RUN, "training": {**RUN["training"], "output_dir": "b"}}) \
         == str(tmp_path / "out" / "checkpoint-3")
     assert run_identity.resume_point(str(tmp_path / "new"), RUN, None, overwrite=False) is None
+
+
+def test_span_attention_takes_a_label_or_none_as_patch_model_does():
+    """config="score:1100" gives what the config object gives; None gives the default (score:1000)."""
+    def grads(config):
+        leaves = qkv(t=7)
+        span_attention(*leaves, is_causal=True, config=config).square().sum().backward()
+        return [x.grad for x in leaves]
+
+    for label, same_as in (("score:1100", SpanAttentionConfig.from_label("score:1100")),
+                           (None, SpanAttentionConfig())):
+        for got, want in zip(grads(label), grads(same_as)):
+            assert torch.equal(got, want)
+    assert not torch.allclose(grads("score:1100")[0], grads(None)[0])  # the label is read, not ignored

@@ -72,3 +72,37 @@ def test_fullgraph_generation_with_a_static_cache():
     hf_spanattn.patch_model(model, "score:1000")
     compiled = model.generate(ids, compile_config=CompileConfig(fullgraph=True, backend="aot_eager"), **kwargs)
     assert torch.equal(compiled, expected)
+
+
+def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package(monkeypatch):
+    """patch_model(torch.compile(model)) patches the model inside, also after the compiled module has run,
+    and the compiled module then gives the gradients of the patched model, not the stock ones. Dynamo warns
+    about nothing in the package on the way (the settings are looked up, not parsed, per attention call)."""
+    import warnings
+    from pathlib import Path
+
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    stock = tiny("gpt2")
+    expected = hf_spanattn.patch_model(tiny("gpt2"), "score:1000")
+    model = tiny("gpt2")
+    compiled = torch.compile(model, backend="eager")  # Dynamo's tracing, the graphs run as traced
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            compiled(input_ids=ids)
+        assert hf_spanattn.patch_model(compiled, "score:1000") is compiled
+        assert model.config._attn_implementation == "span_attention"
+        got = gradients(model, ids, compiled)
+    files = {path.name for path in Path(hf_spanattn.__file__).parent.rglob("*.py")}
+    ours = [str(w.message) for w in caught if any(f"{name}:" in str(w.message) for name in files)
+            or Path(hf_spanattn.__file__).parent in Path(w.filename).parents]
+    assert not ours, ours
+    want, plain = gradients(expected, ids), gradients(stock, ids)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-6, name
+    assert max(((got[n] - plain[n]).norm() / plain[n].norm()).item() for n in plain) > 1e-3  # not the stock ones
+    hf_spanattn.unpatch_model(compiled)
+    assert model.config._attn_implementation == "sdpa"
