@@ -8,6 +8,7 @@ from models import VOCAB, tiny
 from transformers import CompileConfig
 
 import hf_spanattn
+from hf_spanattn import SpanAttentionConfig
 
 
 def gradients(model, ids, forward=None) -> dict[str, torch.Tensor]:
@@ -76,17 +77,18 @@ def test_fullgraph_generation_with_a_static_cache():
 
 def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package(monkeypatch):
     """patch_model(torch.compile(model)) patches the model inside, also after the compiled module has run,
-    and the compiled module then gives the gradients of the patched model, not the stock ones. Dynamo warns
-    about nothing in the package on the way (the settings are looked up, not parsed, per attention call)."""
+    and the compiled module then gives the gradients of the patched model, not the stock ones, also when it
+    is patched again. Dynamo warns about nothing in the package on the way (the settings are
+    looked up, not parsed, per attention call)."""
     import warnings
     from pathlib import Path
 
     monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
     torch._dynamo.reset()
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
-    stock = tiny("gpt2")
-    expected = hf_spanattn.patch_model(tiny("gpt2"), "score:1000")
-    model = tiny("gpt2")
+    stock = tiny("gpt2", layers=1)
+    expected = hf_spanattn.patch_model(tiny("gpt2", layers=1), "score:1000")
+    model = tiny("gpt2", layers=1)
     compiled = torch.compile(model, backend="eager")  # Dynamo's tracing, the graphs run as traced
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -104,5 +106,27 @@ def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_packag
     for name, grad in want.items():
         assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-6, name
     assert max(((got[n] - plain[n]).norm() / plain[n].norm()).item() for n in plain) > 1e-3  # not the stock ones
+    hf_spanattn.patch_model(compiled, "score:1100")  # patched again: the compiled module reads the new rule
+    got, want = gradients(model, ids, compiled), gradients(hf_spanattn.patch_model(expected, "score:1100"), ids)
+    for name, grad in want.items():
+        assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-6, name
     hf_spanattn.unpatch_model(compiled)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.slow
+def test_settings_edited_in_place_reach_a_compiled_model(monkeypatch):
+    """The compiled forward looks the settings up by their content, so an edit of the stored dict in place
+    (a nested list included) recompiles rather than keeping the old rule."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = hf_spanattn.patch_model(tiny("gpt2", layers=1), "score:1000")
+    compiled = torch.compile(model, backend="eager")
+    before = gradients(model, ids, compiled)
+    model.config.span_attention["alphas"][1] = 1.0
+    got, want = gradients(model, ids, compiled), gradients(model, ids)
+    assert SpanAttentionConfig.from_dict(model.config.span_attention).label == "score:1100"
+    for name, grad in want.items():
+        assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-6, name
+    assert max(((got[n] - before[n]).norm() / before[n].norm()).item() for n in before) > 1e-3  # the rule changed
