@@ -16,9 +16,9 @@ import yaml
 from models import VOCAB, tiny
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention
+from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
 from hf_spanattn.integration.registry import config_of
-from hf_spanattn.training import Keyframe, SpanAttentionCallback
+from hf_spanattn.training import Keyframe, Schedule, SpanAttentionCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -182,6 +182,15 @@ CASES = [
      "alphas=(1.0, 2.0): expected 4 values"),
     ("span_attention a label with a space", lambda t: span_attention(*qkv(), config="score: 1000"), ValueError,
      "label='score: 1000': expected '<method>:<alphas>"),
+    ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
+     "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
+    ("unpatch_model of a string", lambda t: unpatch_model("model"), TypeError,
+     "unpatch_model needs a transformers PreTrainedModel"),
+    ("load_pretrained model_class a string", lambda t: load_pretrained(str(saved_model(t)), model_class="gpt2"),
+     TypeError, "load_pretrained: model_class='gpt2': expected a Transformers model class with from_pretrained"),
+    ("from_pretrained of None", lambda t: SpanAttentionConfig.from_pretrained(None), TypeError,
+     "SpanAttentionConfig.from_pretrained: name_or_path=None: expected a folder"),
+    ("from_pretrained of ''", lambda t: SpanAttentionConfig.from_pretrained(""), TypeError, "name_or_path=''"),
     # SpanAttentionConfig fields of unusual types
     ("config alphas a bool", lambda t: SpanAttentionConfig(alphas=(True, False, False, False)), ValueError,
      "alphas=(True, False, False, False): expected a sequence of 4 numbers"),
@@ -239,6 +248,10 @@ CASES = [
      "diagnostics_per_head='no': expected True or False"),
     ("callback diagnostics_file a number", lambda t: SpanAttentionCallback(diagnostics_file=7), ValueError,
      "diagnostics_file=7: expected a file name"),
+    ("schedule a label", lambda t: Schedule("score:1000"), ValueError,
+     "schedule: expected a list of keyframes (Keyframe or dicts with 'at', 'span'), got 'score:1000'"),
+    ("keyframe from a list", lambda t: Keyframe.from_dict(["at", "span"]), ValueError,
+     "schedule keyframe ['at', 'span']: expected keys 'at', 'span'"),
     ("callback schedule a label", lambda t: SpanAttentionCallback(schedule="score:1000"), ValueError,
      "schedule='score:1000': expected a Schedule or a list of keyframes"),
     # sweep.py

@@ -266,6 +266,9 @@ class SpanAttentionConfig:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs: Any) -> SpanAttentionConfig:
         """Read the settings from a local folder (or file), or from a Hub repository."""
+        if not isinstance(name_or_path, (str, os.PathLike)) or not os.fspath(name_or_path):
+            raise TypeError(f"SpanAttentionConfig.from_pretrained: name_or_path={name_or_path!r}: expected a folder, "
+                            f"a {CONFIG_NAME} file or a Hub repository id ('owner/name')")
         path = os.fspath(name_or_path)
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, CONFIG_NAME)):

@@ -30,13 +30,13 @@ SUPPORTED = "models whose attention goes through Transformers' AttentionInterfac
 _ORIGINAL = "_hf_spanattn_original"  # model attribute: what patch_model changed, for unpatch_model
 
 
-def base_model(model: torch.nn.Module) -> PreTrainedModel:
+def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTrainedModel:
     """The Transformers model under a `torch.compile` or PEFT wrapper (or the model itself)."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"patch_model needs a transformers PreTrainedModel (or a PEFT model or torch.compile "
+        raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model or torch.compile "
                         f"module around one), got {type(model).__name__}")
     return base
 
@@ -98,7 +98,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Restore exactly the attention implementation the model had before `patch_model`."""
-    base = base_model(model)
+    base = base_model(model, "unpatch_model")
     original = getattr(base, _ORIGINAL, None)
     if original is None and base.config._attn_implementation != ATTN_IMPLEMENTATION:
         return model  # not patched
@@ -145,5 +145,8 @@ def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None 
     """Load a model and patch it: with `config` if given, else with the settings saved in its config.
     Saved settings that are bad fail here, naming the config.json and the field."""
     config = as_config(config, "load_pretrained", "the settings saved with the model")
+    if not callable(getattr(model_class, "from_pretrained", None)):
+        raise TypeError(f"load_pretrained: model_class={model_class!r}: expected a Transformers model class with "
+                        "from_pretrained, such as AutoModelForCausalLM")
     model = model_class.from_pretrained(name_or_path, **kwargs)
     return patch_model(model, config)

@@ -76,6 +76,9 @@ def span_attention(
     or for float64.
     """
     config = _config(config)
+    if probe is not None and not callable(probe):
+        raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, "
+                        f"got {type(probe).__name__}")
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     dropout_p, scale = layout.dropout_p, layout.scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

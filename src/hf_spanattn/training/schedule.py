@@ -34,8 +34,7 @@ class Keyframe:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Keyframe:
-        unknown = set(data) - {"at", "span", "ramp"}
-        if unknown or not {"at", "span"} <= set(data):
+        if not isinstance(data, dict) or set(data) - {"at", "span", "ramp"} or not {"at", "span"} <= set(data):
             raise ValueError(f"schedule keyframe {data!r}: expected keys 'at', 'span' and optionally 'ramp'")
         return cls(**data)
 
@@ -100,6 +99,9 @@ class Schedule:
     keyframes: list[Keyframe]
 
     def __post_init__(self):
+        if not isinstance(self.keyframes, (list, tuple)):
+            raise ValueError(f"schedule: expected a list of keyframes (Keyframe or dicts with 'at', 'span'), got "
+                             f"{self.keyframes!r}")
         self.keyframes = [k if isinstance(k, Keyframe) else Keyframe.from_dict(k) for k in self.keyframes]
         if not self.keyframes:
             raise ValueError("schedule: needs at least one keyframe")
