@@ -170,6 +170,8 @@ CASES = [
     ("from_pretrained span_attention of a hand-edited config.json",
      lambda t: train_step_after_from_pretrained(saved_model(t, qkv_alphas={"q": 1})), ValueError,
      "{tmp}/model/config.json, field 'span_attention': qkv_alphas={'q': 1}: expected a sequence of 3 numbers"),
+    ("load_pretrained of layers outside the model", lambda t: load_pretrained(saved_model(t, layers=[0, 9])),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': layers=[0, 9]: GPT2LMHeadModel has layers 0..1"),
     ("load_pretrained config a dict", lambda t: load_pretrained(str(t), {"method": "score"}), TypeError,
      "load_pretrained: config={'method': 'score'} (dict): expected a SpanAttentionConfig"),
     # span_attention's config, as patch_model takes it

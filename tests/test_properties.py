@@ -192,3 +192,21 @@ def test_a_settings_file_of_any_json_loads_or_names_the_file(content):
                 SpanAttentionConfig.from_pretrained(folder)
         except (ValueError, TypeError) as err:
             assert str(path) in str(err), str(err)
+
+
+LABEL_PARTS = st.sampled_from(["score", "simple", "reductionistic", "standard", "Score", "", " ", ":", ",", "+", "@",
+                               "QKV", "per_block", "exact", "1", "0", "10", "1000", "0.5", "1e-5", "1e999", "-1",
+                               "nan", "inf", "e", "."])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.one_of(st.lists(LABEL_PARTS, max_size=8).map("".join), st.text(max_size=20)))
+def test_any_label_parses_or_names_the_label_or_field(text):
+    """from_label on any string: a config whose label reads back as it, or a ValueError naming the label or
+    the field it sets."""
+    try:
+        config = SpanAttentionConfig.from_label(text)
+    except ValueError as err:
+        assert any(name in str(err) for name in ("label=", "alphas=", "qkv_alphas=", "score_grad=", "method=")), err
+        return
+    assert SpanAttentionConfig.from_label(config.label) == config

@@ -22,6 +22,7 @@ from hf_spanattn.integration.registry import (
     config_of,
     register,
     settings_for,
+    stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
 
@@ -75,7 +76,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                          f"registry, so span gradients cannot be attached. Supported: {SUPPORTED}.")
     n_layers = base.config.get_text_config().num_hidden_layers
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
-        raise ValueError(f"layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
+        where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
+        raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
 
     if not hasattr(base, _ORIGINAL):
         original = {"attn_implementation": base.config._attn_implementation, "reorder_and_upcast_attn": None}
