@@ -171,7 +171,7 @@ def test_a_stored_field_of_any_json_type_loads_or_is_named(label, field, value):
     model_config.span_attention = data
     config = load_or_name_the_field(lambda: config_of(model_config), data, field)
     if config is not None and field not in (VERSION_KEY, "method", "score_grad") and value is not None:
-        assert list(getattr(config, field)) == sorted(set(value)) if field == "layers" else list(value)
+        assert list(getattr(config, field)) == (sorted(set(value)) if field == "layers" else list(value))
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

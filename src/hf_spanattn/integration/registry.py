@@ -42,7 +42,7 @@ def register() -> None:
 
 # The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
 # which compare equal), so that the per-call lookup is one dict read and a changed dict is parsed afresh.
-_PARSED: dict[tuple[str, int | None], SpanAttentionConfig] = {}
+_PARSED: dict[str, SpanAttentionConfig] = {}
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
@@ -51,25 +51,26 @@ def config_of(model_config: Any) -> SpanAttentionConfig | None:
     data = getattr(model_config, CONFIG_KEY, None)
     if data is None or isinstance(data, SpanAttentionConfig):
         return data
-    n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
-    key = (repr(data), n_layers if isinstance(n_layers, int) else None)
+    key = repr(data)
     config = _PARSED.get(key)
     if config is None:
         if len(_PARSED) >= 64:
             _PARSED.clear()
-        config = _PARSED[key] = _parse(data, model_config, key[1])
+        config = _PARSED[key] = _parse(data, model_config)
     return config
 
 
 @torch.compiler.disable  # parsed once, outside any graph (it reads files for its messages)
-def _parse(data: Any, model_config: Any, n_layers: int | None) -> SpanAttentionConfig:
+def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
+    """A stored section parsed; layers outside the model whose config holds it warn (once per section)."""
     source = stored_source(model_config)
+    n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(data, dict):
         raise TypeError(f"{source} = {data!r}: expected a dict of SpanAttentionConfig fields as patch_model writes "
                         f"it, e.g. {SpanAttentionConfig().to_dict()}; to set a label, call "
                         "hf_spanattn.patch_model(model, 'score:1000')")
     config = SpanAttentionConfig.from_dict(data, source=source)
-    outside = [i for i in config.layers or () if n_layers is not None and i >= n_layers]
+    outside = [i for i in config.layers or () if isinstance(n_layers, int) and i >= n_layers]
     if outside:
         warnings.warn(f"{source}: layers={list(config.layers)}: the model has layers 0..{n_layers - 1}, so layers "
                       f"{outside} do not exist and get no span gradients"
