@@ -337,3 +337,16 @@ def test_span_attention_takes_a_label_or_none_as_patch_model_does():
         for got, want in zip(grads(label), grads(same_as)):
             assert torch.equal(got, want)
     assert not torch.allclose(grads("score:1100")[0], grads(None)[0])  # the label is read, not ignored
+
+
+def test_numpy_and_path_arguments_of_the_callback_save_as_json():
+    """A NumPy step, a NumPy diagnostics interval and a Path file name work, and the callback's state (which
+    the Trainer writes into trainer_state.json) stays JSON."""
+    import numpy as np
+
+    callback = SpanAttentionCallback(schedule=(Keyframe(np.int64(5), "score:1000"),), diagnostics_every=np.int64(2),
+                                     diagnostics_file=Path("d.jsonl"))
+    assert callback.schedule.keyframes[0].step(10, None) == 5
+    assert json.loads(json.dumps(callback.state()))["args"] == {
+        "schedule": [{"at": 5, "span": "score:1000", "ramp": False}], "diagnostics_every": 2,
+        "diagnostics_per_head": False, "diagnostics_file": "d.jsonl"}

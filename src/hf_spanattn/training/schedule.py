@@ -31,6 +31,8 @@ class Keyframe:
     def __post_init__(self) -> None:
         if not isinstance(self.ramp, bool):
             raise ValueError(f"keyframe ramp={self.ramp!r}: expected True or False")
+        if isinstance(self.at, numbers.Integral) and not isinstance(self.at, bool):
+            object.__setattr__(self, "at", int(self.at))  # a NumPy integer too; the callback's state is JSON
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Keyframe:
@@ -48,8 +50,8 @@ class Keyframe:
                 value = float(at[:-1]) / 100 * max_steps
             elif epoch:
                 value = float(at[:-2])
-            elif isinstance(at, numbers.Integral) and not isinstance(at, bool):
-                value = int(at)
+            elif isinstance(at, int) and not isinstance(at, bool):
+                value = at
             else:
                 raise ValueError
         except ValueError:
