@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.config import SpanAttentionConfig, as_config
 from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
@@ -26,6 +26,7 @@ from hf_spanattn.integration.registry import (
     keeps_sdpa,
     register,
     settings_for,
+    stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
 
@@ -34,12 +35,14 @@ SUPPORTED = "models whose attention goes through Transformers' AttentionInterfac
 _ORIGINAL = "_hf_spanattn_original"  # model attribute: what patch_model changed, for unpatch_model
 
 
-def base_model(model: torch.nn.Module) -> PreTrainedModel:
-    """The Transformers model under a PEFT wrapper (or the model itself)."""
+def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTrainedModel:
+    """The Transformers model under a `torch.compile` or PEFT wrapper (or the model itself)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"patch_model needs a transformers PreTrainedModel (or a PEFT model around one), "
-                        f"got {type(model).__name__}")
+        raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model or torch.compile "
+                        f"module around one), got {type(model).__name__}")
     return base
 
 
@@ -54,7 +57,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     """Give `model` span-decomposed attention gradients; the forward pass is unchanged.
 
     Args:
-        model: a Transformers model, or a PEFT model around one (patched through its base model).
+        model: a Transformers model, or a PEFT model or `torch.compile` module around one (patched
+            through the model inside; a compiled module then trains with the span gradients).
         config: a SpanAttentionConfig or a label such as `"score:1000"`; None keeps the settings
             already on the model config, or takes the default.
         layers: decoder layer indices that use span gradients (the others keep stock ones), at
@@ -67,11 +71,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     register()
     adapters.install()
     base = base_model(model)
-    if isinstance(config, str):
-        config = SpanAttentionConfig.from_label(config)
-    elif config is not None and not isinstance(config, SpanAttentionConfig):
-        raise TypeError(f"patch_model: config={config!r} ({type(config).__name__}): expected a SpanAttentionConfig, "
-                        "a label string such as 'score:1000', or None (keep the model's settings)")
+    config = as_config(config, "patch_model", "keep the model's settings")
     if config is None:
         config = config_of(base.config) or SpanAttentionConfig()
     if layers is not None:
@@ -82,7 +82,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                          f"registry, so span gradients cannot be attached. Supported: {SUPPORTED}.")
     n_layers = base.config.get_text_config().num_hidden_layers
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
-        raise ValueError(f"layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
+        where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
+        raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
 
     if not hasattr(base, _ORIGINAL):
         original = {"attn_implementation": base.config._attn_implementation, "reorder_and_upcast_attn": None}
@@ -94,6 +95,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             _set_reorder(base, False)
         setattr(base, _ORIGINAL, original)
     setattr(base.config, CONFIG_KEY, config.to_dict())
+    config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
     if neo:
         for module in neo:
@@ -105,7 +107,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Restore exactly the attention implementation the model had before `patch_model`."""
-    base = base_model(model)
+    base = base_model(model, "unpatch_model")
     original = getattr(base, _ORIGINAL, None)
     if original is None and base.config._attn_implementation != ATTN_IMPLEMENTATION:
         return model  # not patched
@@ -159,10 +161,15 @@ def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None 
                     model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
                     **kwargs: Any) -> torch.nn.Module:
     """Load a model and patch it: with `config` if given, else with the settings saved in its config.
+    Saved settings that are bad fail here, naming the config.json and the field.
 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
     (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
     patched with the settings saved beside the adapter (else those of the base model's config)."""
+    config = as_config(config, "load_pretrained", "the settings saved with the model")
+    if not callable(getattr(model_class, "from_pretrained", None)):
+        raise TypeError(f"load_pretrained: model_class={model_class!r}: expected a Transformers model class with "
+                        "from_pretrained, such as AutoModelForCausalLM")
     if adapters.is_adapter_folder(name_or_path):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)

@@ -7,7 +7,8 @@ config is the single source of truth: saving, loading and pushing a model carrie
 
 from __future__ import annotations
 
-import functools
+import json
+import os
 import warnings
 from typing import Any
 
@@ -16,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
+from transformers.utils import CONFIG_NAME, logging
 
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration import packing
@@ -39,37 +40,66 @@ def register() -> None:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-@functools.lru_cache(maxsize=64)
-def _parse(frozen: tuple) -> SpanAttentionConfig:
-    return SpanAttentionConfig.from_dict({k: list(v) if isinstance(v, tuple) else v for k, v in frozen})
+# The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
+# which compare equal), so that the per-call lookup is one dict read and a changed dict is parsed afresh.
+_PARSED: dict[str, SpanAttentionConfig] = {}
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
-    """The settings stored on a PretrainedConfig, or None. Parsed once per distinct dict."""
+    """The settings stored on a PretrainedConfig, or None. Parsed once per distinct dict; a bad one raises
+    an error that names the config.json it was loaded from (where it was) and the field."""
     data = getattr(model_config, CONFIG_KEY, None)
-    if data is None:
-        return None
-    if isinstance(data, SpanAttentionConfig):
+    if data is None or isinstance(data, SpanAttentionConfig):
         return data
-    _check_stored(data)
-    return _parse(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in data.items())))
+    key = repr(data)
+    config = _PARSED.get(key)
+    if config is None:
+        if len(_PARSED) >= 64:
+            _PARSED.clear()
+        config = _PARSED[key] = _parse(data, model_config)
+    return config
 
 
-def _check_stored(data: Any) -> None:
-    """The model config's `span_attention` entry must be the dict that `patch_model` writes."""
+@torch.compiler.disable  # parsed once, outside any graph (it reads files for its messages)
+def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
+    """A stored section parsed; layers outside the model whose config holds it warn (once per section)."""
+    source = stored_source(model_config)
+    n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(data, dict):
-        raise TypeError(f"model config field {CONFIG_KEY!r} = {data!r}: expected a dict of SpanAttentionConfig "
-                        f"fields as patch_model writes it, e.g. {SpanAttentionConfig().to_dict()}; to set a "
-                        "label, call hf_spanattn.patch_model(model, 'score:1000')")
-
-
-@functools.lru_cache(maxsize=64)
-def _warn_layers_outside(layers: tuple[int, ...], n_layers: int) -> None:
-    outside = [i for i in layers if i >= n_layers]
+        raise TypeError(f"{source} = {data!r}: expected a dict of SpanAttentionConfig fields as patch_model writes "
+                        f"it, e.g. {SpanAttentionConfig().to_dict()}; to set a label, call "
+                        "hf_spanattn.patch_model(model, 'score:1000')")
+    config = SpanAttentionConfig.from_dict(data, source=source)
+    outside = [i for i in config.layers or () if isinstance(n_layers, int) and i >= n_layers]
     if outside:
-        warnings.warn(f"{CONFIG_KEY}.layers={list(layers)}: the model has layers 0..{n_layers - 1}, so layers "
+        warnings.warn(f"{source}: layers={list(config.layers)}: the model has layers 0..{n_layers - 1}, so layers "
                       f"{outside} do not exist and get no span gradients"
-                      + ("; no layer does" if len(outside) == len(layers) else ""), stacklevel=3)
+                      + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=4)
+    return config
+
+
+def stored_source(model_config: Any) -> str:
+    """Where the stored settings came from, for messages: the config.json the model was loaded from, when
+    that file holds these settings (a local folder, or the Hub's local cache), else the model config."""
+    field = f"model config field {CONFIG_KEY!r}"
+    name = str(getattr(model_config, "_name_or_path", "") or "")
+    path = os.path.join(name, CONFIG_NAME) if os.path.isdir(name) else None
+    if path is None and name and not os.path.exists(name):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, CONFIG_NAME)
+            path = cached if isinstance(cached, str) else None
+        except Exception:  # not a repository id
+            path = None
+    try:
+        with open(path) as f:
+            saved = json.load(f).get(CONFIG_KEY)
+        same = json.dumps(saved, sort_keys=True) == json.dumps(getattr(model_config, CONFIG_KEY, None),
+                                                               sort_keys=True, default=repr)
+    except Exception:  # no file, or not the file these settings came from
+        same = False
+    return f"{path}, field {CONFIG_KEY!r}" if same else field
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
@@ -105,12 +135,8 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
             f"using the default {SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model."
         )
         config = SpanAttentionConfig()
-    if config.layers is not None:
-        n_layers = getattr(module.config.get_text_config(), "num_hidden_layers", None)
-        if isinstance(n_layers, int):
-            _warn_layers_outside(config.layers, n_layers)
-        if layer_index(module) not in config.layers:
-            return None
+    if config.layers is not None and layer_index(module) not in config.layers:
+        return None
     return config
 
 

@@ -40,12 +40,15 @@ def span_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    config: SpanAttentionConfig,
+    config: SpanAttentionConfig | str | None = None,
     probe: Probe | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` whose backward pass applies
-    `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's.
+    `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's. `config` is a
+    SpanAttentionConfig or a label such as `"score:1000"`, as `patch_model` takes it; None takes the
+    default (`score:1000`). `dropout_p` and `scale` take what SDPA takes: Python and NumPy numbers,
+    and 0-d tensors that need no gradient.
 
     query (B, H_q, T, D); key, value (B, H_kv, S, D) with H_q a multiple of H_kv (grouped-query
     attention always works; `enable_gqa` is accepted for SDPA compatibility). As in SDPA, inputs
@@ -79,7 +82,12 @@ def span_attention(
     with a warning naming the reason), `"auto"` (default): the environment variable HF_SPANATTN_BACKEND
     if set, else fused on accelerators and tiles on the CPU or for float64.
     """
-    layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    config = _config(config)
+    if probe is not None and not callable(probe):
+        raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, "
+                        f"got {type(probe).__name__}")
+    layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    dropout_p, scale = layout.dropout_p, layout.scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     query, key, value, attn_mask = broadcast_inputs(layout, query, key, value, attn_mask)
     b, h_q, t, d = query.shape
@@ -103,6 +111,14 @@ def span_attention(
         out = BACKENDS[_backend(backend, query, probe)](query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                          config, probe)
     return out.reshape(layout.out_shape)
+
+
+def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
+    from hf_spanattn.config import SpanAttentionConfig, as_config  # the config imports ops.rules
+
+    if isinstance(config, SpanAttentionConfig):
+        return config
+    return as_config(config, "span_attention", "the default, score:1000") or SpanAttentionConfig()
 
 
 def _backend(name: str, query: torch.Tensor, probe: Probe | None) -> str:

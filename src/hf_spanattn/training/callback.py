@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 import sys
 import warnings
@@ -70,16 +71,22 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     def __init__(self, schedule: Schedule | list | None = None, diagnostics_every: int = 0,
                  diagnostics_per_head: bool = False, diagnostics_file: str | None = None) -> None:
-        if isinstance(schedule, list):
-            schedule = Schedule(schedule)
+        if isinstance(schedule, (list, tuple)):
+            schedule = Schedule(list(schedule))
         if schedule is not None and not isinstance(schedule, Schedule):
             raise ValueError(f"schedule={schedule!r}: expected a Schedule or a list of keyframes")
-        if not isinstance(diagnostics_every, int) or diagnostics_every < 0:
+        if not isinstance(diagnostics_every, numbers.Integral) or isinstance(diagnostics_every, bool) \
+                or diagnostics_every < 0:
             raise ValueError(f"diagnostics_every={diagnostics_every!r}: expected an integer >= 0 (0 = off)")
+        if not isinstance(diagnostics_per_head, bool):
+            raise ValueError(f"diagnostics_per_head={diagnostics_per_head!r}: expected True or False")
+        if diagnostics_file is not None and not isinstance(diagnostics_file, (str, os.PathLike)):
+            raise ValueError(f"diagnostics_file={diagnostics_file!r}: expected a file name (a path relative to the "
+                             "Trainer's output_dir) or None")
         self.schedule = schedule
-        self.diagnostics_every = diagnostics_every
+        self.diagnostics_every = int(diagnostics_every)
         self.diagnostics_per_head = diagnostics_per_head
-        self.diagnostics_file = diagnostics_file
+        self.diagnostics_file = None if diagnostics_file is None else os.fspath(diagnostics_file)  # JSON in the state
         self._frames: list | None = None
         self._layers: dict[int, list] = {}
         self._per_layer = False
