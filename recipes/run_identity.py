@@ -52,8 +52,8 @@ def write_json(path: Path, data: Any) -> None:
 
 def data_files(data: dict, recorded_before_pretrained: bool) -> dict[str, str]:
     """{train_file, validation_file: absolute path} of a recorded data group ({} for a Hub dataset), as
-    run_clm.py's DataArguments.files reads them. Records made before --model_name_or_path existed always
-    name files, which were used only with a data_dir."""
+    run_clm.py's DataArguments.files reads them. Records made before paths were accepted (they have no
+    validation_split_percentage) always name files, which were used only with a data_dir."""
     folder = data.get("data_dir")
     if recorded_before_pretrained and not folder:
         return {}
@@ -63,6 +63,14 @@ def data_files(data: dict, recorded_before_pretrained: bool) -> dict[str, str]:
         if name:
             out[f"{split}_file"] = os.path.abspath(os.path.join(folder or "", os.path.expanduser(name)))
     return out
+
+
+def data_source(data: dict) -> str:
+    """Where a recorded data group's text came from, in words."""
+    files = data_files(data, "validation_split_percentage" not in data)
+    if files:
+        return ", ".join(p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in files.values())
+    return " ".join(str(x) for x in (data.get("dataset_name"), data.get("dataset_config_name"), "from the Hub") if x)
 
 
 def identity(config: dict) -> dict:
@@ -75,11 +83,11 @@ def identity(config: dict) -> dict:
     for key in NOT_IDENTITY:
         groups["training"].pop(key, None)
     data, span = groups["data"], groups["span"]
-    before = "model_name_or_path" not in (config.get("model") or {})
-    if before:  # such runs always trained and evaluated
+    recorded = config.get("data") or {}
+    before = "validation_split_percentage" not in recorded
+    if before:  # recorded before --do_train/--do_eval were read: such runs always trained and evaluated
         groups["training"].update(do_train=True, do_eval=True)
         data.setdefault("validation_split_percentage", 5)
-    recorded = config.get("data") or {}
     if "train_file" in recorded or "validation_file" in recorded:
         files = data_files(recorded, before)
         for key in ("data_dir", "train_file", "validation_file", *(("dataset_name", "dataset_config_name")
