@@ -412,7 +412,7 @@ def argument_error(argv: list[str]) -> str | None:
         with contextlib.redirect_stderr(console):
             parse_args(argv)
     except SystemExit:  # argparse: an unknown flag or a value of the wrong type, said on stderr
-        return console.getvalue().strip().splitlines()[-1]
+        return console.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
     except (ValueError, TypeError) as err:
         return str(err)
     return None
