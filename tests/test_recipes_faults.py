@@ -297,7 +297,7 @@ def test_a_bad_run_clm_config_file_is_named(text, message, tmp_path, monkeypatch
 @pytest.mark.parametrize("change,message", [
     ({"seeds": [0], "shape": [{"n_head": 2}]}, "unknown key 'shape'"),
     ({"output_dir": ["a"]}, "output_dir=['a']: expected a folder path"),
-    ({"args": {**TINY, "learning_rate": "fast"}}, "argument --learning_rate/--learning-rate: invalid float value: 'fast'"),
+    ({"args": {**TINY, "learning_rate": "fast"}}, "--learning_rate/--learning-rate: invalid float value: 'fast'"),
     ({"args": {**TINY, "save_strategy": False}}, "invalid choice: 'False'"),
     ({"args": {**TINY, "save_strategy": False}}, "quote it, as 'no'"),
     ({"args": {**TINY, "no_such_argument": 1}}, "not used by the HfArgumentParser: ['--no_such_argument=1']"),
