@@ -34,7 +34,7 @@ def fake(tmp_path, monkeypatch):
     script = tmp_path / "fake_run_clm.py"
     script.write_text(FAKE_RUN)
     monkeypatch.setattr(pack, "RUN_CLM", script)
-    monkeypatch.setattr(sweep, "check_args", lambda *a: None)  # the stand-in takes no run_clm.py arguments
+    monkeypatch.setattr(sweep, "check_args", lambda *a: None, raising=False)  # the stand-in takes no arguments
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     calls = tmp_path / "calls.jsonl"
     return lambda: [(c["span"], c["seed"]) for c in map(json.loads, calls.read_text().splitlines())] \
@@ -52,7 +52,7 @@ def one_record(tmp_path: Path, fake) -> dict:
 
 @pytest.mark.parametrize("field,value,message", [
     ("shape", "../../escape", "shape='../../escape': expected a folder name"),
-    ("shape", "/abs", "shape='/abs': expected a folder name"),
+    ("shape", "{tmp}/abs", "shape='{tmp}/abs': expected a folder name"),  # absolute, in the test's folder
     ("shape", "..", "shape='..': expected a folder name"),
     ("span", "score:1000/../../../escape", "span='score:1000/../../../escape': not a span label"),
     ("seed", "0/../../escape", "seed='0/../../escape': expected an integer >= 0"),
@@ -60,6 +60,7 @@ def one_record(tmp_path: Path, fake) -> dict:
     ("name", "../x", "name='../x': expected a folder name"),
 ])
 def test_merge_never_writes_outside_out(field, value, message, tmp_path, fake):
+    value, message = (x.replace("{tmp}", str(tmp_path)) if isinstance(x, str) else x for x in (value, message))
     record = {**one_record(tmp_path, fake), field: value}
     hostile = tmp_path / "in" / "hostile.json"
     hostile.parent.mkdir()
