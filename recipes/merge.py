@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/paper"), help="default: results/paper")
     parser.add_argument("--replace", action="store_true", help="overwrite a different result of the same run")
     args = parser.parse_args(argv)
+    blocking = next((p for p in (args.out / "runs", *(args.out / "runs").parents) if p.exists() and not p.is_dir()),
+                    None)
+    if blocking is not None:
+        parser.error(f"--out {args.out}: {blocking} is a file, not a folder")
     runs_dir = args.out / "runs"
     try:
         written, kept = merge(args.inputs, runs_dir, args.replace)

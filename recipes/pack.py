@@ -276,8 +276,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: allowed values are >= 1")
     for item in args.set:
-        if "=" not in item or item.startswith(("=", "output_dir=")):
-            parser.error(f"--set {item!r}: expected KEY=VALUE with a run_clm.py argument other than output_dir")
+        if "=" not in item or item.startswith(("=", "output_dir=", "span=", "seed=")):
+            parser.error(f"--set {item!r}: expected KEY=VALUE with a run_clm.py argument other than output_dir, span "
+                         "and seed (the sweep file's spans and seeds give those)")
+    for flag in ("budget", "estimate", "max_runs"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:  # NaN too
+            parser.error(f"--{flag} {value}: allowed values are numbers >= 0")
     if args.results is not None and args.results.exists() and not args.results.is_dir():
         parser.error(f"--results {args.results}: exists and is not a folder")
     return args

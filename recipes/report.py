@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = args.out or args.runs_dir.parent
     if not args.runs_dir.is_dir():
-        raise SystemExit(f"report: {args.runs_dir}: no such folder")
+        what = "not a folder" if args.runs_dir.exists() else "no such folder"
+        raise SystemExit(f"report: {args.runs_dir}: {what}")
     if out.exists() and not out.is_dir():
         raise SystemExit(f"report: --out {out}: exists and is not a folder")
     try:

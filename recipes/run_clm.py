@@ -49,6 +49,7 @@ while it runs, `<output_dir>.lock` keeps a second run out of the same folder.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import logging
@@ -57,6 +58,8 @@ import os
 import platform
 import sys
 import time
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -307,7 +310,7 @@ class StoppingArguments:
     def __post_init__(self):
         if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
             raise ValueError(f"--early_stopping_patience {self.early_stopping_patience}: allowed values are >= 1")
-        if self.early_stopping_threshold < 0:
+        if not self.early_stopping_threshold >= 0:  # NaN too
             raise ValueError(f"--early_stopping_threshold {self.early_stopping_threshold}: allowed values are >= 0")
 
     def callbacks(self, training: TrainingArguments) -> list[EarlyStoppingCallback]:
@@ -399,10 +402,49 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
         raise ValueError(f"{path}: not valid YAML/JSON ({err})") from None
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise ValueError(f"{path}: expected a mapping of run_clm.py arguments (name: value)")
+    values = {k: typed(k, v, path) for k, v in values.items()}
     try:
         return parser.parse_dict({**defaults_for(values), **values})
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+
+
+def typed(key: str, value: Any, path: Path) -> Any:
+    """A value from a config file in the type its argument takes, as the command line would give it: YAML
+    reads 1e-3 as text and a bare no as false, and parse_dict converts nothing."""
+    hints = {k: v for c in parser_classes() for k, v in typing.get_type_hints(c).items()}
+    if key not in hints or value is None:
+        return value  # an unknown key: parse_dict names it
+    kind = hints[key]
+    options = set(typing.get_args(kind)) - {type(None)} if typing.get_origin(kind) in (typing.Union, types.UnionType) \
+        else {kind}
+    literal = next((typing.get_args(o) for o in options if typing.get_origin(o) is Literal), None)
+    where = f"{path}: {key}={value!r}"
+    bare = " (YAML reads a bare yes/no/on/off as true/false: quote it, as 'no')" if isinstance(value, bool) else ""
+    try:
+        if options == {bool}:
+            return value if isinstance(value, bool) else string_to_bool(str(value))
+        if options in ({int}, {float}):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError
+            number = float(value)
+            if options == {int} and not number.is_integer():
+                raise ValueError
+            return int(number) if options == {int} else number
+    except (ValueError, TypeError, OverflowError, argparse.ArgumentTypeError):
+        wanted = "an integer" if options == {int} else "a number" if options == {float} else "true or false"
+        raise ValueError(f"{where}: expected {wanted}") from None
+    if literal is not None:
+        if str(value) not in literal:
+            raise ValueError(f"{where}: allowed values are {', '.join(literal)}{bare}")
+        return str(value)
+    if str in options and bool not in options and bare:
+        raise ValueError(f"{where}: expected text{bare}")
+    if options == {str} and isinstance(value, list) and all(isinstance(v, (int, str)) for v in value):
+        return ",".join(str(v) for v in value)  # a YAML list for a comma-separated argument (--span_layers)
+    if options == {str} and isinstance(value, (int, float)):
+        return str(value)
+    return value
 
 
 def argument_error(argv: list[str]) -> str | None:

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep each finished run's weights and checkpoints (default: only metrics and logs)")
     parser.add_argument("--dry_run", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
+    if not shlex.split(args.launcher):
+        parser.error("--launcher is empty: give the command that runs run_clm.py, e.g. python")
     if not Path(args.config).is_file():
         raise ValueError(f"{args.config}: no such file")
     try:

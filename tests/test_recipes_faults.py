@@ -339,3 +339,53 @@ def test_sweep_stops_at_a_folder_another_run_holds(tmp_path, capsys):
     with run_identity.RunLock(folder):
         assert sweep.main([str(tmp_path / "s.yaml"), "--launcher", "false"]) == 1
     assert f"{folder}: another run is writing into it (process {os.getpid()}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,message", [
+    ("block_size: 2.5\n", "{file}: block_size=2.5: expected an integer"),
+    ("learning_rate: fast\n", "{file}: learning_rate='fast': expected a number"),
+    ("save_strategy: no\n", "{file}: save_strategy=False: expected text (YAML reads a bare yes/no/on/off"),
+    ("token_subset: all\n", "{file}: token_subset='all': allowed values are first, spread"),
+    ("do_train: maybe\n", "{file}: do_train='maybe': expected true or false"),
+])
+def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    file = tmp_path / "run.yaml"
+    file.write_text(text + f"output_dir: {tmp_path / 'out'}\n")
+    with pytest.raises(ValueError) as err:
+        run_clm.main([str(file)])
+    assert message.replace("{file}", str(file)) in str(err.value)
+
+
+def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
+    """YAML 1.1 reads 1e-3 as text; a list serves a comma-separated argument; "64" is a number."""
+    file = tmp_path / "run.yaml"
+    file.write_text(f"learning_rate: 1e-3\nspan_layers: [0, 2]\nblock_size: '64'\nspan: score:1000\n"
+                    f"tokenizer_name: {DATA / 'gpt2-tokenizer'}\noutput_dir: {tmp_path / 'out'}\n")
+    model, data, span, training, *_ = run_clm.parse_args([str(file)])
+    assert training.learning_rate == 0.001 and data.block_size == 64
+    assert span.config().layers == (0, 2)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda t: merge.main([str(t / "r.jsonl"), "--out", str(t / "file")]), "--out {tmp}/file: {tmp}/file is a file"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--set", "seed=3"]),
+     "--set 'seed=3': expected KEY=VALUE with a run_clm.py argument other than output_dir, span and seed"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--budget", "nan"]),
+     "--budget nan: allowed values are numbers >= 0"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--max_runs", "-1"]),
+     "--max_runs -1: allowed values are numbers >= 0"),
+    (lambda t: sweep.main([str(t / "s.yaml"), "--launcher", " "]), "--launcher is empty"),
+    (lambda t: report.main([str(t / "file")]), "report: {tmp}/file: not a folder"),
+    (lambda t: run_clm.main(["--early_stopping_threshold", "nan", "--output_dir", str(t / "o")]),
+     "--early_stopping_threshold nan: allowed values are >= 0"),
+])
+def test_unusual_command_line_values_are_named(call, message, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "r.jsonl").write_text("")
+    write_sweep(tmp_path / "s.yaml", ["score:1000"], [0])
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises((SystemExit, ValueError)) as err:
+        call(tmp_path)
+    assert message.replace("{tmp}", str(tmp_path)) in str(err.value) + capsys.readouterr().err
+    assert sorted(tmp_path.rglob("*")) == before
