@@ -475,6 +475,10 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
         raise ValueError("--fsdp: Accelerate shards only on GPUs and other accelerators; on CPUs this would train "
                          "unsharded, as DDP. Drop --fsdp (torchrun --nproc_per_node N gives DDP on CPUs), or run on "
                          "GPUs")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training.world_size == 1:
+        raise ValueError(f"a launcher started {launched} processes, but the Trainer would run each alone (on a "
+                         "machine without GPUs, torchrun needs --use_cpu true)")
     stop.callbacks(training)
     if data.tokenizer_name is None:
         data.tokenizer_name = model.model_name_or_path or DEFAULT_TOKENIZER
