@@ -245,8 +245,15 @@ def collect(job: Started, args: argparse.Namespace, tally: Tally) -> None:
             print(f"FAILED {job.run.name} (exit code {job.process.returncode}, {wall:.0f} s); end of its log:\n  "
                   + "\n  ".join(tail), flush=True)
             return
-        metrics = json.loads((job.tmp / "metrics.json").read_text())
-        record = result_record(job.run, metrics, wall, args.parallel)
+        try:
+            record = result_record(job.run, json.loads((job.tmp / "metrics.json").read_text()), wall, args.parallel)
+            problems = record_problems(record)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+            problems = [f"{type(err).__name__}: {err}"]
+        if problems:
+            tally.failed.append(job.run.name)
+            print(f"FAILED {job.run.name}: it ended without a whole result ({'; '.join(problems)})", flush=True)
+            return
         write_record(record, args.results, args.jsonl)
         tally.finished.append(wall)
         stop = record["early_stopping"] or {}

@@ -275,6 +275,8 @@ class SpanArguments:
             return None
         schedule = None
         if self.span_schedule is not None:
+            if self.span_schedule.endswith((".yaml", ".yml", ".json")) and not os.path.isfile(self.span_schedule):
+                raise ValueError(f"--span_schedule {self.span_schedule}: no such file")
             text = Path(self.span_schedule).read_text() if os.path.isfile(self.span_schedule) else self.span_schedule
             try:
                 keyframes = yaml.safe_load(text)

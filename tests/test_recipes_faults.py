@@ -108,6 +108,17 @@ def test_pack_redoes_a_run_whose_result_file_is_partial_or_hostile(text, tmp_pat
     assert f"{results / 'H2xL1__score-1000__seed0.json'}: not a finished run's result (" in said
 
 
+def test_pack_counts_a_run_that_ends_without_a_whole_result_as_failed(tmp_path, fake, monkeypatch, capsys):
+    script = tmp_path / "no_metrics.py"
+    script.write_text("print('done, but no metrics.json')\n")
+    monkeypatch.setattr(pack, "RUN_CLM", script)
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    assert pack.main([str(config), "--results", str(tmp_path / "results")]) == 1
+    assert "FAILED H2xL1__score-1000__seed0: it ended without a whole result (FileNotFoundError" in \
+        capsys.readouterr().out
+    assert not list((tmp_path / "results").iterdir())
+
+
 def test_pack_appends_after_a_cut_line_on_a_line_of_its_own(tmp_path, fake, capsys):
     config = write_sweep(tmp_path / "sweep.yaml", ["score:1000", "score:1100"], [0])
     jsonl = tmp_path / "r.jsonl"
@@ -379,6 +390,8 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     (lambda t: report.main([str(t / "file")]), "report: {tmp}/file: not a folder"),
     (lambda t: run_clm.main(["--early_stopping_threshold", "nan", "--output_dir", str(t / "o")]),
      "--early_stopping_threshold nan: allowed values are >= 0"),
+    (lambda t: run_clm.main(["--span_schedule", str(t / "typo.yaml"), "--output_dir", str(t / "o")]),
+     "--span_schedule {tmp}/typo.yaml: no such file"),
 ])
 def test_unusual_command_line_values_are_named(call, message, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
