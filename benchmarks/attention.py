@@ -28,6 +28,7 @@ from benchmarks.common import (
     time_interleaved,
 )
 from hf_spanattn import SpanAttentionConfig, span_attention
+from hf_spanattn.ops.attention import BACKENDS
 
 HEADS, HEAD_DIM = 4, 64
 METHODS = ["standard:QKV101", "score:1000", "score:1100", "score:1111", "reductionistic:1100", "simple:10",
@@ -80,7 +81,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="B·T (default 2048 on the CPU, 16384 on CUDA)")
     parser.add_argument("--seq", type=int, nargs="+")
     parser.add_argument("--methods", nargs="+", default=METHODS)
-    parser.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "tiles", "fused"])
+    parser.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", *BACKENDS])
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--peak", nargs=3, metavar=("METHOD", "BACKEND", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -7,6 +7,7 @@ registry, gets a small adapter on its attention modules.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from typing import Any
@@ -15,11 +16,14 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
     PROBE_ATTR,
     config_of,
+    documents_of,
+    keeps_sdpa,
     register,
     settings_for,
 )
@@ -57,9 +61,11 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             least one and each inside the model; overrides `config.layers`.
 
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
-    `push_to_hub` carry them. Patching again replaces them. Returns `model`.
+    `push_to_hub` carry them, and the model's tags name them for the Hub page (`card.py`).
+    Patching again replaces them. Returns `model`.
     """
     register()
+    adapters.install()
     base = base_model(model)
     if isinstance(config, str):
         config = SpanAttentionConfig.from_label(config)
@@ -88,6 +94,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             _set_reorder(base, False)
         setattr(base, _ORIGINAL, original)
     setattr(base.config, CONFIG_KEY, config.to_dict())
+    card.set_tags(base, config)
     if neo:
         for module in neo:
             module._attn = types.MethodType(_neo_attn, module)
@@ -104,6 +111,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model  # not patched
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
+    card.set_tags(base, None)
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"
@@ -130,18 +138,32 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if config is None:
         return type(self)._attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
+    if keeps_sdpa(config, q_len, k_len):
+        return type(self)._attn(self, query, key, value, attention_mask)
     window = self.bias[:, :, k_len - q_len : k_len, :k_len]
     mask = torch.zeros(window.shape, dtype=torch.float32, device=query.device).masked_fill_(~window, float("-inf"))
     if attention_mask is not None:
         mask = mask + attention_mask.to(torch.float32)
-    out = span_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=1.0,
-                         dropout_p=self.attn_dropout.p if self.training else 0.0, config=config,
-                         probe=getattr(self, PROBE_ATTR, None))
+    run = functools.partial(span_attention, scale=1.0, dropout_p=self.attn_dropout.p if self.training else 0.0,
+                            config=config, probe=getattr(self, PROBE_ATTR, None))
+    packed = attention_mask is not None and q_len == k_len  # packing comes with a mask
+    docs = documents_of(query, mask, True, {}) if packed else None
+    if docs is not None:
+        out = run(*(packing.unpack(x.float(), docs) for x in (query, key, value)), attn_mask=docs.mask)
+        return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
+    out = run(query.float(), key.float(), value.float(), attn_mask=mask)
     return out.to(value.dtype), None
 
 
 def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
-                    model_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
-    """Load a model and patch it: with `config` if given, else with the settings saved in its config."""
+                    model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
+                    **kwargs: Any) -> torch.nn.Module:
+    """Load a model and patch it: with `config` if given, else with the settings saved in its config.
+
+    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
+    (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
+    patched with the settings saved beside the adapter (else those of the base model's config)."""
+    if adapters.is_adapter_folder(name_or_path):
+        return adapters.load_adapter(name_or_path, config, model_class, is_trainable, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)
     return patch_model(model, config)

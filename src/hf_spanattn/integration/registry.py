@@ -19,6 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.integration import packing
 from hf_spanattn.ops.attention import span_attention
 
 ATTN_IMPLEMENTATION = "span_attention"
@@ -138,11 +139,59 @@ def span_attention_forward(
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "
                                       f"(attention of {type(module).__name__})")
-    q_length = query.shape[2]
+    q_length, k_length = query.shape[2], key.shape[2]
+    if keeps_sdpa(config, q_length, k_length):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    docs = documents_of(query, attention_mask, is_causal, kwargs) if q_length == k_length else None
+    probe = getattr(module, PROBE_ATTR, None)
+    if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
+        out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
+                             dropout_p=dropout, scale=scaling, config=config, probe=probe)
+        return packing.repack(out, docs, query.shape[0], q_length), None
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
     if attention_mask is not None and attention_mask.dim() == 4:
-        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+        attention_mask = attention_mask[:, :, :, :k_length]
     out = span_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-                         scale=scaling, config=config, probe=getattr(module, PROBE_ATTR, None))
+                         scale=scaling, config=config, probe=probe)
     return out.transpose(1, 2).contiguous(), None
+
+
+def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int) -> bool:
+    """Whether a call with these lengths gets SDPA's result and standard gradient: span rules need
+    self-attention (said once)."""
+    if q_length == k_length or config.method == "standard":
+        return False
+    logger.warning_once(
+        f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
+        "where they differ (a forward with past_key_values under autograd, or cross-attention) get SDPA's "
+        "result with the standard gradient.")
+    return True
+
+
+def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool,
+                 kwargs: dict[str, Any]) -> packing.Documents | None:
+    """The documents of a packed batch of self-attention (see `packing`), or None where each row is
+    one sequence."""
+    b, t = query.shape[0], query.shape[2]
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
+        if b == 1 and attention_mask is not None:
+            return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
+        logger.warning_once(
+            "span_attention: cu_seq_lens_q marks several documents, but "
+            + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
+               "no attention mask separates them (SDPA attends across them; pass position_ids restarting per "
+               "document, as DataCollatorWithFlattening does)")
+            + ": spans follow the attention mask.")
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (t, t):
+        return None
+    docs = packing.from_mask(attention_mask, b)
+    if isinstance(docs, str):
+        logger.warning_once(
+            "span_attention: the attention mask cuts a row of the batch into several blocks but is not the "
+            "block-diagonal (causal or bidirectional) mask of padding-free packing, so the documents cannot be "
+            "read from it: spans are taken over all the keys a row attends to. The forward pass is SDPA's.")
+        return None
+    return docs

@@ -3,7 +3,8 @@
 The inputs are checked and broadcast once (`inputs.py`), then a backend runs the T×T work:
 `tile_engine.py` (explicit T×T tiles, any dtype; the CPU's) or `fused.py` (SDPA's fused kernels,
 nothing T×T kept and no host synchronisation; an accelerator's). A backend is a function of
-(query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe) in `BACKENDS`.
+(query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe) in `BACKENDS`; what it
+supplies to the rules, and the backward glue they share, are in `backward.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from hf_spanattn.ops.backward import Probe
 from hf_spanattn.ops.fused import fused_attention
 from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs
-from hf_spanattn.ops.tile_engine import Probe, tile_attention
+from hf_spanattn.ops.tile_engine import tile_attention
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig

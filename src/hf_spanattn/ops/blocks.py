@@ -1,21 +1,21 @@
 """The T×T work of the per-block score rule.
 
-Block (i, δ) pairs query block Q_i with key block K_δ. `BlockProducts` forms its scores
+Block (i, δ) pairs query block Q_i with key block K_δ. `TileBlocks` forms its scores
 S = scale·Q_i K_δᵀ, G = ∂L/∂S of softmax(mask(S))·V, and from all G the only products the
-rule needs: weighted sums Σ_δ c_δ G_(i,δ) K_δ, and per δ Σ_i w_(i,δ) G_(i,δ)ᵀ Q_i. Nothing
-T×T is allocated per block: the buffers live in a `Workspace`.
+rule asks for (`rules.Blocks`): weighted sums Σ_δ c_δ G_(i,δ) K_δ, and per δ
+Σ_i w_(i,δ) G_(i,δ)ᵀ Q_i. Nothing T×T is allocated per block: the buffers live in a `Workspace`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
+from hf_spanattn.ops import rules
 from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range
 
 MaskTile = Callable[[int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
-Weights = Sequence[Sequence[float]]  # [i][δ]
 _STACK_ELEMENTS = 1 << 20  # per stacked T×T buffer: about the cache of a CPU core, and small on a GPU
 
 
@@ -35,7 +35,7 @@ class Workspace:
         return flat[:size].view(shape)
 
 
-class BlockProducts:
+class TileBlocks:
     """The per-block rule's T×T work, tile by tile of query rows (see `tiles.py`).
 
     `d_probs` is scale·∂L/∂P (b, h, g, T, T) as row tiles; `mask_tile(i)` gives tile i's
@@ -50,19 +50,16 @@ class BlockProducts:
         self.tiles = d_probs.tiles
         self.rows_covered = sum(end - start for start, end, _ in self.tiles) == d_probs.t  # else some attend nothing
 
-    def __call__(self, q_blocks: Sequence[torch.Tensor], k_blocks: Sequence[torch.Tensor],
-                 sums: Sequence[tuple[int, Sequence[float]]],
-                 k_weights: Weights) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """([Σ_δ c_δ G_(i,δ) K_δ for (i, c) in sums], [Σ_i k_weights[i][δ] G_(i,δ)ᵀ Q_i summed over
-        query heads, per δ; None where no weight is non-zero]) for Q_i (b, h, g, T, d) and
-        K_δ (b, h, 1, T, d). Only blocks with a non-zero weight are formed."""
+    def __call__(self, needs: rules.Blocks) -> rules.BlockProducts:
+        """What `needs` asks for, for Q_i (b, h, g, T, d) and K_δ (b, h, 1, T, d)."""
+        q_blocks, k_blocks, k_weights = needs.q, needs.k, needs.key_weights
+        sums = list(needs.sums.values())
         b, h, g, t, d = q_blocks[0].shape
         like = k_blocks[0]
         deltas = range(len(k_blocks))
         groups: dict[tuple[int, ...], list[int]] = {}  # the key blocks met → the query blocks that meet them
         for i in range(len(q_blocks)):
-            met = tuple(delta for delta in deltas
-                        if k_weights[i][delta] or any(c[delta] for block, c in sums if block == i))
+            met = tuple(needs.meets(i))
             if met:
                 groups.setdefault(met, []).append(i)
         gk = [like.new_empty(b, h, g, t, d) if self.rows_covered and any(c) else like.new_zeros(b, h, g, t, d)
@@ -82,7 +79,7 @@ class BlockProducts:
                 step = max(1, _STACK_ELEMENTS // (len(met) * len(members) * b * h * g * cols))
                 for first in range(start, end, step):
                     self._rows(i, (first, min(first + step, end), cols), *operands, families, k_sums)
-        return gk, dk
+        return rules.BlockProducts(dict(zip(needs.sums, gk)), dk)
 
     def _rows(self, i: int, rows: Tile, q_blocks: list[torch.Tensor], k_blocks: list[torch.Tensor],
               families: dict[tuple[float, ...], list[tuple[int, torch.Tensor]]],

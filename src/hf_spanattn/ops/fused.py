@@ -8,9 +8,10 @@ side) and Y (query side), [Q, 0, Y]·[K, X, 0]ᵀ = Q Kᵀ, so attention on
 
 has SDPA's probabilities and output, and its fused backward returns G·K, G·X_i (dQ_aug) and
 Gᵀ·Q, Gᵀ·Y_i (dK_aug, summed over the query heads of a key/value head), all a rule asks for
-(`rules.Operands`). The operands depend on K and V through the spans; they enter detached, and
-their gradients reach Q and K through the rule only. Standard, simple and reductionistic need no
-extra column; the exact score rule needs Π_V K and its mixes R_∥, R_⊥ (width 3d for [1000], 4d
+(`rules.Operands`, by name: the contract in `backward.py`; "k" and "q" are the standard
+columns). The operands depend on K and V through the spans; they enter detached, and their
+gradients reach Q and K through the rule only. Standard, simple and reductionistic need no extra
+column; the exact score rule needs Π_V K and its mixes R_∥, R_⊥ (width 3d for [1000], 4d
 at most). Dropout is SDPA's own, the same in both passes.
 
 The per-block rule's blocks are attention calls softmax(mask(S^B))·V with S^B = scale·Q_ab K_δᵀ:
@@ -24,16 +25,17 @@ mask no step waits for the host.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from hf_spanattn.ops import rules
+from hf_spanattn.ops import backward, rules
+from hf_spanattn.ops.backward import grouped
 from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_without_sync
-from hf_spanattn.ops.tiles import HALF
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
@@ -61,27 +63,26 @@ class _Operands(torch.autograd.Function):
     def forward(ctx, q, k, v, key_valid, config: SpanAttentionConfig):
         b, h_q, t, d = q.shape
         h_kv = k.shape[1]
-        rule = config.rule
-        work = torch.float32 if q.dtype in HALF else q.dtype
-        q5 = q.reshape(b, h_kv, h_q // h_kv, t, d).to(work)
-        k5, v5 = (x.unsqueeze(2).to(work) for x in (k, v))
-        if key_valid is not None:
-            k5, v5 = k5 * key_valid, v5 * key_valid
-        spans = _spans(k5, v5, rule.spans, rule.pinv, padded=key_valid is not None)
-        key_side, query_side = rule.operands(q5, k5, spans, config.alphas)
-        extra_k = [x for x in key_side[1:] if x is not None]
-        extra_q = [y for y in query_side[1:] if y is not None]
-        ctx.config, ctx.shapes, ctx.dtype = config, (q.shape, k.shape, v.shape), q.dtype
-        ctx.widths = ([x.shape[-1] if x is not None else 0 for x in key_side[1:]],
-                      [y.shape[-1] if y is not None else 0 for y in query_side[1:]])
-        ctx.save_for_backward(*(x.basis if x is not None else None for x in spans),
+        inputs = backward.prepare(*grouped(q, k), v.unsqueeze(2), key_valid, config.rule,
+                                  functools.partial(_spans, padded=key_valid is not None))
+        needs = config.rule.needs(inputs.q, inputs.k, inputs.spans, config.alphas)
+        # the standard columns give G·K and Gᵀ·Q: only the other operands need columns of their own
+        extra_k = {name: x for name, x in needs.query.items() if name != "k"}
+        extra_q = {name: y for name, y in needs.key.items() if name != "q"}
+        ctx.config, ctx.dtype, ctx.v_width = config, q.dtype, v.shape[-1]
+        ctx.needs = list(needs.query), list(needs.key)
+        ctx.widths = ({name: x.shape[-1] for name, x in extra_k.items()},
+                      {name: y.shape[-1] for name, y in extra_q.items()})
+        spans = inputs.spans
+        ctx.save_for_backward(*(x.basis if x is not None else None for x in (spans.k, spans.v)),
                               spans.k.coef if spans.k is not None else None, q, k, key_valid)
         if not extra_k and not extra_q:
             return q.view_as(q), k.view_as(k), v.view_as(v)
-        width_k, width_q = sum(x.shape[-1] for x in extra_k), sum(y.shape[-1] for y in extra_q)
+        width_k, width_q = sum(ctx.widths[0].values()), sum(ctx.widths[1].values())
         q_aug = torch.cat([q, q.new_zeros(b, h_q, t, width_k),
-                           *(y.reshape(b, h_q, t, -1).to(q.dtype) for y in extra_q)], dim=-1)
-        k_aug = torch.cat([k, *(x.squeeze(2).to(k.dtype) for x in extra_k), k.new_zeros(b, h_kv, t, width_q)], dim=-1)
+                           *(y.reshape(b, h_q, t, -1).to(q.dtype) for y in extra_q.values())], dim=-1)
+        k_aug = torch.cat([k, *(x.squeeze(2).to(k.dtype) for x in extra_k.values()),
+                           k.new_zeros(b, h_kv, t, width_q)], dim=-1)
         # the fused kernels want V as wide as Q and K
         v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], q_aug.shape[-1] - v.shape[-1])], dim=-1)
         return q_aug, k_aug, v_aug
@@ -89,45 +90,40 @@ class _Operands(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq_aug, dk_aug, dv_aug):
         basis_k, basis_v, coef_k, q, k, key_valid = ctx.saved_tensors
-        config, (q_shape, k_shape, v_shape) = ctx.config, ctx.shapes
-        b, h_q, t, d = q_shape
-        h_kv = k_shape[1]
-        work = torch.float32 if ctx.dtype in HALF else ctx.dtype
-        spans = rules.Spans(Span(basis_k, coef_k) if basis_k is not None else None,
-                            Span(basis_v, None) if basis_v is not None else None)
-        widths_k, widths_q = ctx.widths
-        key_products = _columns(dq_aug, d, widths_k, (b, h_kv, h_q // h_kv, t, -1), work)
-        query_products = _columns(dk_aug, d + sum(widths_k), widths_q, (b, h_kv, 1, t, -1), work)
-        products = ([dq_aug[..., :d].reshape(b, h_kv, h_q // h_kv, t, d).to(work), *key_products],
-                    [dk_aug[..., :d].unsqueeze(2).to(work), *query_products])
-        q5 = q.reshape(b, h_kv, h_q // h_kv, t, d).to(work)
-        k5 = k.unsqueeze(2).to(work)
+        config = ctx.config
+        d = q.shape[-1]
+        work = backward.work_dtype(ctx.dtype)
+        q5, k5 = grouped(q.to(work), k.to(work))
         if key_valid is not None:
             k5 = k5 * key_valid
+        spans = rules.Spans(Span(basis_k, coef_k) if basis_k is not None else None,
+                            Span(basis_v, None) if basis_v is not None else None, key_valid)
+        widths_k, widths_q = ctx.widths
+        query = _columns(dq_aug, d, widths_k, q5.shape[:-1])
+        key = _columns(dk_aug, d + sum(widths_k.values()), widths_q, k5.shape[:-1])
+        query["k"], key["q"] = grouped(dq_aug[..., :d], dk_aug[..., :d])
+        asked_query, asked_key = ctx.needs
+        products = rules.Products({name: query[name].to(work) for name in asked_query},
+                                  {name: key[name].to(work) for name in asked_key})
         dq, dk = config.rule.finish(products, q5, k5, spans, config.alphas)
-        alpha_q, alpha_k, alpha_v = config.qkv_alphas
-        dq, dk = (x.reshape(shape).mul(a).to(ctx.dtype) for x, shape, a in ((dq, q_shape, alpha_q),
-                                                                           (dk.squeeze(2), k_shape, alpha_k)))
-        dv = dv_aug[..., :v_shape[-1]]
-        return dq, dk, dv if alpha_v == 1 else dv * alpha_v, None, None
+        dv = dv_aug[..., :ctx.v_width]
+        dq, dk, dv = backward.scaled((dq.reshape(q.shape), dk.squeeze(2), dv), config.qkv_alphas)
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv, None, None
 
 
-def _spans(k: torch.Tensor, v: torch.Tensor, needed: str, pinv: bool, padded: bool) -> rules.Spans:
-    """Π_K, and Π_V where `needed` holds "v", from one `span_without_sync` on K and V stacked."""
-    if not needed:
-        return rules.Spans(None, None)
-    if "v" not in needed:
-        return rules.Spans(span_without_sync(k, pinv, padded), None)
+def _spans(k: torch.Tensor, v: torch.Tensor | None, pinv: bool, padded: bool) -> tuple[Span, Span | None]:
+    """Π_K, and Π_V where v is given, from one `span_without_sync` on K and V stacked."""
+    if v is None:
+        return span_without_sync(k, pinv, padded), None
     both = span_without_sync(torch.stack([k, v]), pinv, padded)
-    return rules.Spans(Span(both.basis[0], both.coef[0] if pinv else None), Span(both.basis[1], None))
+    return Span(both.basis[0], both.coef[0] if pinv else None), Span(both.basis[1], None)
 
 
-def _columns(grad: torch.Tensor, start: int, widths: Sequence[int], shape: tuple[int, ...],
-             work: torch.dtype) -> list[torch.Tensor | None]:
-    """The column groups of `grad` from `start` on, `widths` wide (None where 0), reshaped to `shape`."""
-    out = []
-    for width in widths:
-        out.append(grad[..., start:start + width].reshape(shape).to(work) if width else None)
+def _columns(grad: torch.Tensor, start: int, widths: dict[str, int], shape: torch.Size) -> dict[str, torch.Tensor]:
+    """The column groups of `grad` from `start` on, `widths` wide, by name, each reshaped to `shape` + (width,)."""
+    out = {}
+    for name, width in widths.items():
+        out[name] = grad[..., start:start + width].reshape(*shape, width)
         start += width
     return out
 
@@ -150,33 +146,24 @@ class _PerBlock(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, key_valid = ctx.saved_tensors
         config = ctx.config
-        b, h_q, t, d = q.shape
-        h_kv = k.shape[1]
-        work = torch.float32 if q.dtype in HALF else q.dtype
         with _replaying(ctx.rng, q.device):
             (dv,) = _attention_grads(ctx.call, (q, k, v), d_out, wanted=(2,))
-        q5 = q.reshape(b, h_kv, h_q // h_kv, t, d).to(work)
-        k5, v5 = (x.unsqueeze(2).to(work) for x in (k, v))
-        if key_valid is not None:
-            k5, v5 = k5 * key_valid, v5 * key_valid
-        spans = _spans(k5, v5, config.rule.spans, config.rule.pinv, padded=key_valid is not None)
-        blocks = _SdpaBlocks(ctx.call, v, d_out, ctx.rng)
-        dq, dk = config.rule.blocks(blocks, q5, k5, key_valid, spans, config.alphas)
-        alpha_q, alpha_k, alpha_v = config.qkv_alphas
-        dq = (dq.reshape(q.shape) * alpha_q).to(q.dtype)
-        dk = (dk.squeeze(2) * alpha_k).to(k.dtype)
-        return dq, dk, dv if alpha_v == 1 else dv * alpha_v, None, None, None, None, None, None
+        inputs = backward.prepare(*grouped(q, k), v.unsqueeze(2), key_valid, config.rule,
+                                  functools.partial(_spans, padded=key_valid is not None))
+        dq, dk = backward.rule_grads(config, inputs, _SdpaBlocks(ctx.call, v, d_out, ctx.rng))
+        dq, dk, dv = backward.scaled((dq.reshape(q.shape), dk.squeeze(2), dv), config.qkv_alphas)
+        return dq.to(q.dtype), dk.to(k.dtype), dv, None, None, None, None, None, None
 
 
 class _SdpaBlocks:
-    """`rules.BlockProducts` on SDPA: block (i, δ) is attention on (Q_i, K_δ, V) with the real ∂L/∂O."""
+    """`rules.Blocks` on SDPA: block (i, δ) is attention on (Q_i, K_δ, V) with the real ∂L/∂O."""
 
     def __init__(self, call: dict, v: torch.Tensor, d_out: torch.Tensor, rng: torch.Tensor | None) -> None:
         self.call, self.v, self.d_out, self.rng = call, v, d_out, rng
 
-    def __call__(self, q_blocks, k_blocks, sums, k_weights):
-        pairs = [(i, delta) for i in range(len(q_blocks)) for delta in range(len(k_blocks))
-                 if k_weights[i][delta] or any(c[delta] for block, c in sums if block == i)]
+    def __call__(self, needs: rules.Blocks) -> rules.BlockProducts:
+        q_blocks, k_blocks, k_weights = needs.q, needs.k, needs.key_weights
+        pairs = [(i, delta) for i in range(len(q_blocks)) for delta in needs.meets(i)]
         b, h_kv, g, t, d = q_blocks[0].shape
         dtype, work = self.v.dtype, q_blocks[0].dtype
         queries = [q_blocks[i].reshape(b, h_kv * g, t, d).to(dtype) for i, _ in pairs]
@@ -199,11 +186,11 @@ class _SdpaBlocks:
                 dk_parts.append(dk_b)
         gk = {pair: x.reshape(b, h_kv, g, t, d).to(work) for pair, x in zip(pairs, dq_parts)}  # G_B K_δ
         gq = {pair: x.unsqueeze(2).to(work) for pair, x in zip(pairs, dk_parts)}  # Σ_g G_Bᵀ Q_i
-        sums_out = [rules.lincomb(*((c[delta], gk.get((i, delta))) for delta in range(len(k_blocks))))
-                    for i, c in sums]
+        sums = {name: rules.lincomb(*((c[delta], gk.get((i, delta))) for delta in range(len(k_blocks))))
+                for name, (i, c) in needs.sums.items()}
         k_out = [rules.lincomb(*((k_weights[i][delta], gq.get((i, delta))) for i in range(len(q_blocks))))
                  for delta in range(len(k_blocks))]
-        return sums_out, k_out
+        return rules.BlockProducts(sums, k_out)
 
 
 def _attention_grads(call: dict, inputs: Sequence[torch.Tensor], d_out: torch.Tensor,
@@ -251,7 +238,7 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError("fused_attention takes no probe: diagnostics run on backend='tiles'")
     h_q, h_kv = query.shape[1], key.shape[1]
     key_valid = key_support(attn_mask, h_kv, h_q // h_kv)
-    if config.rule.blocks is not None:
+    if config.rule.per_block:
         return _PerBlock.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, key_valid, config)
     q_aug, k_aug, v_aug = _Operands.apply(query, key, value, key_valid, config)
     out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=attn_mask, dropout_p=dropout_p,

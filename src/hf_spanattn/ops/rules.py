@@ -9,39 +9,77 @@ the masked K̃ and Ṽ (padded key positions zeroed), Π_X^⊥ = I − Π_X.
 The order of a score block S^B = scale·Π_V^a Π_K^b Q Kᵀ Π_K Π_V^δ is its count of ⊥ among
 (a, b, δ); block B is weighted by α_order(B). Terms whose weight is zero are never computed.
 
+A rule states what it asks of G by name: `Operands` (products G·X and Gᵀ·Y) or, under the
+per-block reading, `Blocks` (the blocks Q_i, K_δ and their weights); a backend answers with
+`Products` or `BlockProducts` (see `backward.py`), and the rule's finish gives dQ and dK.
 `RULES` is the registry: one `Rule` per (method, score reading), which is all a new rule needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 
 from hf_spanattn.ops.spans import Span
 
-BlockProducts = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[tuple[int, Sequence[float]]],
-                          Sequence[Sequence[float]]], tuple[list[torch.Tensor], list[torch.Tensor | None]]]
-
 Alphas = Sequence[float]
 Part = torch.Tensor | None  # None: a part whose weight is zero
 
 
-class Spans(NamedTuple):
-    """Π_K and Π_V of the masked K̃ and Ṽ (None where the rule does not need one)."""
+@dataclass
+class Spans:
+    """Π_K and Π_V of the masked K̃ and Ṽ (None where the rule does not need one), and the key
+    positions they are taken over, (B, H_kv, 1, T, 1) bool (None: all)."""
 
     k: Span | None
     v: Span | None
+    key_valid: torch.Tensor | None = None
 
 
-# Operands: the right-hand sides of the T×T products a rule needs. ([K or None, X_1, ...],
-# [Q or None, Y_1, ...]) asks for G·K, G·X_i (per query head) and Gᵀ·Q, Gᵀ·Y_i (summed over the
-# query heads of a key/value head); None where a product is not needed. G·K and Gᵀ·Q are the
-# standard backward's, which a fused kernel gives anyway.
-Operands = tuple[list[Part], list[Part]]
-Products = tuple[list[Part], list[Part]]  # the products asked for, in the same places
+@dataclass
+class Operands:
+    """What a rule asks of G = ∂L/∂S, by name: `query[name] = X` (…, 1 or g, T, ·) asks for G·X per
+    query head, `key[name] = Y` (…, g, T, ·) for Gᵀ·Y summed over the g query heads of a key/value
+    head. The names "k" (X = K̃) and "q" (Y = Q) are the standard backward's products."""
+
+    query: dict[str, torch.Tensor] = field(default_factory=dict)
+    key: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Products:
+    """The products an `Operands` asked for, under its names: G·X (…, g, T, ·), Σ_g Gᵀ·Y (…, 1, T, ·)."""
+
+    query: dict[str, torch.Tensor]
+    key: dict[str, torch.Tensor]
+
+
+@dataclass
+class Blocks:
+    """What the per-block reading asks for. Block (i, δ) is attention softmax(mask(S_iδ))·V with
+    S_iδ = scale·Q_i K_δᵀ and the real ∂L/∂O; G_iδ is its ∂L/∂S. `sums[name] = (i, c)` asks for
+    Σ_δ c_δ G_iδ K_δ (…, g, T, d); `key_weights[i][δ] = w` for Σ_i w G_iδᵀ Q_i per δ, summed over
+    the query heads of a key/value head (…, 1, T, d). Only blocks with a non-zero weight are run."""
+
+    q: list[torch.Tensor]  # Q_i (…, g, T, d)
+    k: list[torch.Tensor]  # K_δ (…, 1, T, d)
+    sums: dict[str, tuple[int, tuple[float, ...]]]
+    key_weights: list[list[float]]
+
+    def meets(self, i: int) -> list[int]:
+        """The key blocks δ that query block i meets with a non-zero weight."""
+        return [delta for delta in range(len(self.k))
+                if self.key_weights[i][delta] or any(c[delta] for block, c in self.sums.values() if block == i)]
+
+
+@dataclass
+class BlockProducts:
+    """What a `Blocks` asked for: `sums` under its names, `key` per δ (None where no weight is non-zero)."""
+
+    sums: dict[str, torch.Tensor]
+    key: list[torch.Tensor | None]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -74,13 +112,12 @@ def lincomb(*terms: tuple[float, Part]) -> Part:
 
 def standard_operands(q: torch.Tensor, k: torch.Tensor, spans: Spans, alphas: Alphas) -> Operands:
     """dQ = G K, dK = Gᵀ Q."""
-    return [k], [q]
+    return Operands(query={"k": k}, key={"q": q})
 
 
 def standard_finish(products: Products, q: torch.Tensor, k: torch.Tensor, spans: Spans,
                     alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
-    (gk,), (gq,) = products
-    return gk, gq
+    return products.query["k"], products.key["q"]
 
 
 def _transform(operator: Callable[[Spans, Alphas], Callable[[torch.Tensor], torch.Tensor]]):
@@ -88,9 +125,8 @@ def _transform(operator: Callable[[Spans, Alphas], Callable[[torch.Tensor], torc
 
     def finish(products: Products, q: torch.Tensor, k: torch.Tensor, spans: Spans,
                alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
-        (gk,), (gq,) = products
         op = operator(spans, alphas)
-        return op(gk), op(gq)
+        return op(products.query["k"]), op(products.key["q"])
 
     return finish
 
@@ -108,7 +144,7 @@ def reductionistic_operator(spans: Spans, alphas: Alphas) -> Callable[[torch.Ten
     Σ α_i Π_i X = B + Π_K (A − B),  A = α1 X∥ + (α0−α1) Π_V X∥,  B = α3 X⊥ + (α2−α3) Π_V X⊥.
     """
     a0, a1, a2, a3 = alphas
-    span_k, span_v = spans
+    span_k, span_v = spans.k, spans.v
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         x_par = span_k.project(x)
@@ -157,67 +193,77 @@ def score_exact_operands(q: torch.Tensor, k: torch.Tensor, spans: Spans, alphas:
     Two T×T·d products beyond the standard backward, none for [1000].
     """
     use_par, use_perp = any(alphas[:3]), any(alphas[1:])  # weights of the ∥ and ⊥ parts of a mix
-    k_par = spans.v.project(k) if use_par or use_perp else None
     q_par = spans.k.project(q)
     r_par, r_perp = _order_mix(spans.v, q_par, q - q_par, alphas)
-    return [k if use_perp else None, k_par], [None, r_par, r_perp]
+    query = {"k": k} if use_perp else {}
+    if use_par or use_perp:
+        query["k_par"] = spans.v.project(k)
+    key = {name: y for name, y in (("r_par", r_par), ("r_perp", r_perp)) if y is not None}
+    return Operands(query, key)
 
 
 def score_exact_finish(products: Products, q: torch.Tensor, k: torch.Tensor, spans: Spans,
                        alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
-    (g_k, g_par), (_, h_par, h_perp) = products
+    g_k, g_par = products.query.get("k"), products.query.get("k_par")
     g_perp = g_k - g_par if g_k is not None and g_par is not None else None
     dq = _split(spans.k, *_order_mix(spans.v, g_par, g_perp, alphas), like=q)
-    return dq, _split(spans.v, h_par, h_perp, like=k)
+    return dq, _split(spans.v, products.key.get("r_par"), products.key.get("r_perp"), like=k)
 
 
-def score_per_block(block_products: BlockProducts, q: torch.Tensor, k: torch.Tensor,
-                    key_valid: torch.Tensor | None, spans: Spans, alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_weights(alphas: Alphas) -> tuple[list[list[float]], list[list[float]]]:
+    """(α of block (2a + b, δ); α of the ⊥ member of the pair (a, δ), which weights both members
+    in the cross terms of `score_per_block_finish`)."""
+    weights = [[alphas[i // 2 + i % 2 + delta] for delta in range(2)] for i in range(4)]
+    return weights, [[alphas[a + delta + 1] for delta in range(2)] for a in range(2)]
+
+
+def score_per_block_needs(q: torch.Tensor, k: torch.Tensor, spans: Spans, alphas: Alphas) -> Blocks:
     """Score rule with the paper's hook reading: G_B is the gradient of softmax(mask(S^B))·V at
-    S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q (index 2a + b), K_δ = Π_V^δ K.
-    `block_products([Q_ab], [K_δ], sums, α)` returns Σ_δ c_δ G_B K_δ for each (2a + b, c) in `sums`
-    and, per δ, Σ_ab α_B G_Bᵀ Q_ab summed over the query heads that share K (see `blocks.py`).
+    S^B = scale·Q_ab K_δᵀ, Q_ab = Π_V^a Π_K^b Q (query block 2a + b), K_δ = Π_V^δ K.
+    Asks for "q{i}" = Σ_δ α G_(i,δ) K_δ per query block i, "cross{a}" = the same sum for block 2a
+    with the weights of the cross terms (see the finish) where they differ, and per δ
+    Σ_ab α G_(ab,δ)ᵀ Q_ab.
+    """
+    span_k, span_v = spans.k, spans.v
+    q_par = span_k.project(q)
+    q_perp = q - q_par
+    vq_par, vq_perp = span_v.project(q_par), span_v.project(q_perp)
+    # Π_V^a Π_K^b Q at index 2a + b; Π_V^⊥ Π_K^b Q in the buffers of Π_K^b Q, not needed any more
+    q_blocks = [vq_par, vq_perp, q_par.sub_(vq_par), q_perp.sub_(vq_perp)]
+    k_par = span_v.project(k)
+    weights, cross_weights = _block_weights(alphas)
+    sums = {f"q{i}": (i, tuple(weights[i])) for i in range(4)}
+    # E_a = Σ_δ α (G_(a∥, δ) − G_(a⊥, δ)) K_δ; the ⊥ members' sum is the one above
+    sums.update({f"cross{a}": (2 * a, tuple(cross_weights[a])) for a in range(2) if cross_weights[a] != weights[2 * a]})
+    return Blocks(q_blocks, [k_par, k - k_par], {name: s for name, s in sums.items() if any(s[1])}, weights)
 
-    dQ, dK direct as in `score_exact` with G_B in place of G, plus for each pair (b=∥, b=⊥) of
+
+def score_per_block_finish(products: BlockProducts, q: torch.Tensor, k: torch.Tensor, spans: Spans,
+                           alphas: Alphas) -> tuple[torch.Tensor, torch.Tensor]:
+    """dQ, dK direct as in `score_exact` with G_B in place of G, plus for each pair (b=∥, b=⊥) of
     equal (a, δ), with E = (G_∥ − G_⊥) K_δ and α of the ⊥ member's order, the K cross terms
     Π_K^⊥ (Q Eᵀ Π_V^a (K⁺)ᵀ + Π_V^a E Qᵀ (K⁺)ᵀ)   (from ∂Π_K/∂K).
     Summed over the pairs, with E_a = Σ_δ α E and Ẽ = Σ_a Π_V^a E_a (Π_V is symmetric), they are
     Π_K^⊥ (Q Ẽᵀ + Ẽ Qᵀ) (K⁺)ᵀ. E comes from the products G_B K_δ that dQ needs anyway, so the
     cross terms cost O(T·d²).
     """
-    span_k, span_v = spans
-    q_par = span_k.project(q)
-    q_perp = q - q_par
-    vq_par, vq_perp = span_v.project(q_par), span_v.project(q_perp)
-    # Π_V^a Π_K^b Q at index 2a + b; Π_V^⊥ Π_K^b Q in the buffers of Π_K^b Q, not needed any more
-    q_blocks = (vq_par, vq_perp, q_par.sub_(vq_par), q_perp.sub_(vq_perp))
-    k_par = span_v.project(k)
-    k_blocks = (k_par, k - k_par)  # δ
-
-    weights = [[alphas[i // 2 + i % 2 + delta] for delta in range(2)] for i in range(4)]  # α of block (i, δ)
-    # α of the ⊥ member of the pair (a, δ), which weights both members in the cross terms
-    cross_weights = [[alphas[a + delta + 1] for delta in range(2)] for a in range(2)]
-    sums = [(i, weights[i]) for i in range(4)]  # Σ_δ α G_B K_δ per (a, b)
-    # E_a = Σ_δ α (G_(a∥, δ) − G_(a⊥, δ)) K_δ; the ⊥ members' sum is the one above
-    sums += [(2 * a, cross_weights[a]) for a in range(2) if cross_weights[a] != weights[2 * a]]
-    sums = [(i, c) for i, c in sums if any(c)]
-    gk, acc_k = block_products(q_blocks, k_blocks, sums, weights) if sums else ([], [None, None])
-    found = dict(zip(((i, tuple(c)) for i, c in sums), gk))
-    acc_q: list[Part] = [found.get((i, tuple(weights[i]))) for i in range(4)]
+    span_k, span_v = spans.k, spans.v
+    _, cross_weights = _block_weights(alphas)
+    acc_q: list[Part] = [products.sums.get(f"q{i}") for i in range(4)]
     cross_e: list[Part] = [None, None]
     for a in range(2):
         if any(cross_weights[a]):
-            cross_e[a] = lincomb((1.0, found.get((2 * a, tuple(cross_weights[a])))), (-1.0, acc_q[2 * a + 1]))
+            cross_e[a] = lincomb((1.0, products.sums.get(f"cross{a}", acc_q[2 * a])), (-1.0, acc_q[2 * a + 1]))
 
     y_par = _split(span_v, acc_q[0], acc_q[2], like=q)
     y_perp = _split(span_v, acc_q[1], acc_q[3], like=q)
     dq = _split(span_k, y_par, y_perp, like=q)
-    dk = _split(span_v, acc_k[0], acc_k[1], like=k)
+    dk = _split(span_v, *products.key, like=k)
     if cross_e[0] is not None or cross_e[1] is not None:
         pinv = span_k.pinv_t()  # (K⁺)ᵀ
         e_mix = _split(span_v, cross_e[0], cross_e[1], like=q)  # Ẽ
         cross = span_k.reject(group_sum((q @ (e_mix.mT @ pinv)).add_(e_mix @ (q.mT @ pinv))))
-        dk = dk.add_(cross.mul_(key_valid) if key_valid is not None else cross)
+        dk = dk.add_(cross.mul_(spans.key_valid) if spans.key_valid is not None else cross)
     return dq, dk
 
 
@@ -231,8 +277,9 @@ class Rule:
     """One backward rule for dQ and dK: a registry entry.
 
     `alpha_names` and `default_alphas`: what its α are and the paper's best setting; `spans`: the
-    spans it reads ("k", "v"), `pinv`: whether it reads (K⁺)ᵀ too. Either `operands` and `finish`
-    (the rule from products of G = ∂L/∂S, see `Operands`) or `blocks` (the per-block reading, from
+    spans it reads ("k", "v"), `pinv`: whether it reads (K⁺)ᵀ too. `needs(q, k, spans, α)` says
+    what it asks of G (`Operands`, or `Blocks` under the per-block reading) and
+    `finish(products, q, k, spans, α)` gives (dQ, dK) from the answer (`Products`,
     `BlockProducts`). `split` is the rule and the α whose components give the orders of span
     violation for diagnostics.
     """
@@ -241,11 +288,15 @@ class Rule:
     score_grad: str
     alpha_names: tuple[str, ...]
     default_alphas: tuple[float, ...]
+    needs: Callable[..., Operands | Blocks]
+    finish: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     spans: str = ""
     pinv: bool = False
-    operands: Callable[..., Operands] | None = None
-    finish: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def per_block(self) -> bool:
+        """Whether it asks for `Blocks` (the per-block reading) rather than `Operands`."""
+        return self.score_grad == "per_block"
 
     def split(self, alphas: Alphas) -> tuple[Rule, list[tuple[float, ...]]]:
         """(the rule, α per order): their results sum to this rule's. The standard gradient is
@@ -257,13 +308,13 @@ class Rule:
 
 ORDER_ALPHAS = ("α0", "α1", "α2", "α3")
 RULES: dict[tuple[str, str], Rule] = {
-    ("standard", "exact"): Rule("standard", "exact", (), (), operands=standard_operands, finish=standard_finish),
-    ("simple", "exact"): Rule("simple", "exact", ("α∥", "α⊥"), (1.0, 0.0), spans="k", operands=standard_operands,
-                              finish=_transform(simple_operator)),
-    ("reductionistic", "exact"): Rule("reductionistic", "exact", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), spans="kv",
-                                      operands=standard_operands, finish=_transform(reductionistic_operator)),
-    ("score", "exact"): Rule("score", "exact", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), spans="kv",
-                             operands=score_exact_operands, finish=score_exact_finish),
-    ("score", "per_block"): Rule("score", "per_block", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), spans="kv", pinv=True,
-                                 blocks=score_per_block),
+    ("standard", "exact"): Rule("standard", "exact", (), (), standard_operands, standard_finish),
+    ("simple", "exact"): Rule("simple", "exact", ("α∥", "α⊥"), (1.0, 0.0), standard_operands,
+                              _transform(simple_operator), spans="k"),
+    ("reductionistic", "exact"): Rule("reductionistic", "exact", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0),
+                                      standard_operands, _transform(reductionistic_operator), spans="kv"),
+    ("score", "exact"): Rule("score", "exact", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), score_exact_operands,
+                             score_exact_finish, spans="kv"),
+    ("score", "per_block"): Rule("score", "per_block", ORDER_ALPHAS, (1.0, 0.0, 0.0, 0.0), score_per_block_needs,
+                                 score_per_block_finish, spans="kv", pinv=True),
 }

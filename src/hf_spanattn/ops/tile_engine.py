@@ -1,29 +1,29 @@
 """The tile backend of `span_attention`: the T×T work (scores, probabilities, ∂L/∂S and their
 products) as explicit matrices in row tiles of queries that meet only the keys their rows may
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
-`span_of`; the faster way on a CPU. The probabilities are kept from the forward pass.
+`span_of`; the faster way on a CPU. The probabilities are kept from the forward pass. It answers
+the rules' `Operands` and `Blocks` from them (the contract in `backward.py`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from hf_spanattn.ops import rules
-from hf_spanattn.ops.blocks import BlockProducts, Workspace
+from hf_spanattn.ops import backward, rules
+from hf_spanattn.ops.backward import Probe
+from hf_spanattn.ops.blocks import TileBlocks, Workspace
 from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import HALF, Tile, Tiled, masked_softmax, row_range, row_tiles
+from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range, row_tiles
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
-Probe = Callable[[dict], None]
 _BACKWARD_CHUNKS = 4
 
 
@@ -152,53 +152,47 @@ class SpanAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, keep, *parts = ctx.saved_tensors
-        config, mask = ctx.config, ctx.mask
-        work = torch.float32 if q.dtype in HALF else q.dtype  # the projector maths
-        masked = lambda x: x.to(work) * mask.key_valid if mask.key_valid is not None else x.to(work)  # noqa: E731
-        rule, probing = config.rule, ctx.probe is not None
-        k_w, v_w = masked(k), masked(v) if probing or "v" in rule.spans else None
-        span_k = span_of(k_w, pinv=rule.pinv) if probing or rule.spans else None
-        batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask,
-                       q.to(work), k_w, v_w, span_k, span_of(v_w) if v_w is not None else None)
+        mask = ctx.mask
+        inputs = backward.prepare(q, k, v, mask.key_valid, ctx.config.rule, _spans_of, probing=ctx.probe is not None)
+        batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask, inputs)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
         step = max(1, math.ceil(q.shape[0] / _BACKWARD_CHUNKS))
         workspace = Workspace()
         for start in range(0, q.shape[0], step):
             rows = slice(start, start + step)
-            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, config, ctx.probe, workspace)
+            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
         return (*grads, None, None, None, None, None)
 
 
+def _spans_of(k: torch.Tensor, v: torch.Tensor | None, pinv: bool) -> tuple[Span, Span | None]:
+    """Rank-safe spans (`span_of`)."""
+    return span_of(k, pinv=pinv), span_of(v) if v is not None else None
+
+
 @dataclass
 class _Batch:
-    """What the backward pass reads, for the whole batch or a chunk of it. The `_w` tensors and
-    the spans are in the projector dtype, with padded key positions zeroed."""
+    """What the backward pass reads, for the whole batch or a chunk of it."""
 
     v: torch.Tensor
     keep: torch.Tensor | None
     d_out: torch.Tensor
     probs: Tiled
     mask: _Mask
-    q_w: torch.Tensor
-    k_w: torch.Tensor
-    v_w: torch.Tensor | None
-    span_k: Span | None
-    span_v: Span | None
+    inputs: backward.RuleInputs
 
     def select(self, rows: slice) -> _Batch:
         """The batch entries `rows`."""
-        pick = lambda x: x.select(rows) if isinstance(x, (Tiled, _Mask, Span)) else x[rows]  # noqa: E731
+        pick = lambda x: x.select(rows) if isinstance(x, (Tiled, _Mask, backward.RuleInputs)) else x[rows]  # noqa: E731
         return _Batch(*(None if x is None else pick(x) for x in (getattr(self, f.name) for f in fields(self))))
 
 
 def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig, probe: Probe | None,
               workspace: Workspace):
-    """One chunk of the batch."""
+    """One chunk of the batch: (dQ, dK, dV)."""
     v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
-    q_w, k_w, v_w, span_k, span_v = batch.q_w, batch.k_w, batch.v_w, batch.span_k, batch.span_v
     dv = rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out)
 
     def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
@@ -212,70 +206,42 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
 
     scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
+    block_products = TileBlocks(d_probs, scale, mask.tile, workspace)
 
-    def softmax_grad(in_place: bool) -> Tiled:
-        """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers if `in_place`."""
+    @functools.cache
+    def softmax_grad() -> Tiled:
+        """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers unless blocks read dP."""
+        in_place = not config.rule.per_block
         return Tiled(d_probs.tiles, [torch.ops.aten._softmax_backward_data.out(
             dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp))
             for dp, p in zip(d_probs.parts, probs.parts)], d_probs.t, d_probs.s)
 
-    rule, spans = config.rule, rules.Spans(span_k, span_v)
-    if rule.blocks is not None:
-        block_products = BlockProducts(d_probs, scale, mask.tile, workspace)
-        g = softmax_grad(in_place=False) if probe is not None else None  # the probe's standard gradient
-    else:
-        g = softmax_grad(in_place=True)
+    def products(needs: rules.Operands | rules.Blocks) -> rules.Products | rules.BlockProducts:
+        if isinstance(needs, rules.Blocks):
+            return block_products(needs)
+        g = softmax_grad()
+        return rules.Products(_side(g, needs.query),
+                              {name: rules.group_sum(y) for name, y in _side(g.mT, needs.key).items()})
 
-    def evaluate(rule: rules.Rule, alphas) -> tuple[torch.Tensor, torch.Tensor]:
-        if rule.blocks is not None:
-            return rule.blocks(block_products, q_w, k_w, mask.key_valid, spans, alphas)
-        return rule.finish(_products(g, rule.operands(q_w, k_w, spans, alphas)), q_w, k_w, spans, alphas)
-
-    dq, dk = evaluate(rule, config.alphas)
-    alpha_q, alpha_k, alpha_v = config.qkv_alphas
-    if probe is not None:
-        split, order_alphas = rule.split(config.alphas)
-        orders = [evaluate(split, alphas) for alphas in order_alphas]
-        (dq_std,), (dk_std,) = _products(g, ([k_w], [q_w]))
-        probe({
-            "dq_orders": [alpha_q * x for x, _ in orders], "dk_orders": [alpha_k * x for _, x in orders],
-            "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": dq_std, "dk_standard": dk_std,
-            "rank_k": _rank(k_w), "rank_v": _rank(v_w),
-        })
-    return [x if a == 1 else x * a for x, a in zip((dq, dk, dv), (alpha_q, alpha_k, alpha_v))]
+    dq, dk = backward.rule_grads(config, batch.inputs, products, probe)
+    return backward.scaled((dq, dk, dv), config.qkv_alphas)
 
 
-def _rank(x: torch.Tensor) -> torch.Tensor:
-    """The rank of x (…, T, d) per leading index, as a float: NaN where x holds NaN or inf."""
-    finite = torch.isfinite(x).all(dim=-1).all(dim=-1)
-    rank = torch.linalg.matrix_rank(torch.where(finite[..., None, None], x, 0)).to(x.dtype)
-    return rank.masked_fill_(~finite, torch.nan)
-
-
-def _products(g: Tiled, operands: rules.Operands) -> rules.Products:
-    """The products a rule asks for, G·X and Gᵀ·Y (summed over query heads), each side as one product."""
-    key_side, query_side = operands
-    return _side(g, key_side), [rules.group_sum(x) for x in _side(g.mT, query_side)]
-
-
-def _side(g, rights: list[rules.Part]) -> list[rules.Part]:
-    """[g @ r for r in rights] as one product; a missing right gives None."""
-    used = [r for r in rights if r is not None]
-    if not used:
-        return [None] * len(rights)
-    out = iter(rules.matmul(g, torch.cat(used, dim=-1) if len(used) > 1 else used[0]).split(
-        [r.shape[-1] for r in used], dim=-1))
-    return [next(out) if r is not None else None for r in rights]
+def _side(g, rights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: g @ r} for the `rights`, as one product."""
+    if not rights:
+        return {}
+    used = list(rights.values())
+    out = rules.matmul(g, torch.cat(used, dim=-1) if len(used) > 1 else used[0]).split(
+        [r.shape[-1] for r in used], dim=-1)
+    return dict(zip(rights, out))
 
 
 def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                    dropout_p: float, is_causal: bool, scale: float, config: SpanAttentionConfig,
                    probe: Probe | None = None) -> torch.Tensor:
     """`span_attention` on the tiles; (B, H, T, D) inputs as checked and broadcast by it."""
-    b, h_q, t, d = query.shape
-    h_kv, s = key.shape[1], key.shape[2]
-    groups = h_q // h_kv
-    mask = _prepare_mask(attn_mask, is_causal, (b, h_kv, groups, t, s), query.dtype, query.device)
-    out = SpanAttentionFunction.apply(query.reshape(b, h_kv, groups, t, d), key.unsqueeze(2), value.unsqueeze(2),
-                                      mask, dropout_p, scale, config, probe)
-    return out.reshape(b, h_q, t, value.shape[-1])
+    q, k = backward.grouped(query, key)
+    mask = _prepare_mask(attn_mask, is_causal, (*q.shape[:-1], k.shape[-2]), query.dtype, query.device)
+    out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), mask, dropout_p, scale, config, probe)
+    return out.reshape(*query.shape[:-1], value.shape[-1])

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from hf_spanattn.ops.backward import HALF
+
 Tile = tuple[int, int, int]  # (first row, end row, key columns)
-HALF = (torch.float16, torch.bfloat16)
 _TILE_ROWS, _MAX_TILES = 64, 8  # rows per tile: at least 64, and at most 8 tiles
 
 

@@ -1,0 +1,134 @@
+"""The backward pass between a rule (`rules.py`) and a backend: the glue that every backend shares.
+
+A backend runs the T×T work and answers what a rule asks of G = ∂L/∂S (which carries `scale`):
+
+    products(needs: rules.Operands) -> rules.Products
+        G·X for each `needs.query[name] = X` (X: (B, H_kv, 1, T, ·), the result (B, H_kv, g, T, ·)
+        per query head) and Gᵀ·Y for each `needs.key[name] = Y` (Y: (B, H_kv, g, T, ·), the result
+        (B, H_kv, 1, T, ·) summed over the g query heads of a key/value head: GQA), under the same
+        names. "k" (X = K̃) and "q" (Y = Q) are the standard backward's G·K and Gᵀ·Q.
+    products(needs: rules.Blocks) -> rules.BlockProducts   (rules with `Rule.per_block`)
+        for query blocks Q_i (B, H_kv, g, T, d) and key blocks K_δ (B, H_kv, 1, T, d), block (i, δ)
+        is attention on (Q_i, K_δ, V) under the call's mask with the real ∂L/∂O, G_iδ its ∂L/∂S:
+        Σ_δ c_δ G_iδ K_δ for each `needs.sums[name] = (i, c)` and per δ Σ_i w_iδ G_iδᵀ Q_i summed
+        over the query heads (w = `needs.key_weights`; None where no w_iδ is non-zero). Only the
+        blocks that `needs.meets` lists need to run, best all in one call (a block axis).
+
+Operands and results are in the work dtype (`work_dtype`); G is zero at masked keys. The backend
+also runs the forward pass and gives dV. Everything else is here: the (B, H_kv, g, T, d) layout
+of GQA (`grouped`), the work dtype, the key-valid mask and the spans (`prepare`), the rule's
+evaluation and the diagnostics probe (`rule_grads`), α_QKV (`scaled`). A backward pass is then
+
+    inputs = prepare(q, k, v, key_valid, config.rule, spans_of, probing=probe is not None)
+    dq, dk = rule_grads(config, inputs, products, probe)
+    dq, dk, dv = scaled((dq, dk, dv), config.qkv_alphas)
+
+(a backend that must know the operands in its forward pass, as `fused.py` does, calls
+`config.rule.needs` there and `config.rule.finish` in its backward). A backend is one module with
+a function of (query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe) in
+`attention.BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_spanattn.ops import rules
+from hf_spanattn.ops.spans import Span
+
+if TYPE_CHECKING:
+    from hf_spanattn.config import SpanAttentionConfig
+
+HALF = (torch.float16, torch.bfloat16)
+Probe = Callable[[dict], None]
+ProductsOf = Callable[[rules.Operands | rules.Blocks], rules.Products | rules.BlockProducts]
+# (K̃, Ṽ or None, pinv) -> (Π_K, Π_V): a backend's way of taking spans
+SpansOf = Callable[[torch.Tensor, torch.Tensor | None, bool], tuple[Span | None, Span | None]]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the projector maths: float32 for half inputs."""
+    return torch.float32 if dtype in HALF else dtype
+
+
+def grouped(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H_q, T, d) queries as (B, H_kv, g, T, d), (B, H_kv, S, d) keys (or values) as (B, H_kv, 1, S, d)."""
+    b, h_q, t, d = query.shape
+    h_kv = key.shape[1]
+    return query.reshape(b, h_kv, h_q // h_kv, t, d), key.unsqueeze(2)
+
+
+@dataclass
+class RuleInputs:
+    """What a rule reads, in the work dtype and the grouped layout: Q, the masked K̃ and Ṽ (padded
+    key positions zeroed; Ṽ None where nothing reads it) and the spans."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor | None
+    spans: rules.Spans
+
+    def select(self, rows: slice) -> RuleInputs:
+        """The batch entries `rows` (fields broadcast over the batch stay whole)."""
+        pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
+        span = lambda s: s.select(rows) if s is not None else None  # noqa: E731
+        spans = self.spans
+        return RuleInputs(self.q[rows], self.k[rows], self.v[rows] if self.v is not None else None,
+                          rules.Spans(span(spans.k), span(spans.v), pick(spans.key_valid)))
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, rule: rules.Rule,
+            spans_of: SpansOf, probing: bool = False) -> RuleInputs:
+    """The rule's inputs from grouped q, k, v (see `grouped`); the probe reads both spans."""
+    work = work_dtype(q.dtype)
+    masked = lambda x: x.to(work) * key_valid if key_valid is not None else x.to(work)  # noqa: E731
+    k_w = masked(k)
+    v_w = masked(v) if probing or "v" in rule.spans else None
+    span_k, span_v = spans_of(k_w, v_w, rule.pinv) if probing or rule.spans else (None, None)
+    return RuleInputs(q.to(work), k_w, v_w, rules.Spans(span_k, span_v, key_valid))
+
+
+def evaluate(rule: rules.Rule, alphas: Sequence[float], x: RuleInputs,
+             products: ProductsOf) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dQ, dK) of `rule` at `alphas`: its needs, the backend's products, its finish."""
+    needs = rule.needs(x.q, x.k, x.spans, alphas)
+    if isinstance(needs, rules.Blocks) and not needs.sums and not any(map(any, needs.key_weights)):
+        answer = rules.BlockProducts({}, [None] * len(needs.k))  # every weight zero: no block to run
+    else:
+        answer = products(needs)
+    return rule.finish(answer, x.q, x.k, x.spans, alphas)
+
+
+def rule_grads(config: SpanAttentionConfig, x: RuleInputs, products: ProductsOf,
+               probe: Probe | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dQ, dK) of the config's rule before α_Q, α_K; with `probe`, also calls it with the
+    diagnostics (see `span_attention`)."""
+    rule = config.rule
+    dq, dk = evaluate(rule, config.alphas, x, products)
+    if probe is not None:
+        alpha_q, alpha_k, _ = config.qkv_alphas
+        split, order_alphas = rule.split(config.alphas)
+        orders = [evaluate(split, alphas, x, products) for alphas in order_alphas]
+        standard = products(rules.Operands(query={"k": x.k}, key={"q": x.q}))
+        probe({
+            "dq_orders": [alpha_q * o for o, _ in orders], "dk_orders": [alpha_k * o for _, o in orders],
+            "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": standard.query["k"],
+            "dk_standard": standard.key["q"], "rank_k": _rank(x.k), "rank_v": _rank(x.v),
+        })
+    return dq, dk
+
+
+def scaled(grads: Sequence[torch.Tensor], qkv_alphas: Sequence[float]) -> list[torch.Tensor]:
+    """(α_Q dQ, α_K dK, α_V dV), without a copy where an α is 1."""
+    return [x if a == 1 else x * a for x, a in zip(grads, qkv_alphas)]
+
+
+def _rank(x: torch.Tensor) -> torch.Tensor:
+    """The rank of x (…, T, d) per leading index, as a float: NaN where x holds NaN or inf."""
+    finite = torch.isfinite(x).all(dim=-1).all(dim=-1)
+    rank = torch.linalg.matrix_rank(torch.where(finite[..., None, None], x, 0)).to(x.dtype)
+    return rank.masked_fill_(~finite, torch.nan)
