@@ -465,6 +465,8 @@ def argument_error(argv: list[str]) -> str | None:
 def check(model: ModelArguments, data: DataArguments, span: SpanArguments, training: TrainingArguments,
           stop: StoppingArguments, output) -> None:
     """Checks across argument groups, and the tokenizer each run uses."""
+    if not training.output_dir or not str(training.output_dir).strip():
+        raise ValueError("--output_dir is empty: give the folder the run writes into")
     out = Path(training.output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {out}: exists and is not a folder")

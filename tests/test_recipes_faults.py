@@ -390,6 +390,7 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     (lambda t: report.main([str(t / "file")]), "report: {tmp}/file: not a folder"),
     (lambda t: run_clm.main(["--early_stopping_threshold", "nan", "--output_dir", str(t / "o")]),
      "--early_stopping_threshold nan: allowed values are >= 0"),
+    (lambda t: run_clm.main(["--output_dir", " "]), "--output_dir is empty"),
     (lambda t: run_clm.main(["--span_schedule", str(t / "typo.yaml"), "--output_dir", str(t / "o")]),
      "--span_schedule {tmp}/typo.yaml: no such file"),
 ])
