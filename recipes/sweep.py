@@ -201,7 +201,7 @@ def expected_config(run_args: list[str]) -> dict:
     """The configuration run_clm.py records for these arguments (without the launcher's world size)."""
     import run_clm
 
-    *all_args, _ = run_clm.parse_args(run_clm.training_defaults(run_args))  # the last: output arguments
+    *all_args, _ = run_clm.parse_args(run_args)  # the last: output arguments
     return run_clm.run_config(all_args, world_size=None)
 
 
