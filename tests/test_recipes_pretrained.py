@@ -54,6 +54,15 @@ def data_files(folder: Path, kind: str) -> dict[str, str]:
     return {"train_file": str(train), "validation_file": str(validation)}
 
 
+@pytest.fixture(scope="module")
+def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
+    """(scratch folder, a tiny pretrained GPT-2, its data files), made once for the tests that only read them."""
+    folder = tmp_path_factory.mktemp("shared")
+    files = data_files(folder / "data", "txt")
+    (folder / "data" / "train.parquet").write_text("x")
+    return folder, pretrained(folder / "start", "gpt2"), files
+
+
 def flags(args: dict) -> list[str]:
     """--key=value for each item, a bare --key for a value of None."""
     return [f"--{k}" if v is None else f"--{k}={v}" for k, v in args.items()]
@@ -160,13 +169,11 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
     ({"fsdp": None, "fsdp_config": '{"fsdp_version": 2}'}, "--fsdp: Accelerate shards only on GPUs"),
     ({"tokenizer_name": "./no-such-tokenizer"}, "--tokenizer_name ./no-such-tokenizer: no such folder"),
 ])
-def test_bad_arguments_fail_before_any_data_is_read(extra, message, tmp_path, monkeypatch):
+def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
-    start = pretrained(tmp_path / "start", "gpt2")
-    files = data_files(tmp_path / "data", "txt")
-    (tmp_path / "data" / "train.parquet").write_text("x")
+    folder, start, files = gpt2_and_data
     args = {**SMALL, **files, "model_name_or_path": start, "output_dir": tmp_path / "out", **extra}
-    args = {k: v if v is None else str(v).replace("{tmp}", str(tmp_path)) for k, v in args.items()}
+    args = {k: v if v is None else str(v).replace("{tmp}", str(folder)) for k, v in args.items()}
     with pytest.raises(ValueError) as err:
         run_clm.main(flags(args))
-    assert message.replace("{tmp}", str(tmp_path)) in str(err.value)
+    assert message.replace("{tmp}", str(folder)) in str(err.value)
