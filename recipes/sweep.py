@@ -218,11 +218,14 @@ def run_and_log(command: list[str], log_path: Path) -> int:
 
 
 def prune(folder: Path) -> None:
-    """Drop a finished run's weights and checkpoints, keeping metrics.json, config.json and the log."""
+    """Drop a finished run's weights, tokenizer files and checkpoints, keeping metrics.json, config.json and
+    the log."""
+    from run_clm import TOKENIZER_FILES
+
     for path in folder.iterdir():
         if path.is_dir() and path.name.startswith("checkpoint-"):
             shutil.rmtree(path)
-        elif path.suffix in (".safetensors", ".bin", ".pt", ".pth"):
+        elif path.suffix in (".safetensors", ".bin", ".pt", ".pth") or path.name in TOKENIZER_FILES:
             path.unlink()
 
 

@@ -175,6 +175,7 @@ def test_sweep_report_and_resume_after_two_interruptions(tmp_path):
             assert finished.setdefault(path, text) == text  # a finished run is never redone
     assert len(finished) == 4
     assert not list((tmp_path / "runs").glob("*/*/*/checkpoint-*"))  # pruned after finishing
+    assert not list((tmp_path / "runs").glob("*/*/*/tokenizer*")) and not list((tmp_path / "runs").glob("*/*/*/*.bin"))
 
     report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "report")])
     table = (tmp_path / "report" / "report.md").read_text()
