@@ -21,11 +21,13 @@ from hf_spanattn.ops.backward import Probe
 from hf_spanattn.ops.fused import fused_attention
 from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs
 from hf_spanattn.ops.tile_engine import tile_attention
+from hf_spanattn.ops.triton.backend import triton_attention
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
-BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"tiles": tile_attention, "fused": fused_attention}
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"tiles": tile_attention, "fused": fused_attention,
+                                                   "triton": triton_attention}
 
 
 def span_attention(
@@ -70,9 +72,12 @@ def span_attention(
 
     `backend` says how the T×T work runs: `"fused"` on SDPA's fused kernels (`ops/fused.py`: nothing
     T×T is formed, no host synchronisation; float32 and half inputs), `"tiles"` in row tiles of
-    explicit T×T matrices (`ops/tile_engine.py`; any dtype, the faster on a CPU), `"auto"` (default): the
-    environment variable HF_SPANATTN_BACKEND if set, else fused on accelerators and tiles on the CPU
-    or for float64.
+    explicit T×T matrices (`ops/tile_engine.py`; any dtype, the faster on a CPU), `"triton"` on this
+    package's Triton kernels (`ops/triton/`: one FlashAttention-2-style kernel pair that returns the
+    products of G each rule asks for; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; causal and
+    key-padding masks, dropout, head dims up to 128; anything else runs on fused, or tiles for float64,
+    with a warning naming the reason), `"auto"` (default): the environment variable HF_SPANATTN_BACKEND
+    if set, else fused on accelerators and tiles on the CPU or for float64.
     """
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
