@@ -22,11 +22,21 @@ from pathlib import Path
 
 import report
 from pack import load_records
-from run_identity import span_dir
+from records import metrics_problems
+from run_identity import data_source, move_aside, span_dir
+
+from hf_spanattn import SpanAttentionConfig
 
 
 def destination(runs_dir: Path, record: dict) -> Path:
-    return runs_dir / record["shape"] / span_dir(record["span"]) / f"seed{record['seed']}" / "metrics.json"
+    """<runs>/<shape>/<span folder>/seed<k>/metrics.json of a checked record (load_records checks the fields
+    that become folder names), and never a path outside `runs_dir`."""
+    label = SpanAttentionConfig.from_label(record["span"]).label
+    dest = runs_dir / record["shape"] / span_dir(label) / f"seed{record['seed']}" / "metrics.json"
+    if not dest.resolve().is_relative_to(runs_dir.resolve()):
+        raise ValueError(f"{record['name']}: shape {record['shape']!r} and span {record['span']!r} lead outside "
+                         f"{runs_dir}")
+    return dest
 
 
 def merge(inputs: list[Path], runs_dir: Path, replace: bool = False) -> tuple[int, int]:
@@ -42,17 +52,20 @@ def merge(inputs: list[Path], runs_dir: Path, replace: bool = False) -> tuple[in
     for dest, (record, path) in chosen.items():
         if dest.exists():
             try:
-                same = json.loads(dest.read_text()) == record
-            except json.JSONDecodeError:
-                same = False
-            if same:
+                there = json.loads(dest.read_text())
+                whole = not metrics_problems(there)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                there, whole = None, False
+            if there == record:
                 continue
-            if not replace:
+            if whole and not replace:
                 raise ValueError(f"{dest} already holds another result for {record['name']} (new one from {path}); "
-                                 "pass --replace to overwrite it")
+                                 "pass --replace to put it in place of that one")
         writes.append((dest, record))
     for dest, record in writes:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.exists():  # replaced, or not a whole result: kept beside the new one
+            print(f"{dest} moved to {move_aside(dest, 'replaced')}", flush=True)
         dest.write_text(json.dumps(record, indent=1) + "\n")
     return len(writes), len(chosen) - len(writes)
 
@@ -64,10 +77,9 @@ def notes(runs: dict[str, dict[str, dict[int, dict]]]) -> str:
     records = [m for *_, m in keyed]
     data, speed = defaultdict(int), defaultdict(list)
     for m in records:
-        d = m["config"]["data"]
-        data[f"{d.get('data_dir') or d.get('dataset_config_name')}: {d['train_file']}, {d['validation_file']}"] += 1
-        epochs = m.get("epochs_run") or (m["eval_history"][-1]["epoch"] if m["eval_history"] else 0)
-        if epochs:
+        data[data_source(m["config"].get("data") or {})] += 1
+        epochs = m.get("epochs_run") or (m["eval_history"][-1].get("epoch") if m.get("eval_history") else 0)
+        if epochs and m.get("train_runtime_s") is not None:
             speed[(m.get("device") or "?", m.get("parallel") or 1)].append(m["train_runtime_s"] / epochs)
     stopped = [(shape, span, seed, m) for shape, span, seed, m in keyed
                if (m.get("early_stopping") or {}).get("stopped_early")]
@@ -100,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/paper"), help="default: results/paper")
     parser.add_argument("--replace", action="store_true", help="overwrite a different result of the same run")
     args = parser.parse_args(argv)
+    blocking = next((p for p in (args.out / "runs", *(args.out / "runs").parents) if p.exists() and not p.is_dir()),
+                    None)
+    if blocking is not None:
+        parser.error(f"--out {args.out}: {blocking} is a file, not a folder")
     runs_dir = args.out / "runs"
     try:
         written, kept = merge(args.inputs, runs_dir, args.replace)

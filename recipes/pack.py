@@ -32,6 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from records import metrics_problems, record_problems
+from run_identity import move_aside
 from sweep import plan
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
@@ -81,7 +83,10 @@ def load_sweeps(path: Path) -> list[dict]:
     for i, document in enumerate(documents, 1):
         if not isinstance(document, dict):
             raise ValueError(f"sweep config {path}, document {i}: expected a mapping of output_dir, args, spans, ...")
-        current = {**previous, **document, "args": {**previous.get("args", {}), **document.get("args", {})}}
+        if not isinstance(document.get("args") or {}, dict):
+            raise ValueError(f"sweep config {path}, document {i}: args={document['args']!r}: expected a mapping "
+                             "of run_clm.py arguments")
+        current = {**previous, **document, "args": {**(previous.get("args") or {}), **(document.get("args") or {})}}
         sweeps.append(current)
         previous = current
     if not sweeps:
@@ -94,10 +99,12 @@ def result_name(folder: Path) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", "__".join(folder.parts[-3:]))
 
 
-def plan_runs(sweeps: list[dict], overrides: dict[str, str]) -> list[Run]:
+def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True) -> list[Run]:
+    """The runs of the sweep documents, each once; with `check`, run_clm.py's arguments are checked here
+    (data files, too: the machine that plans is the one that runs)."""
     runs: dict[str, Run] = {}
     for sweep in sweeps:
-        for folder, run_args in plan({**sweep, "args": {**sweep.get("args", {}), **overrides}}):
+        for folder, run_args in plan({**sweep, "args": {**(sweep.get("args") or {}), **overrides}}, check):
             args = dict(a[2:].split("=", 1) for a in run_args)
             args.pop("output_dir")
             run = Run(result_name(folder), folder, args)
@@ -107,31 +114,48 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str]) -> list[Run]:
     return list(runs.values())
 
 
-def load_records(path: Path) -> list[dict]:
-    """Result records from a folder of <name>.json, a .json file (one record or a list) or a .jsonl file."""
+def read_records(path: Path) -> tuple[list[dict], list[str]]:
+    """(the records, what is wrong with the others) in a folder of <name>.json, a .json file (one record or
+    a list) or a .jsonl file; a record that is not a whole, well-formed result is left out and named."""
     if path.is_dir():
         files = sorted([*path.glob("*.json"), *path.glob("*.jsonl")])
         if not files:
             raise ValueError(f"{path}: no result files (*.json, *.jsonl)")
-        return [r for f in files for r in load_records(f)]
+        found = [read_records(f) for f in files]
+        return [r for records, _ in found for r in records], [p for _, problems in found for p in problems]
     if not path.is_file():
         raise ValueError(f"{path}: no such file or folder")
-    text = path.read_text()
+    text = path.read_text(errors="replace")
     if path.suffix == ".jsonl":
         pieces = [(f"{path} line {i}", line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     else:
         pieces = [(str(path), text)]
-    records = []
+    records, problems = [], []
     for where, piece in pieces:
         try:
             value = json.loads(piece)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not valid JSON ({err})") from None
+            cut = path.suffix == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and not text.endswith("\n")
+            problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
+                                                                  "writing it" if cut else ""))
+            continue
         for record in value if isinstance(value, list) else [value]:
-            missing = [k for k in REQUIRED if not isinstance(record, dict) or k not in record]
-            if missing:
-                raise ValueError(f"{where}: not a result of recipes/pack.py, missing {', '.join(missing)}")
-            records.append(record)
+            wrong = record_problems(record)
+            if wrong:
+                problems.append(f"{where}: not a result of recipes/pack.py: {'; '.join(wrong)}")
+            else:
+                records.append(record)
+    return records, problems
+
+
+def load_records(path: Path) -> list[dict]:
+    """The records of `path` (see read_records); any that is not well-formed is an error naming it, except
+    a .jsonl file's last line cut short (a command stopped while appending it), which is skipped and named."""
+    records, problems = read_records(path)
+    for problem in problems:
+        if not problem.endswith("stopped while writing it"):
+            raise ValueError(problem)
+        print(f"skipping {problem}", file=sys.stderr, flush=True)
     return records
 
 
@@ -161,18 +185,39 @@ def write_record(record: dict, results: Path | None, jsonl: Path | None) -> None
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(results / f"{record['name']}.json")  # whole or absent, even if killed mid-write
     if jsonl is not None:
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with open(jsonl, "a+b") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end and f.seek(end - 1) >= 0 and f.read(1) != b"\n":
+                f.write(b"\n")  # a line cut short by a stopped command stays a line of its own
+            f.write((json.dumps(record) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
 
 
-def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None) -> set[str]:
-    done = {r.name for r in runs if (r.folder / "metrics.json").exists()}
-    if results is not None:
-        done |= {r.name for r in runs if (results / f"{r.name}.json").exists()}
+def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, say=print) -> set[str]:
+    """The runs with a well-formed result in the sweep's tree, in --results or in --jsonl. A result that is
+    not (partial, hand-edited, hostile) is named through `say`, and its run counts as not finished."""
+    done = set()
+    for run in runs:
+        places = [(run.folder / "metrics.json", metrics_problems)]
+        if results is not None:
+            places.append((results / f"{run.name}.json", lambda data, name=run.name: record_problems(data, name)))
+        for path, check in places:
+            if not path.exists():
+                continue
+            try:
+                problems = check(json.loads(path.read_text()))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                problems = [f"not valid JSON ({err})"]
+            if problems:
+                say(f"{path}: not a finished run's result ({'; '.join(problems)}); the run is redone", flush=True)
+            else:
+                done.add(run.name)
     if jsonl is not None and jsonl.exists():
-        done |= {r["name"] for r in load_records(jsonl)}
+        records, problems = read_records(jsonl)
+        for problem in problems:
+            say(f"{problem}; the line is ignored", flush=True)
+        done |= {r["name"] for r in records}
     return done
 
 
@@ -200,8 +245,15 @@ def collect(job: Started, args: argparse.Namespace, tally: Tally) -> None:
             print(f"FAILED {job.run.name} (exit code {job.process.returncode}, {wall:.0f} s); end of its log:\n  "
                   + "\n  ".join(tail), flush=True)
             return
-        metrics = json.loads((job.tmp / "metrics.json").read_text())
-        record = result_record(job.run, metrics, wall, args.parallel)
+        try:
+            record = result_record(job.run, json.loads((job.tmp / "metrics.json").read_text()), wall, args.parallel)
+            problems = record_problems(record)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+            problems = [f"{type(err).__name__}: {err}"]
+        if problems:
+            tally.failed.append(job.run.name)
+            print(f"FAILED {job.run.name}: it ended without a whole result ({'; '.join(problems)})", flush=True)
+            return
         write_record(record, args.results, args.jsonl)
         tally.finished.append(wall)
         stop = record["early_stopping"] or {}
@@ -231,8 +283,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: allowed values are >= 1")
     for item in args.set:
-        if "=" not in item or item.startswith(("=", "output_dir=")):
-            parser.error(f"--set {item!r}: expected KEY=VALUE with a run_clm.py argument other than output_dir")
+        if "=" not in item or item.startswith(("=", "output_dir=", "span=", "seed=")):
+            parser.error(f"--set {item!r}: expected KEY=VALUE with a run_clm.py argument other than output_dir, span "
+                         "and seed (the sweep file's spans and seeds give those)")
+    for flag in ("budget", "estimate", "max_runs"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:  # NaN too
+            parser.error(f"--{flag} {value}: allowed values are numbers >= 0")
     if args.results is not None and args.results.exists() and not args.results.is_dir():
         parser.error(f"--results {args.results}: exists and is not a folder")
     return args
@@ -242,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     args = parse(argv)
     try:
-        runs = plan_runs(load_sweeps(args.config), dict(item.split("=", 1) for item in args.set))
+        runs = plan_runs(load_sweeps(args.config), dict(item.split("=", 1) for item in args.set),
+                         check=not args.dry_run)
         done = finished_names(runs, args.results, args.jsonl)
     except ValueError as err:
         raise SystemExit(f"pack: {err}") from None
@@ -253,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.results is not None:
         args.results.mkdir(parents=True, exist_ok=True)
+        for run in todo:  # a result file that is not whole: kept, out of the way of the new one
+            path = args.results / f"{run.name}.json"
+            if path.exists():
+                print(f"{path} moved to {move_aside(path, 'invalid')}", flush=True)
     if args.jsonl is not None:
         args.jsonl.parent.mkdir(parents=True, exist_ok=True)
     limit = len(todo) if args.max_runs is None else min(args.max_runs, len(todo))

@@ -27,21 +27,29 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plot_diagnostics import plot as plot_diagnostics
-from run_identity import read_json, span_dir  # noqa: E402
+from plot_diagnostics import plot as plot_diagnostics  # noqa: E402
+from records import metrics_problems  # noqa: E402
+from run_identity import data_source, read_json, span_dir  # noqa: E402
 
 BASELINE = "standard:QKV111"
 PAPER_DELTA = 0.56  # Δ % of score:1000 in the paper (GPT-2 d = 256, 6 layers, 50 epochs of WikiText-2)
 
 
-def load_runs(runs_dir: Path) -> dict[str, dict[str, dict[int, dict]]]:
-    """{shape: {span label: {seed: metrics}}}; two runs of one setting and seed are an error naming both."""
+def load_runs(runs_dir: Path, say=print) -> dict[str, dict[str, dict[int, dict]]]:
+    """{shape: {span label: {seed: metrics}}}; two runs of one setting and seed are an error naming both. A
+    metrics.json that a report cannot use (partial, hand-edited, a run without evaluation) is named
+    through `say`, with what is wrong, and left out."""
     runs: dict = defaultdict(lambda: defaultdict(dict))
     paths: dict = {}
     for path in sorted(runs_dir.glob("*/*/seed*/metrics.json")):
         if not re.fullmatch(r"seed\d+", path.parent.name):
             continue  # a run moved aside by sweep.py (seed0.replaced-1), made with other settings
-        metrics = {**read_json(path), "_dir": path.parent}
+        data = read_json(path)
+        problems = metrics_problems(data)
+        if problems:
+            say(f"report: leaving out {path}: {'; '.join(problems)}", file=sys.stderr, flush=True)
+            continue
+        metrics = {"train_history": [], "eval_history": [], **data, "_dir": path.parent}
         seed = metrics["config"]["training"]["seed"]
         key = (path.parts[-4], metrics["span"], seed)
         if key in paths:
@@ -57,8 +65,9 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
-def delta(baseline: float, value: float) -> float:
-    return (baseline - value) / baseline * 100
+def delta(baseline: float, value: float) -> float | None:
+    """Δ % against `baseline`; None where the baseline is 0, against which no percentage exists."""
+    return (baseline - value) / baseline * 100 if baseline else None
 
 
 def table(spans: dict[str, dict[int, dict]]) -> list[dict]:
@@ -70,12 +79,16 @@ def table(spans: dict[str, dict[int, dict]]) -> list[dict]:
     for label, seeds in sorted(spans.items(), key=lambda kv: (kv[0] != BASELINE, kv[0])):
         val = [m["min_val_loss"] for m in seeds.values()]
         train = [m["final_train_loss"] for m in seeds.values()]
-        paired = [delta(base[s]["min_val_loss"], m["min_val_loss"]) for s, m in seeds.items() if s in base]
+        paired = [d for s, m in seeds.items() if s in base
+                  if (d := delta(base[s]["min_val_loss"], m["min_val_loss"])) is not None]
         row = {"span": label, "runs": len(seeds), "seeds": sorted(seeds)}
         row["train_mean"], row["train_std"] = mean_std(train)
         row["val_mean"], row["val_std"] = mean_std(val)
         row["train_delta"] = delta(base_train, row["train_mean"]) if base else None
         row["val_delta"] = delta(base_val, row["val_mean"]) if base else None
+        if base and row["val_delta"] is None:
+            print(f"report: the {BASELINE} runs' validation loss is 0, so {label} has no Δ % against them",
+                  file=sys.stderr)
         row["val_delta_std"] = mean_std(paired)[1] if paired else None
         row["val_delta_paired"] = paired
         rows.append(row)
@@ -106,7 +119,7 @@ def markdown(shape: str, rows: list[dict]) -> str:
 def delta_limit(rows: list[dict]) -> float:
     """Half-height of the Δ % axis: what the bars, seeds and error bars need, and never less than the
     paper's effect, so that a difference of a few parts per million does not fill the plot."""
-    extent = [abs(r["val_delta"]) + (r["val_delta_std"] or 0) for r in rows]
+    extent = [abs(r["val_delta"]) + (r["val_delta_std"] or 0) for r in rows if r["val_delta"] is not None]
     extent += [abs(d) for r in rows for d in r["val_delta_paired"]]
     return 1.15 * max([PAPER_DELTA, *extent])
 
@@ -136,7 +149,7 @@ def plot(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict], out: P
         for i, (seed, m) in enumerate(sorted(seeds.items())):
             reference = {e["step"]: e["loss"] for e in base.get(seed, {}).get("eval_history", [])}
             points = [(e["step"], delta(reference[e["step"]], e["loss"])) for e in m["eval_history"]
-                      if e["step"] in reference]
+                      if reference.get(e["step"])]
             if points:
                 dax.plot(*zip(*points), marker="o", color=line.get_color(), linestyle=("-", "--", ":", "-.")[i % 4],
                          label=f"{label} seed {seed}")
@@ -188,22 +201,23 @@ def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> 
     """What the comparison can and cannot show, from its own numbers."""
     runs = [m for seeds in spans.values() for m in seeds.values()]
     first = runs[0]
-    training, data = first["config"]["training"], first["config"]["data"]
+    training, data = first["config"]["training"], first["config"].get("data") or {}
     steps = max((h["step"] for h in first["train_history"] + first["eval_history"]), default=0)
     sizes = (training.get("per_device_train_batch_size"), training.get("gradient_accumulation_steps"),
              first.get("world_size") or 1, data.get("block_size"))
     tokens = f"about {steps * math.prod(sizes):,} tokens" if None not in sizes else "tokens"
-    source = (f"{data['data_dir']}/{data['train_file']}" if data.get("data_dir")
-              else f"{data['dataset_name']} {data['dataset_config_name']} from the Hub")
+    source = data_source(data)
     spread_over = ", spread evenly over the whole split" if data.get("token_subset") == "spread" else ""
+    times = [m["train_runtime_s"] for m in runs if "train_runtime_s" in m]
     lines = [f"**What this comparison can and cannot show.** Each run trained {steps} optimizer steps on "
-             f"{tokens} of {source} (blocks of {data.get('block_size')}{spread_over}), "
-             f"{statistics.fmean(m['train_runtime_s'] for m in runs):.0f} s of training per run on this machine."]
+             f"{tokens} of {source} (blocks of {data.get('block_size')}{spread_over})"
+             + (f", {statistics.fmean(times):.0f} s of training per run on this machine." if times else ".")]
     base = next((r for r in rows if r["span"] == BASELINE), None)
     if base is not None:
         spread = ("one seed, so no seed-to-seed spread" if base["val_std"] is None
+                  else f"its seed-to-seed spread is ±{base['val_std']:.4f}" if not base["val_mean"]
                   else f"its seed-to-seed spread is ±{base['val_std'] / base['val_mean'] * 100:.3f} %")
-        unigram = [m["unigram_val_loss"] for m in spans[BASELINE].values() if "unigram_val_loss" in m]
+        unigram = [m["unigram_val_loss"] for m in spans[BASELINE].values() if m.get("unigram_val_loss") is not None]
         against = (f", against {statistics.fmean(unigram):.3f} from the training tokens' frequencies alone (a "
                    "unigram model, which reads no context)" if unigram else "")
         lines.append(f"The baseline reached validation loss {base['val_mean']:.3f} (perplexity "
@@ -233,10 +247,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="output folder (default: the parent of runs_dir)")
     args = parser.parse_args(argv)
     out = args.out or args.runs_dir.parent
-    out.mkdir(parents=True, exist_ok=True)
-    runs = load_runs(args.runs_dir)
+    if not args.runs_dir.is_dir():
+        what = "not a folder" if args.runs_dir.exists() else "no such folder"
+        raise SystemExit(f"report: {args.runs_dir}: {what}")
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"report: --out {out}: exists and is not a folder")
+    try:
+        runs = load_runs(args.runs_dir)
+    except ValueError as err:
+        raise SystemExit(f"report: {err}") from None
     if not runs:
-        raise SystemExit(f"no metrics.json under {args.runs_dir}/<shape>/<span>/seed<k>/")
+        raise SystemExit(f"report: no usable metrics.json under {args.runs_dir}/<shape>/<span>/seed<k>/")
+    out.mkdir(parents=True, exist_ok=True)
     text, records = ["## Results", "", "Δ %: (baseline − value) / baseline · 100 against standard:QKV111 of the "
                      "same shape (positive is better); ± is the standard deviation over seeds.", ""], []
     for shape, spans in sorted(runs.items()):

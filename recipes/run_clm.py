@@ -1,37 +1,69 @@
 #!/usr/bin/env python
-"""Train a GPT-2 language model from scratch on WikiText-2 with span-decomposed attention gradients.
+"""Train a causal language model with span-decomposed attention gradients: fine-tune a pretrained
+model, or train the paper's GPT-2 from scratch.
 
 The conventions of Transformers' examples/pytorch/language-modeling/run_clm.py: argument
 dataclasses read by HfArgumentParser (command line, or one .yaml/.json file), the stock
-Trainer, plus a span-attention argument group. Defaults are the paper's setup: WikiText-2 raw
-with the GPT-2 tokenizer, blocks of 512 tokens with 50 % overlap, GPT-2 with d = 256,
-4 heads, 6 layers, dropout 0.1, effective batch 128, evaluation every epoch.
+Trainer, plus a span-attention argument group. Without --model_name_or_path or --config_name,
+the defaults are the paper's setup: WikiText-2 raw from the Hub with the GPT-2 tokenizer, blocks
+of 512 tokens with 50 % overlap, GPT-2 with d = 256, 4 heads, 6 layers, dropout 0.1, effective
+batch 128, evaluation every epoch.
 
     python recipes/run_clm.py --span score:1000 --output_dir runs/score-1000
-    python recipes/run_clm.py --data_dir ../shared/data/wikitext-2-raw-v1 \\
-        --train_file train.PARTIAL-first-1MB.txt --tokenizer_name ../shared/data/gpt2-tokenizer ...
-    accelerate launch --num_processes 2 recipes/run_clm.py ...
+    python recipes/run_clm.py --model_name_or_path openai-community/gpt2 --span score:1000 \\
+        --train_file my.txt --validation_file my_val.jsonl --block_size 256 --num_train_epochs 1 \\
+        --per_device_train_batch_size 4 --gradient_accumulation_steps 1 --output_dir runs/gpt2-score
+    python recipes/run_clm.py --train_file ../shared/data/wikitext-2-raw-v1/train.PARTIAL-first-1MB.txt \\
+        --validation_file ../shared/data/wikitext-2-raw-v1/validation.txt \\
+        --tokenizer_name ../shared/data/gpt2-tokenizer ...
+
+--train_file/--validation_file are paths (.txt: one text per line; .json/.jsonl/.csv: the "text"
+column, else the first); without a validation file, --validation_split_percentage of the train
+rows is held out. --data_dir D is short for files in D (train.txt and validation.txt unless
+--train_file/--validation_file name others there). --do_train and --do_eval both default to true;
+--do_train false only evaluates. The model is patched with --span (on --span_layers) and saved
+to --output_dir with its tokenizer; hf_spanattn.load_pretrained(output_dir) reloads it patched.
+
+Several processes (DDP; 2 here, the global batch is the sum of the processes' batches):
+
+    torchrun --nproc_per_node 2 recipes/run_clm.py ...                   # GPUs, one per process
+    torchrun --nproc_per_node 2 recipes/run_clm.py ... --use_cpu true    # a CPU machine (gloo)
+    accelerate launch --multi_gpu --num_processes 2 recipes/run_clm.py ...   # the same; --use_cpu true on CPUs
+
+On a machine without GPUs, `accelerate launch --num_processes 2` (without --multi_gpu, or with
+--cpu) starts one process only. Sharded (FSDP2: fully_shard on each decoder layer, parameters
+resharded after the forward), on GPUs:
+
+    torchrun --nproc_per_node 2 recipes/run_clm.py ... --fsdp --fsdp_config '{"fsdp_version": 2}'
+
+Accelerate shards only on GPUs and other accelerators: on CPUs the Trainer would silently train
+such a command as DDP, so run_clm.py refuses --fsdp there.
 
 Writes `metrics.json` (the full configuration, per-epoch losses and learning rates, best
 validation loss, perplexity, next-token accuracy, the validation loss of the training tokens'
 unigram frequencies, the device, and with --early_stopping_patience whether and at which epoch
-training stopped early) into --output_dir. A run resumes the last
-checkpoint in --output_dir only where `run_config.json` there records the same settings (see
-run_identity.py).
+training stopped early) into --output_dir. A run resumes the newest complete checkpoint in
+--output_dir only where `run_config.json` there records the same settings (see run_identity.py);
+while it runs, `<output_dir>.lock` keeps a second run out of the same folder.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import contextlib
+import io
 import logging
+import math
 import os
 import platform
 import sys
 import time
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import datasets
 import evaluate
@@ -42,49 +74,122 @@ import transformers
 import yaml
 from datasets.fingerprint import Hasher
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     AutoTokenizer,
     EarlyStoppingCallback,
     GPT2Config,
-    GPT2LMHeadModel,
     HfArgumentParser,
+    PreTrainedModel,
     Trainer,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
+from transformers.hf_argparser import string_to_bool
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
+from hf_spanattn.integration.registry import config_of
 from hf_spanattn.training import Schedule, SpanAttentionCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_identity import resume_point, write_config  # noqa: E402
+from run_identity import RunLock, resume_point, write_config, write_json  # noqa: E402
 
 logger = logging.getLogger(__name__)
 METRIC_PATH = str(Path(__file__).parent / "metrics" / "next_token")
+DEFAULT_TOKENIZER = "openai-community/gpt2"
+PAPER_GPT2 = {"n_embd": 256, "n_head": 4, "n_layer": 6, "ffn_mult": 4, "dropout": 0.1}
+DTYPES = Literal["auto", "bfloat16", "float16", "float32"]
+FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+
+
+def looks_local(name: str) -> bool:
+    """A name that cannot be a Hub repository id ('owner/name'): a path to look for here."""
+    return name.startswith((".", "~", os.sep)) or name.count("/") > 1 or os.path.exists(name.split("/")[0])
 
 
 @dataclass
 class ModelArguments:
-    n_embd: int = field(default=256, metadata={"help": "Model dimension d."})
-    n_head: int = field(default=4, metadata={"help": "Attention heads."})
-    n_layer: int = field(default=6, metadata={"help": "Transformer layers."})
-    ffn_mult: int = field(default=4, metadata={"help": "Feed-forward width as a multiple of d."})
-    dropout: float = field(default=0.1, metadata={"help": "Dropout of embeddings, residuals and attention."})
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "A pretrained causal language model to fine-tune: a Hub id or a local folder (default: the paper's "
+                "GPT-2, built from scratch)."})
+    config_name: str | None = field(default=None, metadata={
+        "help": "A model config (Hub id or local folder): a model from scratch in that form, or the config to "
+                "load --model_name_or_path's weights with."})
+    config_overrides: str | None = field(default=None, metadata={
+        "help": "Comma-separated key=value settings of the model config, e.g. n_embd=64,resid_pdrop=0.2 "
+                "(each key must exist in the config)."})
+    dtype: DTYPES | None = field(default=None, metadata={
+        "help": "Load or build the model in this dtype (auto: the checkpoint's; default float32)."})
+    torch_dtype: DTYPES | None = field(default=None, metadata={"help": "The former name of --dtype."})
+    n_embd: int | None = field(default=None, metadata={"help": "From-scratch GPT-2: model dimension d (256)."})
+    n_head: int | None = field(default=None, metadata={"help": "From-scratch GPT-2: attention heads (4)."})
+    n_layer: int | None = field(default=None, metadata={"help": "From-scratch GPT-2: layers (6)."})
+    ffn_mult: int | None = field(default=None, metadata={
+        "help": "From-scratch GPT-2: feed-forward width as a multiple of d (4)."})
+    dropout: float | None = field(default=None, metadata={
+        "help": "From-scratch GPT-2: dropout of embeddings, residuals and attention (0.1)."})
 
     def __post_init__(self):
+        if self.torch_dtype is not None:
+            if self.dtype not in (None, self.torch_dtype):
+                raise ValueError(f"--dtype {self.dtype} and --torch_dtype {self.torch_dtype}: give one of them")
+            self.dtype, self.torch_dtype = self.torch_dtype, None
+        for flag in ("model_name_or_path", "config_name"):
+            name = getattr(self, flag)
+            if name is not None and looks_local(name) and not os.path.isdir(name):
+                raise ValueError(f"--{flag} {name}: no such folder (a local path; a Hub id reads 'owner/name')")
+        if self.config_overrides is not None:
+            overrides(self.config_overrides)  # the syntax; the keys are checked on the config
+        shape = {k: getattr(self, k) for k in PAPER_GPT2}
+        if self.model_name_or_path or self.config_name:
+            given = [k for k, v in shape.items() if v is not None]
+            if given:
+                raise ValueError(f"--{given[0]} shapes the from-scratch GPT-2; with --model_name_or_path or "
+                                 f"--config_name, change the model config with --config_overrides instead")
+            return
+        for k, v in PAPER_GPT2.items():
+            if shape[k] is None:
+                setattr(self, k, v)
+        for k in ("n_embd", "n_head", "n_layer", "ffn_mult"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k} {getattr(self, k)}: allowed values are >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout {self.dropout}: allowed values are 0 <= dropout < 1")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n_embd {self.n_embd} must be a multiple of --n_head {self.n_head}")
 
 
+def overrides(text: str) -> dict[str, str]:
+    """--config_overrides 'a=1,b=x' as {'a': '1', 'b': 'x'}."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+    bad = [p[0] for p in pairs if len(p) != 2 or not p[0].strip()]
+    if bad or not pairs:
+        raise ValueError(f"--config_overrides {text!r}: expected comma-separated key=value pairs, e.g. "
+                         "n_embd=64,resid_pdrop=0.2")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
 @dataclass
 class DataArguments:
-    dataset_name: str = field(default="wikitext", metadata={"help": "Hub dataset (ignored with --data_dir)."})
-    dataset_config_name: str = field(default="wikitext-2-raw-v1", metadata={"help": "Hub dataset configuration."})
-    data_dir: str | None = field(default=None, metadata={"help": "Folder with local text files (offline)."})
-    train_file: str = field(default="train.txt", metadata={"help": "Train file name inside --data_dir."})
-    validation_file: str = field(default="validation.txt", metadata={"help": "Validation file inside --data_dir."})
-    tokenizer_name: str = field(default="openai-community/gpt2", metadata={"help": "Hub name or local folder."})
+    dataset_name: str = field(default="wikitext", metadata={
+        "help": "Hub dataset (not used with --train_file, --validation_file or --data_dir)."})
+    dataset_config_name: str | None = field(default="wikitext-2-raw-v1", metadata={
+        "help": "Hub dataset configuration."})
+    train_file: str | None = field(default=None, metadata={
+        "help": "Training data: a .txt (one text per line), .json/.jsonl or .csv file (the 'text' column, else the "
+                "first); a path, relative to --data_dir where given."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation data, as --train_file."})
+    data_dir: str | None = field(default=None, metadata={
+        "help": "Folder of the data files: relative --train_file/--validation_file paths are in it, and they "
+                "default to its train.txt and validation.txt."})
+    validation_split_percentage: int = field(default=5, metadata={
+        "help": "Without a validation split: the percentage of the train rows (the first ones) held out for it."})
+    tokenizer_name: str | None = field(default=None, metadata={
+        "help": f"Hub name or local folder (default: --model_name_or_path's tokenizer, else {DEFAULT_TOKENIZER})."})
     block_size: int = field(default=512, metadata={"help": "Sequence length T."})
     overlap: float = field(default=0.5, metadata={"help": "Overlap of consecutive blocks (stride = T·(1−overlap))."})
     max_train_tokens: int | None = field(default=None, metadata={
@@ -95,21 +200,54 @@ class DataArguments:
         "help": "Which tokens --max_train_tokens and --max_eval_tokens keep: the first N of the split, or N tokens' "
                 "worth of blocks spread evenly over the whole split (every part of the text, at the cost of "
                 "tokenizing all of it)."})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "Keep only the first N training blocks (after --max_train_tokens)."})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "Keep only the first N validation blocks (after --max_eval_tokens)."})
 
     def __post_init__(self):
         if not 0 <= self.overlap < 1:
             raise ValueError(f"--overlap {self.overlap}: allowed values are 0 <= overlap < 1")
-        if self.data_dir is not None:
-            for name in (self.train_file, self.validation_file):
-                if not os.path.isfile(os.path.join(self.data_dir, name)):
-                    raise ValueError(f"--data_dir {self.data_dir} has no {name}; pass --train_file/--validation_file")
-                if os.path.getsize(os.path.join(self.data_dir, name)) == 0:
-                    raise ValueError(f"{os.path.join(self.data_dir, name)} is empty: a split needs text")
+        if not 0 < self.validation_split_percentage < 100:
+            raise ValueError(f"--validation_split_percentage {self.validation_split_percentage}: allowed values are "
+                             "1 to 99")
+        if self.data_dir is not None and not os.path.isdir(self.data_dir):
+            raise ValueError(f"--data_dir {self.data_dir}: no such folder")
+        for split, path in (self.files() or {}).items():
+            flag = f"--{split}_file" if getattr(self, f"{split}_file") else "--data_dir"
+            if flag == "--data_dir" and not os.path.isfile(path):
+                raise ValueError(f"--data_dir {self.data_dir} has no {os.path.basename(path)}; pass --{split}_file")
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: " + ("not a file" if os.path.exists(path) else "no such file"))
+            if Path(path).suffix.lower() not in FILE_BUILDERS:
+                raise ValueError(f"{flag} {path}: allowed file types are {', '.join(FILE_BUILDERS)}")
+            if os.path.getsize(path) == 0:
+                raise ValueError(f"{path} is empty: a split needs text")
         for flag in ("block_size", "max_train_tokens", "max_eval_tokens"):
             value = getattr(self, flag)
             if value is not None and value < 2:
                 raise ValueError(f"--{flag} {value}: expected at least 2 tokens"
                                  + ("" if flag == "block_size" else " (leave it unset for all)"))
+        for flag in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, flag)
+            if value is not None and value < 1:
+                raise ValueError(f"--{flag} {value}: allowed values are >= 1 (leave it unset for all)")
+
+    def files(self) -> dict[str, str] | None:
+        """{split: path} of the local data files, or None for the Hub dataset."""
+        if self.train_file is None and self.validation_file is None and self.data_dir is None:
+            return None
+        folder = self.data_dir or ""
+        out = {}
+        for split in ("train", "validation"):
+            name = getattr(self, f"{split}_file") or (f"{split}.txt" if self.data_dir is not None else None)
+            if name is not None:
+                out[split] = os.path.join(folder, os.path.expanduser(name))
+        return out
+
+    def source(self, split: str) -> str:
+        files = self.files()
+        return files.get(split, f"{files['train']} (held-out rows)") if files else f"{self.dataset_name}[{split}]"
 
 
 @dataclass
@@ -137,6 +275,8 @@ class SpanArguments:
             return None
         schedule = None
         if self.span_schedule is not None:
+            if self.span_schedule.endswith((".yaml", ".yml", ".json")) and not os.path.isfile(self.span_schedule):
+                raise ValueError(f"--span_schedule {self.span_schedule}: no such file")
             text = Path(self.span_schedule).read_text() if os.path.isfile(self.span_schedule) else self.span_schedule
             try:
                 keyframes = yaml.safe_load(text)
@@ -172,7 +312,7 @@ class StoppingArguments:
     def __post_init__(self):
         if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
             raise ValueError(f"--early_stopping_patience {self.early_stopping_patience}: allowed values are >= 1")
-        if self.early_stopping_threshold < 0:
+        if not self.early_stopping_threshold >= 0:  # NaN too
             raise ValueError(f"--early_stopping_threshold {self.early_stopping_threshold}: allowed values are >= 0")
 
     def callbacks(self, training: TrainingArguments) -> list[EarlyStoppingCallback]:
@@ -189,55 +329,226 @@ class OutputArguments:
         "help": "Start afresh where --output_dir holds another run: that run is moved to <output_dir>.replaced-<n>."})
 
 
-def parse_args(argv: list[str] | None = None):
-    """(model, data, span, training, stopping, output) arguments; Transformers 4 has overwrite_output_dir
-    on TrainingArguments, which then serves as the output arguments."""
-    classes = (ModelArguments, DataArguments, SpanArguments, TrainingArguments, StoppingArguments)
-    if not hasattr(TrainingArguments, "overwrite_output_dir"):
-        classes += (OutputArguments,)
-    parser = HfArgumentParser(classes)
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        parsed = parser.parse_yaml_file(os.path.abspath(argv[0]))
-    elif len(argv) == 1 and argv[0].endswith(".json"):
-        parsed = parser.parse_json_file(os.path.abspath(argv[0]))
-    else:
-        parsed = parser.parse_args_into_dataclasses(args=argv)
-    return (*parsed[:5], parsed[5] if len(parsed) > 5 else parsed[3])
+PAPER_TRAINING = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 16, "eval_strategy": "epoch",
+                  "save_strategy": "epoch", "logging_strategy": "epoch", "num_train_epochs": 50, "learning_rate": 5e-4,
+                  "load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "save_total_limit": 2,
+                  "report_to": "none", "dataloader_pin_memory": torch.cuda.is_available()}  # no pin-memory warning
+
+
+def defaults_for(given: dict[str, Any]) -> dict[str, Any]:
+    """The paper's training setup and this recipe's --do_train/--do_eval (both true unless given) for the
+    arguments that `given` (name → value as written) leaves out."""
+    out = {k: v for k, v in PAPER_TRAINING.items() if k not in given}
+    train, evaluate_ = (given.get(k, True) for k in ("do_train", "do_eval"))
+    train, evaluate_ = (v if isinstance(v, bool) else string_to_bool(str(v)) for v in (train, evaluate_))
+    if not train and not evaluate_:
+        raise ValueError("--do_train false and --do_eval false: nothing to do")
+    out.update(do_train=train, do_eval=evaluate_)
+    if not evaluate_:  # no evaluation: no schedule of evaluations, no best model to keep
+        for key, value in (("eval_strategy", "no"), ("load_best_model_at_end", False)):
+            if key not in given:
+                out[key] = value
+            elif str(given[key]).lower() not in (str(value).lower(), "none"):
+                raise ValueError(f"--do_eval false and --{key} {given[key]}: evaluation is off")
+        out.pop("metric_for_best_model", None)
+    return out
+
+
+def given_flags(argv: list[str]) -> dict[str, str]:
+    """{name: value} of the --name value / --name=value / bare --name flags in `argv`."""
+    out = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "true"
+            out[name] = value
+    return out
 
 
 def training_defaults(argv: list[str]) -> list[str]:
-    """The paper's training setup where the command line does not say otherwise."""
-    defaults = {"--per_device_train_batch_size": "8", "--gradient_accumulation_steps": "16",
-                "--eval_strategy": "epoch", "--save_strategy": "epoch", "--logging_strategy": "epoch",
-                "--num_train_epochs": "50", "--learning_rate": "5e-4", "--load_best_model_at_end": "true",
-                "--metric_for_best_model": "eval_loss", "--save_total_limit": "2", "--report_to": "none",
-                "--dataloader_pin_memory": str(torch.cuda.is_available()).lower()}  # no pin-memory warning on CPUs
-    given = {a.split("=")[0] for a in argv if a.startswith("--")}
-    return [*argv, *(x for k, v in defaults.items() if k not in given for x in (k, v))]
+    """`argv` completed with `defaults_for` it."""
+    given = given_flags(argv)
+    added = defaults_for(given)
+    return [*argv, *(x for k, v in added.items() if k not in given
+                     for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)))]
 
 
-def load_texts(data: DataArguments) -> datasets.DatasetDict:
-    if data.data_dir is None:
-        return from_hub(datasets.load_dataset, data.dataset_name, data.dataset_config_name)
-    files = {"train": os.path.join(data.data_dir, data.train_file),
-             "validation": os.path.join(data.data_dir, data.validation_file)}
-    raw = datasets.load_dataset("text", data_files=files, keep_linebreaks=True)
-    # as the Hub's wikitext rows: a whitespace-only line is an empty row
-    return raw.map(lambda row: {"text": row["text"] if row["text"].strip() else ""})
+def parser_classes() -> tuple[type, ...]:
+    """(model, data, span, training, stopping, output) arguments; Transformers 4 has overwrite_output_dir
+    on TrainingArguments, which then serves as the output arguments."""
+    classes = (ModelArguments, DataArguments, SpanArguments, TrainingArguments, StoppingArguments)
+    return classes if hasattr(TrainingArguments, "overwrite_output_dir") else (*classes, OutputArguments)
 
 
-def from_hub(load, name: str, *args):
-    """load(name, *args), with a console message naming the offline route when the Hub cannot be reached."""
+def parse_args(argv: list[str] | None = None):
+    """The argument dataclasses, from flags or one .yaml/.json file, completed with the paper's defaults
+    and checked (a bad value fails here, before any model or data is read)."""
+    parser = HfArgumentParser(parser_classes())
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
+        parsed = parse_file(parser, Path(argv[0]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=training_defaults(argv))
+    parsed = (*parsed[:5], parsed[5] if len(parsed) > 5 else parsed[3])
+    check(*parsed)
+    return parsed
+
+
+def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
     try:
-        return load(name, *args)
+        values = yaml.safe_load(path.read_text())  # YAML reads JSON too
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML/JSON ({err})") from None
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise ValueError(f"{path}: expected a mapping of run_clm.py arguments (name: value)")
+    values = {k: typed(k, v, path) for k, v in values.items()}
+    try:
+        return parser.parse_dict({**defaults_for(values), **values})
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def typed(key: str, value: Any, path: Path) -> Any:
+    """A value from a config file in the type its argument takes, as the command line would give it: YAML
+    reads 1e-3 as text and a bare no as false, and parse_dict converts nothing."""
+    hints = {k: v for c in parser_classes() for k, v in typing.get_type_hints(c).items()}
+    if key not in hints or value is None:
+        return value  # an unknown key: parse_dict names it
+    kind = hints[key]
+    options = set(typing.get_args(kind)) - {type(None)} if typing.get_origin(kind) in (typing.Union, types.UnionType) \
+        else {kind}
+    literal = next((typing.get_args(o) for o in options if typing.get_origin(o) is Literal), None)
+    where = f"{path}: {key}={value!r}"
+    bare = " (YAML reads a bare yes/no/on/off as true/false: quote it, as 'no')" if isinstance(value, bool) else ""
+    try:
+        if options == {bool}:
+            return value if isinstance(value, bool) else string_to_bool(str(value))
+        if options in ({int}, {float}):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError
+            number = float(value)
+            if options == {int} and not number.is_integer():
+                raise ValueError
+            return int(number) if options == {int} else number
+    except (ValueError, TypeError, OverflowError, argparse.ArgumentTypeError):
+        wanted = "an integer" if options == {int} else "a number" if options == {float} else "true or false"
+        raise ValueError(f"{where}: expected {wanted}") from None
+    if literal is not None:
+        if str(value) not in literal:
+            raise ValueError(f"{where}: allowed values are {', '.join(literal)}{bare}")
+        return str(value)
+    if str in options and bool not in options and bare:
+        raise ValueError(f"{where}: expected text{bare}")
+    if options == {str} and isinstance(value, list) and all(isinstance(v, (int, str)) for v in value):
+        return ",".join(str(v) for v in value)  # a YAML list for a comma-separated argument (--span_layers)
+    if options == {str} and isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def argument_error(argv: list[str]) -> str | None:
+    """What is wrong with these run_clm.py arguments, or None (for sweeps, before any run starts)."""
+    console = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(console):
+            parse_args(argv)
+    except SystemExit:  # argparse: an unknown flag or a value of the wrong type, said on stderr
+        return console.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
+def check(model: ModelArguments, data: DataArguments, span: SpanArguments, training: TrainingArguments,
+          stop: StoppingArguments, output) -> None:
+    """Checks across argument groups, and the tokenizer each run uses."""
+    if not training.output_dir or not str(training.output_dir).strip():
+        raise ValueError("--output_dir is empty: give the folder the run writes into")
+    out = Path(training.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output_dir {out}: exists and is not a folder")
+    blocking = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"--output_dir {out}: {blocking} is a file, so the folder cannot be made")
+    if training.do_train and data.files() is not None and "train" not in data.files():
+        raise ValueError("--validation_file without --train_file: training needs --train_file (or --do_train false)")
+    if training.fsdp and training.device.type == "cpu":
+        raise ValueError("--fsdp: Accelerate shards only on GPUs and other accelerators; on CPUs this would train "
+                         "unsharded, as DDP. Drop --fsdp (torchrun --nproc_per_node N gives DDP on CPUs), or run on "
+                         "GPUs")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training.world_size == 1:
+        raise ValueError(f"a launcher started {launched} processes, but the Trainer would run each alone (on a "
+                         "machine without GPUs, torchrun needs --use_cpu true)")
+    stop.callbacks(training)
+    if data.tokenizer_name is None:
+        data.tokenizer_name = model.model_name_or_path or DEFAULT_TOKENIZER
+    elif looks_local(data.tokenizer_name) and not os.path.isdir(data.tokenizer_name):
+        raise ValueError(f"--tokenizer_name {data.tokenizer_name}: no such folder (a local path; a Hub id reads "
+                         "'owner/name')")
+
+
+def load_texts(data: DataArguments, splits: Sequence[str]) -> dict[str, datasets.Dataset]:
+    """{split: rows with one "text" column} for the wanted splits; without a validation split, the first
+    --validation_split_percentage of the train rows."""
+    files = data.files()
+    if files is None:
+        raw = dict(from_hub(datasets.load_dataset, data.dataset_name, data.dataset_config_name))
+    else:
+        raw = {split: load_file(path, f"--{split}_file") for split, path in files.items()
+               if split in splits or (split == "train" and "validation" not in files)}
+    if "validation" in splits and "validation" not in raw:
+        if "train" not in raw:
+            raise ValueError(f"{data.source('train')}: no validation split, and no train split to hold rows out of")
+        train = raw["train"]
+        held = math.ceil(len(train) * data.validation_split_percentage / 100)
+        if held >= len(train):
+            raise ValueError(f"{data.source('train')}: its {len(train)} rows leave none for training after --validation"
+                             f"_split_percentage {data.validation_split_percentage}; pass --validation_file")
+        raw = {"train": train.select(range(held, len(train))), "validation": train.select(range(held))}
+    missing = [s for s in splits if s not in raw]
+    if missing:
+        raise ValueError(f"{data.dataset_name} {data.dataset_config_name}: no {missing[0]} split (it has "
+                         f"{', '.join(raw)})")
+    # as the Hub's wikitext rows: a whitespace-only line is an empty row
+    return {split: raw[split].map(lambda row: {"text": row["text"] if row["text"].strip() else ""})
+            for split in splits}
+
+
+def load_file(path: str, flag: str) -> datasets.Dataset:
+    """One data file as rows with a "text" column: the file's "text" column, else its first."""
+    builder = FILE_BUILDERS[Path(path).suffix.lower()]
+    extra = {"keep_linebreaks": True} if builder == "text" else {}
+    try:
+        rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", **extra)
+    except Exception as err:  # the loaders raise many types; the message is what counts
+        raise ValueError(f"{flag} {path}: could not be read as {builder} ({type(err).__name__}: {err})") from None
+    if not rows.column_names:
+        raise ValueError(f"{flag} {path}: no columns")
+    column = "text" if "text" in rows.column_names else rows.column_names[0]
+    kind = rows.features[column]
+    if getattr(kind, "dtype", None) not in ("string", "large_string", "null"):
+        raise ValueError(f"{flag} {path}: column {column!r} holds {kind}, not text")
+    rows = rows.select_columns([column]).rename_column(column, "text") if column != "text" else \
+        rows.select_columns(["text"])
+    return rows.map(lambda row: {"text": row["text"] or ""})  # an empty CSV cell is None
+
+
+def from_hub(load, name: str, *args, **kwargs):
+    """load(name, *args, **kwargs), with a console message naming the offline route when the Hub cannot be reached."""
+    try:
+        return load(name, *args, **kwargs)
     except OSError as err:
         if os.path.isdir(name):  # a local folder: its own error says what is wrong
             raise
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise SystemExit(f"run_clm.py: could not download {name!r} from the Hugging Face Hub ({reason})\n"
-                         f"  To run offline: SPANATTN_DATA=../shared/data bash scripts/compare.sh, or --data_dir and "
-                         f"--tokenizer_name pointing to local copies (see ../shared/data/README.md)") from None
+                         f"  To run offline: SPANATTN_DATA=../shared/data bash scripts/compare.sh, or --train_file, "
+                         f"--validation_file, --tokenizer_name (and --model_name_or_path) pointing to local copies "
+                         f"(see ../shared/data/README.md)") from None
 
 
 def blocks(ids: Sequence[int], size: int, overlap: float, keep: int | None = None) -> dict[str, list[list[int]]]:
@@ -266,11 +577,13 @@ def tokenized_fingerprint(texts: datasets.Dataset, tokenizer) -> str | None:
 
 
 def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) -> dict[str, datasets.Dataset]:
-    raw = load_texts(data)
+    """{split: blocks} for the splits this run uses (train with --do_train, validation with --do_eval)."""
+    splits = [s for s, wanted in (("train", training.do_train), ("validation", training.do_eval)) if wanted]
+    raw = load_texts(data, splits)
     out = {}
     limits = {"train": data.max_train_tokens, "validation": data.max_eval_tokens}
-    files = {"train": data.train_file, "validation": data.validation_file}
-    for split in ("train", "validation"):
+    samples = {"train": data.max_train_samples, "validation": data.max_eval_samples}
+    for split in splits:
         with training.main_process_first(desc=f"tokenizing {split}"):  # cached: later runs read it back
             tokenized = raw[split].map(lambda rows: tokenizer(rows["text"]), batched=True, remove_columns=["text"],
                                        new_fingerprint=tokenized_fingerprint(raw[split], tokenizer))
@@ -280,11 +593,12 @@ def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) 
         else:
             windows = blocks(ids[: limits[split]], data.block_size, data.overlap)
         if not windows["input_ids"]:
-            source = os.path.join(data.data_dir, files[split]) if data.data_dir else f"{data.dataset_name}[{split}]"
             limit = f" (--{'max_train_tokens' if split == 'train' else 'max_eval_tokens'} {limits[split]})" \
                 if limits[split] else ""
-            raise ValueError(f"{source}: its {len(ids)} {split} tokens{limit} make no block of --block_size "
-                             f"{data.block_size}; use more data or a smaller --block_size")
+            raise ValueError(f"{data.source(split)}: its {len(ids)} {split} tokens{limit} make no block of "
+                             f"--block_size {data.block_size}; use more data or a smaller --block_size")
+        if samples[split] is not None:
+            windows = {k: v[: samples[split]] for k, v in windows.items()}
         out[split] = datasets.Dataset.from_dict(windows).with_format("torch")
     return out
 
@@ -297,22 +611,70 @@ def unigram_loss(train: datasets.Dataset, validation: datasets.Dataset, vocab_si
     return -(counts / counts.sum()).log()[targets[targets >= 0]].mean().item()
 
 
-def build_model(model_args: ModelArguments, data: DataArguments, vocab_size: int) -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=vocab_size, n_positions=data.block_size, n_embd=model_args.n_embd, n_head=model_args.n_head,
-        n_layer=model_args.n_layer, n_inner=model_args.ffn_mult * model_args.n_embd, activation_function="gelu",
-        resid_pdrop=model_args.dropout, embd_pdrop=model_args.dropout, attn_pdrop=model_args.dropout,
-    )
-    return stock_causal_lm(GPT2LMHeadModel(config))
+def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> PreTrainedModel:
+    """The pretrained model (--model_name_or_path), a model from --config_name, or the paper's GPT-2; with
+    --config_overrides applied, in --dtype, its embeddings grown to the tokenizer's vocabulary."""
+    if model_args.config_name or model_args.model_name_or_path:
+        name = model_args.config_name or model_args.model_name_or_path
+        config = from_hub(AutoConfig.from_pretrained, name)
+    else:
+        m = model_args
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=data.block_size, n_embd=m.n_embd, n_head=m.n_head,
+                            n_layer=m.n_layer, n_inner=m.ffn_mult * m.n_embd, activation_function="gelu",
+                            resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
+    if model_args.config_overrides:
+        apply_overrides(config, model_args.config_overrides)
+    dtype = {None: torch.float32, "auto": "auto"}.get(model_args.dtype) or getattr(torch, model_args.dtype)
+    if model_args.model_name_or_path:
+        model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,
+                         dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+        if dtype != "auto":
+            model.to(dtype)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions is not None and data.block_size > positions:
+        raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
+                         f"--block_size {positions} or less")
+    return stock_causal_lm(model)
 
 
-def stock_causal_lm(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
+def apply_overrides(config, text: str) -> None:
+    """--config_overrides on `config`: each key must exist; values are read as the key's current type
+    (YAML's reading where the current value is None)."""
+    for key, value in overrides(text).items():
+        if not hasattr(config, key):
+            raise ValueError(f"--config_overrides: {key!r} is not a setting of {type(config).__name__}")
+        try:
+            if getattr(config, key) is None:
+                setattr(config, key, yaml.safe_load(value))
+            else:
+                config.update_from_string(f"{key}={value}")
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--config_overrides {key}={value}: {err}") from None
+
+
+def stock_causal_lm(model: PreTrainedModel) -> PreTrainedModel:
     """GPT2LMHeadModel's class name maps to no loss type in Transformers, which then warns on every loss;
     its tied lm_head.weight is left out of checkpoints, which the Trainer reports as missing on every
     load unless it is listed as a key not saved (then it re-ties it)."""
     model.loss_type = "ForCausalLM"
     model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
     return model
+
+
+def patch(model: PreTrainedModel, model_args: ModelArguments, span: SpanAttentionConfig) -> None:
+    """Patch `model` with `span`, saying so where it was saved with other settings."""
+    saved = config_of(model.config)
+    if saved is not None and saved.label != span.label:
+        logger.warning("%s was saved with span %s; this run trains it with --span %s", model_args.model_name_or_path,
+                       saved.label, span.label)
+    try:
+        hf_spanattn.patch_model(model, span)
+    except ValueError as err:
+        raise ValueError(f"--span_layers: {err}" if span.layers is not None else str(err)) from None
 
 
 def token_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -338,9 +700,6 @@ def make_compute_metrics():
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    if not (len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json"))):
-        argv = training_defaults(argv)
     model_args, data_args, span_args, training_args, stop_args, output_args = parse_args(argv)
     stop_callbacks = stop_args.callbacks(training_args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
@@ -348,59 +707,69 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.set_verbosity_warning()
     datasets.disable_progress_bars()  # the Trainer's bars are the ones to watch
     span = span_args.config()
+    first = training_args.process_index == 0
+    with RunLock(training_args.output_dir) if first else contextlib.nullcontext():
+        return run(model_args, data_args, span_args, training_args, stop_args, output_args, span, stop_callbacks)
+
+
+def run(model_args, data_args, span_args, training_args, stop_args, output_args, span, stop_callbacks) -> dict:
+    all_args = (model_args, data_args, span_args, training_args, stop_args)
+    config = run_config(all_args, training_args.world_size)
+    with training_args.main_process_first(desc="checking the output dir"):  # only the first moves or writes
+        first = training_args.local_process_index == 0
+        resume = resume_point(training_args.output_dir, config, training_args.resume_from_checkpoint,
+                              output_args.overwrite_output_dir and first, first=first)
+        if first:
+            write_config(Path(training_args.output_dir), config)
+    if not training_args.do_train:
+        resume = None
     set_seed(training_args.seed)
-
     tokenizer = from_hub(AutoTokenizer.from_pretrained, data_args.tokenizer_name)
+    model = build_model(model_args, data_args, tokenizer)
+    patch(model, model_args, span)
     splits = build_datasets(data_args, tokenizer, training_args)
-    model = build_model(model_args, data_args, len(tokenizer))
-    hf_spanattn.patch_model(model, span)
-    logger.info("span %s, %d train and %d validation blocks of %d tokens", span.label, len(splits["train"]),
-                len(splits["validation"]), data_args.block_size)
+    logger.info("span %s, %s blocks of %d tokens", span.label,
+                " and ".join(f"{len(d)} {s}" for s, d in splits.items()), data_args.block_size)
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=splits["train"],
-                      eval_dataset=splits["validation"], data_collator=default_data_collator,
+    trainer = Trainer(model=model, args=training_args, train_dataset=splits.get("train"),
+                      eval_dataset=splits.get("validation"), data_collator=default_data_collator,
                       compute_metrics=make_compute_metrics(), preprocess_logits_for_metrics=token_scores,
                       callbacks=stop_callbacks)
     callback = span_args.callback()
     if callback is not None:
         callback.add_to(trainer)
-    config = run_config((model_args, data_args, span_args, training_args, stop_args), training_args.world_size)
-    with training_args.main_process_first(desc="checking the output dir"):  # only the first moves or writes
-        first = training_args.local_process_index == 0
-        resume = resume_point(training_args.output_dir, config, training_args.resume_from_checkpoint,
-                              output_args.overwrite_output_dir and first)
-        if first:
-            write_config(Path(training_args.output_dir), config)
     start = time.time()
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    if not any("eval_loss" in h for h in trainer.state.log_history):
+    train_result = trainer.train(resume_from_checkpoint=resume) if training_args.do_train else None
+    if training_args.do_eval and not any("eval_loss" in h for h in trainer.state.log_history):
         trainer.evaluate()
-    metrics = summarize(trainer, train_result, span, (model_args, data_args, span_args, training_args, stop_args),
-                        time.time() - start, resumed_from=resume)
-    metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer))
+    metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
+    metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
+        if len(splits) == 2 else None
     if trainer.is_world_process_zero():
-        trainer.save_model()
-        with open(os.path.join(training_args.output_dir, "metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=2)
+        if training_args.do_train:
+            trainer.save_model()
+            tokenizer.save_pretrained(training_args.output_dir)
+        write_json(Path(training_args.output_dir) / "metrics.json", metrics)
     return metrics
 
 
 def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> dict:
     history = trainer.state.log_history
-    train = [{"epoch": h["epoch"], "step": h["step"], "loss": h["loss"], "learning_rate": h.get("learning_rate")}
+    train = [{"epoch": h.get("epoch"), "step": h["step"], "loss": h["loss"], "learning_rate": h.get("learning_rate")}
              for h in history if "loss" in h]
-    evals = [{"epoch": h["epoch"], "step": h["step"], "loss": h["eval_loss"], "accuracy": h.get("eval_accuracy"),
+    evals = [{"epoch": h.get("epoch"), "step": h["step"], "loss": h["eval_loss"], "accuracy": h.get("eval_accuracy"),
               "perplexity": h.get("eval_perplexity")} for h in history if "eval_loss" in h]
-    best = min(evals, key=lambda e: e["loss"])
+    best = min(evals, key=lambda e: e["loss"]) if evals else {}
     model_args, data_args, span_args, training_args, stop_args = all_args
+    final_train = train[-1]["loss"] if train else train_result.training_loss if train_result else None
     return {
         "span": span.label,
         "span_config": span.to_dict(),
-        "final_train_loss": train[-1]["loss"] if train else train_result.training_loss,
-        "min_val_loss": best["loss"],
-        "best_epoch": best["epoch"],
-        "val_perplexity": best["perplexity"],
-        "val_accuracy": best["accuracy"],
+        "final_train_loss": final_train,
+        "min_val_loss": best.get("loss"),
+        "best_epoch": best.get("epoch"),
+        "val_perplexity": best.get("perplexity"),
+        "val_accuracy": best.get("accuracy"),
         "train_history": train,
         "eval_history": evals,
         "train_runtime_s": seconds,

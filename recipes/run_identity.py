@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +43,63 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON ({err}); was the run stopped while writing it?") from None
 
 
+def write_json(path: Path, data: Any) -> None:
+    """`data` as JSON in `path`, whole or not at all (a run stopped while writing leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def data_files(data: dict, recorded_before_pretrained: bool) -> dict[str, str]:
+    """{train_file, validation_file: absolute path} of a recorded data group ({} for a Hub dataset), as
+    run_clm.py's DataArguments.files reads them. Records made before paths were accepted (they have no
+    validation_split_percentage) always name files, which were used only with a data_dir."""
+    folder = data.get("data_dir")
+    if recorded_before_pretrained and not folder:
+        return {}
+    out = {}
+    for split in ("train", "validation"):
+        name = data.get(f"{split}_file") or (f"{split}.txt" if folder else None)
+        if name:
+            out[f"{split}_file"] = os.path.abspath(os.path.join(folder or "", os.path.expanduser(name)))
+    return out
+
+
+def data_source(data: dict) -> str:
+    """Where a recorded data group's text came from, in words."""
+    files = data_files(data, "validation_split_percentage" not in data)
+    if files:
+        return ", ".join(p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in files.values())
+    return " ".join(str(x) for x in (data.get("dataset_name"), data.get("dataset_config_name"), "from the Hub") if x)
+
+
 def identity(config: dict) -> dict:
-    """The part of a run configuration (metrics.json's "config") that makes its result."""
+    """The part of a run configuration (metrics.json's "config") that makes its result. An unset setting
+    and one set to None are the same; local paths are made absolute."""
     from hf_spanattn import SpanAttentionConfig
 
-    groups = {g: dict(config.get(g) or {}) for g in ("model", "data", "span", "training", "stopping")}
+    groups = {g: {k: v for k, v in (config.get(g) or {}).items() if v is not None}
+              for g in ("model", "data", "span", "training", "stopping")}
     for key in NOT_IDENTITY:
         groups["training"].pop(key, None)
     data, span = groups["data"], groups["span"]
-    if data.get("data_dir"):
+    recorded = config.get("data") or {}
+    before = "validation_split_percentage" not in recorded
+    if before:  # recorded before --do_train/--do_eval were read: such runs always trained and evaluated
+        groups["training"].update(do_train=True, do_eval=True)
+        data.setdefault("validation_split_percentage", 5)
+    if "train_file" in recorded or "validation_file" in recorded:
+        files = data_files(recorded, before)
+        for key in ("data_dir", "train_file", "validation_file", *(("dataset_name", "dataset_config_name")
+                                                                   if files else ())):
+            data.pop(key, None)
+        data.update(files)
+    elif data.get("data_dir"):
         data["data_dir"] = os.path.abspath(data["data_dir"])
-    if data.get("tokenizer_name") and os.path.isdir(data["tokenizer_name"]):
-        data["tokenizer_name"] = os.path.abspath(data["tokenizer_name"])
+    for group, key in (("data", "tokenizer_name"), ("model", "model_name_or_path"), ("model", "config_name")):
+        name = groups[group].get(key)
+        if name and os.path.isdir(name):
+            groups[group][key] = os.path.abspath(name)
     if span.get("span"):
         span["span"] = SpanAttentionConfig.from_label(span["span"]).label
     schedule = span.get("span_schedule")
@@ -98,33 +147,66 @@ def saved_config(folder: Path) -> tuple[dict | None, bool]:
 
 def write_config(folder: Path, config: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (RUN_CONFIG + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2, default=str) + "\n")
-    tmp.replace(folder / RUN_CONFIG)
+    write_json(folder / RUN_CONFIG, config)
 
 
-def move_aside(folder: Path) -> Path:
-    """Rename `folder` to `<folder>.replaced-<n>` (the first n free); nothing in it is deleted."""
+def move_aside(folder: Path, suffix: str = "replaced") -> Path:
+    """Rename `folder` (or a file) to `<folder>.<suffix>-<n>` (the first n free); nothing in it is deleted."""
     folder = folder.resolve()
     if Path.cwd().resolve().is_relative_to(folder):
         raise ValueError(f"{folder}: cannot move aside the current directory or one above it; "
                          "choose another --output_dir")
     n = 1
-    while folder.with_name(f"{folder.name}.replaced-{n}").exists():
+    while folder.with_name(f"{folder.name}.{suffix}-{n}").exists():
         n += 1
-    target = folder.with_name(f"{folder.name}.replaced-{n}")
+    target = folder.with_name(f"{folder.name}.{suffix}-{n}")
     folder.rename(target)
     return target
 
 
-def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | None, overwrite: bool) -> str | None:
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+def complete(checkpoint: Path) -> bool:
+    """Whether the Trainer finished writing `checkpoint`: trainer_state.json, which it writes last, is there."""
+    try:
+        return isinstance(json.loads((checkpoint / "trainer_state.json").read_text()), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def last_checkpoint(folder: Path, first: bool) -> str | None:
+    """The newest complete checkpoint in `folder`. Half-written ones (a run stopped while saving) are
+    skipped; the first process moves each out of the Trainer's way, to incomplete-checkpoint-<n>, and
+    says so. Nothing is deleted."""
+    found = sorted((int(m[1]), p) for p in checkpoints(folder) if (m := CHECKPOINT.fullmatch(p.name)))
+    usable = [p for _, p in found if complete(p)]
+    for _, path in found:
+        if first and not complete(path):
+            n, target = 1, path.with_name(f"incomplete-{path.name}")
+            while target.exists():  # a name the Trainer's checkpoint rotation does not match
+                n += 1
+                target = path.with_name(f"incomplete-{path.name}-{n}")
+            path.rename(target)
+            print(f"{path}: a checkpoint left half-written (no trainer_state.json: the run was stopped while "
+                  f"saving it); not resumed, kept as {target}", file=sys.stderr, flush=True)
+    return str(usable[-1]) if usable else None
+
+
+def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | None, overwrite: bool,
+                 first: bool = True) -> str | None:
     """The checkpoint a run with `config` resumes from, or None to start afresh.
 
     Raises ValueError where `output_dir` (or the folder of `resume_from_checkpoint`) holds a run
     made with other settings, or one whose settings were not recorded. With `overwrite`, a run
-    in `output_dir` is moved to `<output_dir>.replaced-<n>` and training starts afresh.
+    in `output_dir` is moved to `<output_dir>.replaced-<n>` and training starts afresh. The
+    newest complete checkpoint is resumed (see last_checkpoint; `first`: the process that moves files).
     """
     out = Path(output_dir)
+    if resume_from_checkpoint and not complete(Path(resume_from_checkpoint)):
+        raise ValueError(f"--resume_from_checkpoint {resume_from_checkpoint}: "
+                         + ("not a complete checkpoint (it has no trainer_state.json, which the Trainer writes last)"
+                            if Path(resume_from_checkpoint).is_dir() else "no such folder"))
     saved, has_run = saved_config(out)
     if overwrite and has_run and not resume_from_checkpoint:
         moved = move_aside(out)
@@ -145,6 +227,62 @@ def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | No
     if diffs:
         raise ValueError(f"{folder} holds a run made with other settings ({'; '.join(diffs)}), so it is not "
                          f"resumed. {afresh}")
-    from transformers.trainer_utils import get_last_checkpoint
+    return resume_from_checkpoint or last_checkpoint(out, first)
 
-    return resume_from_checkpoint or (get_last_checkpoint(str(out)) if out.is_dir() else None)
+
+class RunLock:
+    """`<folder>.lock`, holding the process id, while a run writes into `folder`: a second run on the same
+    folder stops at once and says which process holds it. A lock whose process is gone (a killed run) is
+    taken over."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(os.path.abspath(folder))
+        self.path = folder.with_name(folder.name + ".lock")
+
+    @staticmethod
+    def holder(path: Path) -> str | None:
+        """Who holds the lock file `path` ("process N on host H since T"), or None where nobody does."""
+        try:
+            info = json.loads(path.read_text())
+            pid, host = int(info["pid"]), str(info["host"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError):  # being written, or cut short: stale once it is old
+            try:
+                return None if time.time() - path.stat().st_mtime > 10 else f"a process starting now ({path})"
+            except FileNotFoundError:
+                return None
+        if host == socket.gethostname():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return None
+            except PermissionError:
+                pass
+        return f"process {pid} on {host} since {info.get('started', '?')}"
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": sys.argv,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(5):
+            try:
+                with open(self.path, "x") as f:
+                    json.dump(info, f)
+                return self
+            except FileExistsError:
+                holder = self.holder(self.path)
+                if holder is not None:
+                    raise SystemExit(f"{self.path.with_suffix('')}: another run is writing into this folder "
+                                     f"({holder}); wait for it to end, or choose another --output_dir. If no "
+                                     f"such run is going on, delete {self.path}") from None
+                print(f"{self.path}: taking over the lock of a run that ended without removing it", file=sys.stderr)
+                self.path.unlink(missing_ok=True)
+        raise SystemExit(f"{self.path}: could not take the lock")
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass

@@ -2,8 +2,8 @@
 """Run a grid of span labels × seeds × model shapes from one YAML file, resumably.
 
     python recipes/sweep.py recipes/configs/cpu_scale.yaml
-    python recipes/sweep.py recipes/configs/paper.yaml --data_dir ../shared/data/wikitext-2-raw-v1 \\
-        --launcher "accelerate launch --num_processes 2"
+    python recipes/sweep.py recipes/configs/paper.yaml --train_file ../shared/data/wikitext-2-v1/train.txt \\
+        --validation_file ../shared/data/wikitext-2-v1/validation.txt --launcher "torchrun --nproc_per_node 2"
 
 The YAML holds `output_dir`, `args` (run_clm.py arguments shared by every run), `spans`,
 `seeds` and `shapes` (a list of run_clm.py arguments such as {n_head: 4, n_layer: 6}). Each
@@ -12,7 +12,10 @@ skipped; an interrupted one resumes from its last checkpoint. Both only where th
 configuration (model, data source and token limits, span settings, training arguments; see
 run_identity.py) equals the one this sweep would run: a folder holding a run made otherwise is
 moved to <folder>.replaced-<n> and the run is redone. Labels are read as settings: `score:1,0,0,0`
-and `score:1000` are one setting, run once, in a folder named after its canonical label.
+and `score:1000` are one setting, run once, in a folder named after its canonical label. The
+arguments of every shape are checked before the first run starts; a run folder another run is
+writing into (its `<folder>.lock` held) stops the sweep; a metrics.json that is not whole is moved
+to metrics.json.invalid-<n> and its run redone.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import yaml
 from hf_spanattn import SpanAttentionConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_identity import differences, move_aside, saved_config, span_dir  # noqa: E402
+from run_identity import RunLock, differences, move_aside, read_json, saved_config, span_dir  # noqa: E402
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
+KEYS = ("output_dir", "args", "spans", "seeds", "shapes")
 
 
 def shape_name(shape: dict) -> str:
@@ -71,6 +75,11 @@ def grid(config: object) -> tuple[list[str], list[int], list[dict]]:
     for key in ("output_dir", "spans", "seeds"):
         if key not in config:
             raise ValueError(f"sweep config: missing {key!r} (needs output_dir, args, spans, seeds, shapes)")
+    unknown = sorted(str(k) for k in config if k not in KEYS)
+    if unknown:
+        raise ValueError(f"sweep config: unknown key {unknown[0]!r}; allowed keys are {', '.join(KEYS)}")
+    if not isinstance(config["output_dir"], str) or not config["output_dir"]:
+        raise ValueError(f"sweep config: output_dir={config['output_dir']!r}: expected a folder path")
     if not isinstance(config.get("args") or {}, dict):
         raise ValueError(f"sweep config: args={config['args']!r}: expected a mapping of run_clm.py arguments")
     labels = _list_of(config, "spans", str, "span labels, e.g. [standard:QKV111, score:1000]")
@@ -82,24 +91,41 @@ def grid(config: object) -> tuple[list[str], list[int], list[dict]]:
     return spans, seeds, _once(shapes, shape_name, "shape")
 
 
-def plan(config: dict) -> list[tuple[Path, list[str]]]:
-    """(run folder, run_clm.py arguments) for every run of the grid; the grid is checked first."""
+def plan(config: dict, check: bool = True) -> list[tuple[Path, list[str]]]:
+    """(run folder, run_clm.py arguments) for every run of the grid; the grid is checked first, and with
+    `check` run_clm.py's arguments of each shape (labels and seeds are checked by the grid)."""
     spans, seeds, shapes = grid(config)
     runs = []  # seed-major: an early stop still leaves every span with the same seeds
     for seed in seeds:
         for shape in shapes:
             for label in spans:
                 folder = Path(config["output_dir"]) / shape_name(shape) / span_dir(label) / f"seed{seed}"
-                args = {**config.get("args", {}), **shape, "span": label, "seed": seed, "output_dir": str(folder)}
+                args = {**(config.get("args") or {}), **shape, "span": label, "seed": seed, "output_dir": str(folder)}
                 runs.append((folder, [f"--{k}={v}" for k, v in args.items()]))
+    if check:
+        for folder, run_args in runs[: len(shapes) * len(spans) : len(spans)]:
+            check_args(folder, run_args)
     return runs
+
+
+def check_args(folder: Path, run_args: list[str]) -> None:
+    """run_clm.py's verdict on a run's arguments (precision flags are left to the machine that runs)."""
+    import run_clm
+
+    error = run_clm.argument_error([a for a in run_args if not a.startswith(("--bf16=", "--fp16=", "--tf32="))])
+    if error is None:
+        return
+    if any(a.endswith(("=True", "=False")) for a in run_args) and ("'True'" in error or "'False'" in error):
+        error += " (YAML reads a bare yes/no/on/off as true/false: quote it, as 'no')"
+    raise ValueError(f"sweep config: the arguments of {folder.parent.parent}: {error}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="sweep YAML file")
-    parser.add_argument("--data_dir", help="override args.data_dir (local WikiText-2 text files)")
-    parser.add_argument("--train_file", help="override args.train_file (its name inside --data_dir)")
+    parser.add_argument("--data_dir", help="override args.data_dir (the folder of local data files)")
+    parser.add_argument("--train_file", help="override args.train_file (a path, relative to data_dir where given)")
+    parser.add_argument("--validation_file", help="override args.validation_file (as --train_file)")
     parser.add_argument("--tokenizer_name", help="override args.tokenizer_name (local tokenizer folder)")
     parser.add_argument("--launcher", default=f"{shlex.quote(sys.executable)}",
                         help="command that runs run_clm.py, e.g. 'accelerate launch --num_processes 2'")
@@ -107,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep each finished run's weights and checkpoints (default: only metrics and logs)")
     parser.add_argument("--dry_run", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
+    if not shlex.split(args.launcher):
+        parser.error("--launcher is empty: give the command that runs run_clm.py, e.g. python")
+    if not Path(args.config).is_file():
+        raise ValueError(f"{args.config}: no such file")
     try:
         config = yaml.safe_load(Path(args.config).read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"{args.config}: not valid YAML ({err})") from None
-    for key in ("data_dir", "train_file", "tokenizer_name"):
+    for key in ("data_dir", "train_file", "validation_file", "tokenizer_name"):
         if getattr(args, key) and isinstance(config, dict) and isinstance(config.get("args") or {}, dict):
             config["args"] = {**(config.get("args") or {}), key: getattr(args, key)}
     runs = plan(config)
@@ -120,7 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     for i, ((folder, run_args), status) in enumerate(zip(runs, states), 1):
         if status == "finished":
             continue
-        if status != "new":
+        holder = RunLock.holder(RunLock(folder).path)
+        if holder is not None:
+            print(f"  {folder}: another run is writing into it ({holder}); stopping", flush=True)
+            return 1
+        if status.startswith("metrics.json"):
+            print(f"  {folder}: {status}; " + ("it would be moved aside" if args.dry_run else
+                  f"moved to {move_aside(folder / 'metrics.json', 'invalid')}") + ", the run is redone", flush=True)
+        elif status != "new":
             print(f"  {folder} holds a run made with other settings ({status}); "
                   + ("it would be moved aside" if args.dry_run else f"moved to {move_aside(folder)}"), flush=True)
         command = [*shlex.split(args.launcher), str(RUN_CLM), *run_args]
@@ -149,14 +186,22 @@ def state(folder: Path, run_args: list[str]) -> str:
     diffs = differences(saved, expected_config(run_args))
     if diffs:
         return "; ".join(diffs)
-    return "finished" if (folder / "metrics.json").exists() else "new"
+    if not (folder / "metrics.json").exists():
+        return "new"
+    try:
+        metrics = read_json(folder / "metrics.json")
+    except ValueError as err:
+        return f"metrics.json is not whole ({err})"
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("config"), dict) or "span" not in metrics:
+        return "metrics.json is not a finished run's (no span or config)"
+    return "finished"
 
 
 def expected_config(run_args: list[str]) -> dict:
     """The configuration run_clm.py records for these arguments (without the launcher's world size)."""
     import run_clm
 
-    *all_args, _ = run_clm.parse_args(run_clm.training_defaults(run_args))  # the last: output arguments
+    *all_args, _ = run_clm.parse_args(run_args)  # the last: output arguments
     return run_clm.run_config(all_args, world_size=None)
 
 
@@ -173,11 +218,14 @@ def run_and_log(command: list[str], log_path: Path) -> int:
 
 
 def prune(folder: Path) -> None:
-    """Drop a finished run's weights and checkpoints, keeping metrics.json, config.json and the log."""
+    """Drop a finished run's weights, tokenizer files and checkpoints, keeping metrics.json, config.json and
+    the log."""
+    from run_clm import TOKENIZER_FILES
+
     for path in folder.iterdir():
         if path.is_dir() and path.name.startswith("checkpoint-"):
             shutil.rmtree(path)
-        elif path.suffix in (".safetensors", ".bin", ".pt", ".pth"):
+        elif path.suffix in (".safetensors", ".bin", ".pt", ".pth") or path.name in TOKENIZER_FILES:
             path.unlink()
 
 

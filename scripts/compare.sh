@@ -9,7 +9,9 @@ bash scripts/setup.sh
 args=()
 if [ -n "${SPANATTN_DATA:-}" ]; then
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-    args+=(--data_dir "$SPANATTN_DATA/wikitext-2-v1" --tokenizer_name "$SPANATTN_DATA/gpt2-tokenizer")
+    args+=(--train_file "$SPANATTN_DATA/wikitext-2-v1/train.txt"
+           --validation_file "$SPANATTN_DATA/wikitext-2-v1/validation.txt"
+           --tokenizer_name "$SPANATTN_DATA/gpt2-tokenizer")
 fi
 # glibc would map each step's 100 MB logits afresh and fault their pages in: keep freed memory instead
 # (the PyTorch CPU tuning guide's advice, without a preloaded allocator); about 1.8x faster steps here.

@@ -117,8 +117,9 @@ def run_tiny(tmp: Path, data_dir: str, **flags) -> None:
 
 def resume_with_saved(tmp: Path, saved: dict | None, wanted: dict, checkpoint: bool = True):
     out = tmp / "out"
-    if checkpoint:
+    if checkpoint:  # a complete checkpoint: the Trainer writes trainer_state.json last
         (out / "checkpoint-3").mkdir(parents=True)
+        (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
     if saved is not None:
         run_identity.write_config(out, saved)
     return run_identity.resume_point(str(out), wanted, None, overwrite=False)

@@ -76,7 +76,8 @@ def test_spread_subset_reads_the_whole_split(tmp_path):
     (tmp_path / "train.txt").write_text(text)
     (tmp_path / "validation.txt").write_text(text)
     tokenizer = run_clm.AutoTokenizer.from_pretrained(DATA / "gpt2-tokenizer")
-    training = run_clm.TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
+    training = run_clm.TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", do_train=True,
+                                         do_eval=True)
     seen = {}
     for subset in ("first", "spread"):
         data = run_clm.DataArguments(data_dir=str(tmp_path), block_size=32, overlap=0, max_train_tokens=320,
@@ -174,6 +175,7 @@ def test_sweep_report_and_resume_after_two_interruptions(tmp_path):
             assert finished.setdefault(path, text) == text  # a finished run is never redone
     assert len(finished) == 4
     assert not list((tmp_path / "runs").glob("*/*/*/checkpoint-*"))  # pruned after finishing
+    assert not list((tmp_path / "runs").glob("*/*/*/tokenizer*")) and not list((tmp_path / "runs").glob("*/*/*/*.bin"))
 
     report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "report")])
     table = (tmp_path / "report" / "report.md").read_text()
@@ -293,7 +295,9 @@ def test_sweep_runs_one_setting_once_and_redoes_a_run_made_otherwise(tmp_path, c
         os.environ.clear()
         os.environ.update(env_before)
     said = capsys.readouterr().out
-    assert "1 runs, 0 finished" in said and "data.train_file: 'train.PARTIAL-first-1MB.txt' → 'validation.txt'" in said
+    folder = DATA / "wikitext-2-raw-v1"
+    assert "1 runs, 0 finished" in said
+    assert f"data.train_file: '{folder / 'train.PARTIAL-first-1MB.txt'}' → '{folder / 'validation.txt'}'" in said
     assert (run.parent / "seed0.replaced-1" / "metrics.json").read_text() == done
     redone = json.loads((run / "metrics.json").read_text())
     assert redone["config"]["data"]["train_file"] == "validation.txt"

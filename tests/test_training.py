@@ -153,7 +153,6 @@ def test_fsdp2_in_two_processes_gives_the_gradients_and_diagnostics_of_one(tmp_p
                                        msg=lambda m, layer=layer, key=key: f"layer {layer}, {key}: {m}")
 
 
-@pytest.mark.xfail(strict=True, reason="Dynamo warns at the lru_cache call in integration/registry.py's config_of")
 def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplog):
     """`TrainingArguments(torch_compile=True)` traces the patched model with Dynamo: no warning is raised in
     the package or names one of its files (as Dynamo's warning about an `lru_cache` call site does),

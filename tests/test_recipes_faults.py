@@ -1,0 +1,405 @@
+"""The recipes on interrupted runs, partial or hostile records, hand-edited files and arguments of the
+wrong kind: the right result, or an error that names the file, field or argument and what is allowed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import merge  # noqa: E402
+import pack  # noqa: E402
+import report  # noqa: E402
+import run_clm  # noqa: E402
+import run_identity  # noqa: E402
+import sweep  # noqa: E402
+from test_pack import FAKE_RUN, write_sweep  # noqa: E402
+from test_recipes import DATA, TINY  # noqa: E402
+from test_recipes_pretrained import SMALL, data_files, flags, pretrained  # noqa: E402
+
+needs_data = pytest.mark.skipif(not (DATA / "gpt2-tokenizer").is_dir(), reason="needs ../shared/data")
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """pack.py runs test_pack's stand-in for run_clm.py; returns the (span, seed) of the runs it made."""
+    script = tmp_path / "fake_run_clm.py"
+    script.write_text(FAKE_RUN)
+    monkeypatch.setattr(pack, "RUN_CLM", script)
+    monkeypatch.setattr(sweep, "check_args", lambda *a: None, raising=False)  # the stand-in takes no arguments
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    calls = tmp_path / "calls.jsonl"
+    return lambda: [(c["span"], c["seed"]) for c in map(json.loads, calls.read_text().splitlines())] \
+        if calls.exists() else []
+
+
+def one_record(tmp_path: Path, fake) -> dict:
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    assert pack.main([str(config), "--results", str(tmp_path / "made")]) == 0
+    return json.loads((tmp_path / "made" / "H2xL1__score-1000__seed0.json").read_text())
+
+
+# merge.py: the fields of a record that become folder names
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("shape", "../../escape", "shape='../../escape': expected a folder name"),
+    ("shape", "{tmp}/abs", "shape='{tmp}/abs': expected a folder name"),  # absolute, in the test's folder
+    ("shape", "..", "shape='..': expected a folder name"),
+    ("span", "score:1000/../../../escape", "span='score:1000/../../../escape': not a span label"),
+    ("seed", "0/../../escape", "seed='0/../../escape': expected an integer >= 0"),
+    ("seed", -1, "seed=-1: expected an integer >= 0"),
+    ("name", "../x", "name='../x': expected a folder name"),
+])
+def test_merge_never_writes_outside_out(field, value, message, tmp_path, fake):
+    value, message = (x.replace("{tmp}", str(tmp_path)) if isinstance(x, str) else x for x in (value, message))
+    record = {**one_record(tmp_path, fake), field: value}
+    hostile = tmp_path / "in" / "hostile.json"
+    hostile.parent.mkdir()
+    hostile.write_text(json.dumps(record))
+    before = {p for p in tmp_path.rglob("*")}
+    with pytest.raises(SystemExit) as err:
+        merge.main([str(hostile), "--out", str(tmp_path / "a" / "b" / "out")])
+    assert str(hostile) in str(err.value) and message in str(err.value)
+    assert {p for p in tmp_path.rglob("*")} == before  # nothing written anywhere
+
+
+def test_merge_puts_a_partial_result_in_the_tree_aside_and_skips_a_cut_line(tmp_path, fake, capsys):
+    record = one_record(tmp_path, fake)
+    out = tmp_path / "out"
+    dest = out / "runs" / "H2xL1" / "score-1000" / "seed0" / "metrics.json"
+    dest.parent.mkdir(parents=True)
+    dest.write_text('{"span": "score:1000", "min_val')  # a merge stopped while writing
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_text(json.dumps(record) + "\n" + json.dumps(record)[:40])  # a command stopped while appending
+    merge.main([str(jsonl), "--out", str(out)])
+    assert json.loads(dest.read_text()) == record
+    assert dest.with_name("metrics.json.replaced-1").read_text() == '{"span": "score:1000", "min_val'
+    said = capsys.readouterr()
+    assert f"skipping {jsonl} line 2: not valid JSON" in said.err and "cut short" in said.err
+
+
+# pack.py: what counts as a finished run
+
+
+@pytest.mark.parametrize("text", ["{}", '{"name": "H2xL1__score-1000__seed0", "min_val_loss": 1', "[]",
+                                  "RECORD_OF_ANOTHER_RUN", "RECORD_WITH_NULL_LOSS"])
+def test_pack_redoes_a_run_whose_result_file_is_partial_or_hostile(text, tmp_path, fake, capsys):
+    record = one_record(tmp_path, fake)
+    text = {"RECORD_OF_ANOTHER_RUN": json.dumps({**record, "name": "H2xL1__score-1100__seed0"}),
+            "RECORD_WITH_NULL_LOSS": json.dumps({**record, "min_val_loss": None})}.get(text, text)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "H2xL1__score-1000__seed0.json").write_text(text)
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    assert pack.main([str(config), "--results", str(results)]) == 0
+    assert fake() == [("score:1000", 0), ("score:1000", 0)]  # made once for one_record, then redone
+    assert (results / "H2xL1__score-1000__seed0.json.invalid-1").read_text() == text  # kept, not deleted
+    assert pack.load_records(results)[0]["name"] == "H2xL1__score-1000__seed0"
+    said = capsys.readouterr().out
+    assert f"{results / 'H2xL1__score-1000__seed0.json'}: not a finished run's result (" in said
+
+
+def test_pack_counts_a_run_that_ends_without_a_whole_result_as_failed(tmp_path, fake, monkeypatch, capsys):
+    script = tmp_path / "no_metrics.py"
+    script.write_text("print('done, but no metrics.json')\n")
+    monkeypatch.setattr(pack, "RUN_CLM", script)
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    assert pack.main([str(config), "--results", str(tmp_path / "results")]) == 1
+    assert "FAILED H2xL1__score-1000__seed0: it ended without a whole result (FileNotFoundError" in \
+        capsys.readouterr().out
+    assert not list((tmp_path / "results").iterdir())
+
+
+def test_pack_appends_after_a_cut_line_on_a_line_of_its_own(tmp_path, fake, capsys):
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000", "score:1100"], [0])
+    jsonl = tmp_path / "r.jsonl"
+    assert pack.main([str(config), "--jsonl", str(jsonl), "--max_runs", "1"]) == 0
+    jsonl.write_text(jsonl.read_text() + '{"name": "H2xL1__score-1100__se')  # stopped while appending
+    assert pack.main([str(config), "--jsonl", str(jsonl)]) == 0
+    assert fake() == [("score:1000", 0), ("score:1100", 0)]
+    assert "line 2: not valid JSON" in capsys.readouterr().out
+    records, problems = pack.read_records(jsonl)
+    assert [r["name"] for r in records] == ["H2xL1__score-1000__seed0", "H2xL1__score-1100__seed0"]
+    assert len(problems) == 1 and problems[0].startswith(f"{jsonl} line 2: not valid JSON")
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):  # now inside the file: merge refuses it
+        pack.load_records(jsonl)
+
+
+@pytest.mark.parametrize("document,message", [
+    ("args: [1, 2]", "document 2: args=[1, 2]: expected a mapping"),
+    ("shape: [{n_head: 2}]", "unknown key 'shape'; allowed keys are output_dir, args, spans, seeds, shapes"),
+])
+def test_pack_checks_every_sweep_document(document, message, tmp_path, fake):
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    config.write_text(config.read_text() + "---\n" + document + "\n")
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
+        pack.main([str(config), "--results", str(tmp_path / "r")])
+    assert fake() == []
+
+
+# report.py: metrics.json files it cannot use, and no side effects before its inputs are checked
+
+
+def metrics_file(runs: Path, label: str, seed: int, val: float, **changes) -> Path:
+    folder = runs / "H1xL1" / run_identity.span_dir(label) / f"seed{seed}"
+    folder.mkdir(parents=True)
+    data = {"span": label, "min_val_loss": val, "final_train_loss": val + 0.1, "train_runtime_s": 1.0,
+            "train_history": [{"step": 10, "loss": val + 0.1}], "eval_history": [{"step": 10, "loss": val}],
+            "config": {"training": {"seed": seed}, "data": {"block_size": 8}}}
+    for key, value in changes.items():
+        if value is ...:
+            del data[key]
+        else:
+            data[key] = value
+    (folder / "metrics.json").write_text(json.dumps(data))
+    return folder / "metrics.json"
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"config": ...}, "config is missing"),
+    ({"config": {"training": {}}}, "config.training.seed is None: expected an integer"),
+    ({"min_val_loss": None}, "min_val_loss is null: the run recorded no evaluation"),
+    ({"min_val_loss": "1.2"}, "min_val_loss is '1.2': expected a finite number"),
+    ({"final_train_loss": ...}, "final_train_loss is missing"),
+    ({"span": 7}, "span=7: not a span label"),
+    ({"eval_history": [{"step": 10}]}, "eval_history[0].loss is missing"),
+    ({"train_history": {"step": 1}}, "train_history: expected a list"),
+])
+def test_report_leaves_out_a_metrics_json_it_cannot_use_and_names_it(changes, message, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, 6.0)
+    bad = metrics_file(runs, "score:1000", 0, 5.9, **changes)
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    said = capsys.readouterr().err
+    assert f"report: leaving out {bad}: " in said and message in said
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| standard:QKV111 | 1 |" in text and "| score:1000 |" not in text
+
+
+def test_report_on_a_baseline_loss_of_zero_gives_no_percentage(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, 0.0)
+    metrics_file(runs, "score:1000", 0, 0.5)
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| score:1000 | 1 | 0.6000 | -500.000 | 0.5000 | – |" in text  # train Δ against 0.1, val against 0
+    assert "validation loss is 0, so score:1000 has no Δ %" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["{tmp}/typo/runs"], "{tmp}/typo/runs: no such folder"),
+    (["{tmp}/typo/runs", "--out", "{tmp}/new/out"], "{tmp}/typo/runs: no such folder"),
+    (["{tmp}/runs", "--out", "{tmp}/file"], "--out {tmp}/file: exists and is not a folder"),
+    (["{tmp}/empty"], "no usable metrics.json under {tmp}/empty"),
+])
+def test_report_on_a_wrong_path_changes_nothing(argv, message, tmp_path):
+    metrics_file(tmp_path / "runs", "standard:QKV111", 0, 6.0)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as err:
+        report.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert message.replace("{tmp}", str(tmp_path)) in str(err.value)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+# run_clm.py: half-written checkpoints, and two runs on one folder
+
+
+def checkpoint(folder: Path, step: int, complete: bool) -> Path:
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"weights")
+    if complete:
+        (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return path
+
+
+def test_resume_skips_a_half_written_checkpoint_and_keeps_it(tmp_path, capsys):
+    out = tmp_path / "out"
+    config = {"model": {}, "data": {}, "span": {"span": "score:1000"}, "training": {"seed": 0}}
+    run_identity.write_config(out, config)
+    checkpoint(out, 2, True)
+    checkpoint(out, 4, False)
+    (out / "checkpoint-6").mkdir()  # stopped before anything was written
+    assert run_identity.resume_point(str(out), config, None, overwrite=False) == str(out / "checkpoint-2")
+    said = capsys.readouterr().err
+    assert f"{out / 'checkpoint-4'}: a checkpoint left half-written" in said and "incomplete-checkpoint-4" in said
+    assert (out / "incomplete-checkpoint-4" / "model.safetensors").read_bytes() == b"weights"
+    assert (out / "incomplete-checkpoint-6").is_dir() and not (out / "checkpoint-4").exists()
+    checkpoint(out, 4, False)  # the same again: kept under another name
+    assert run_identity.resume_point(str(out), config, None, overwrite=False) == str(out / "checkpoint-2")
+    assert (out / "incomplete-checkpoint-4-2" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="--resume_from_checkpoint .*checkpoint-8: not a complete checkpoint"):
+        run_identity.resume_point(str(out), config, str(checkpoint(out, 8, False)), overwrite=False)
+
+
+@needs_data
+def test_a_rerun_after_a_kill_during_a_save_resumes_the_last_complete_checkpoint(tmp_path):
+    start = pretrained(tmp_path / "start", "gpt2")
+    out = tmp_path / "out"
+    args = flags({**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start,
+                  "output_dir": out, "num_train_epochs": 2, "save_strategy": "epoch"})
+    full = run_clm.main(args)
+    (out / "metrics.json").unlink()  # as if killed while saving the epoch-2 checkpoint
+    (out / "checkpoint-4" / "trainer_state.json").unlink()
+    again = run_clm.main(args)
+    assert again["resumed_from"] == str(out / "checkpoint-2")
+    assert [e["loss"] for e in again["eval_history"]] == pytest.approx([e["loss"] for e in full["eval_history"]],
+                                                                       rel=1e-5)
+    assert (out / "incomplete-checkpoint-4" / "model.safetensors").is_file()
+
+
+def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_clm, "run", lambda *a: pytest.fail("the second run started"))
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = tmp_path / "out.lock"
+        lock.write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename, "started": "now"}))
+        with pytest.raises(SystemExit) as err:
+            run_clm.main(["--output_dir", str(out), "--tokenizer_name", str(DATA / "gpt2-tokenizer")])
+        assert f"{out}: another run is writing into this folder (process {holder.pid} on" in str(err.value)
+        assert f"delete {lock}" in str(err.value) and json.loads(lock.read_text())["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkeypatch, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "out"
+    lock = tmp_path / "out.lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": "then"}))
+    seen = []
+    monkeypatch.setattr(run_clm, "run", lambda *a: seen.append(json.loads(lock.read_text())["pid"]) or {})
+    run_clm.main(["--output_dir", str(out), "--tokenizer_name", str(DATA / "gpt2-tokenizer")])
+    assert seen == [os.getpid()] and not lock.exists()
+    assert "taking over the lock of a run that ended" in capsys.readouterr().err
+
+
+# hand-edited run_clm.py and sweep files
+
+
+@pytest.mark.parametrize("text,message", [
+    ("- a\n- b\n", "{file}: expected a mapping of run_clm.py arguments"),
+    ("span: score:1000\nno_such_argument: 1\n", "{file}: Some keys are not used by the HfArgumentParser: "
+                                                "['no_such_argument']"),
+    ("span: [1\n", "{file}: not valid YAML/JSON"),
+])
+def test_a_bad_run_clm_config_file_is_named(text, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    file = tmp_path / "run.yaml"
+    file.write_text(text)
+    with pytest.raises(ValueError) as err:
+        run_clm.main([str(file)])
+    assert message.replace("{file}", str(file)) in str(err.value)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"seeds": [0], "shape": [{"n_head": 2}]}, "unknown key 'shape'"),
+    ({"output_dir": ["a"]}, "output_dir=['a']: expected a folder path"),
+    ({"args": {**TINY, "learning_rate": "fast"}}, "--learning_rate/--learning-rate: invalid float value: 'fast'"),
+    ({"args": {**TINY, "save_strategy": False}}, "invalid choice: 'False'"),
+    ({"args": {**TINY, "save_strategy": False}}, "quote it, as 'no'"),
+    ({"args": {**TINY, "no_such_argument": 1}}, "not used by the HfArgumentParser: ['--no_such_argument=1']"),
+    ({"args": {**TINY, "train_file": "missing.txt"}}, "missing.txt: no such file"),
+    ({"shapes": [{"n_head": 3}]}, "--n_embd 32 must be a multiple of --n_head 3"),
+])
+def test_a_bad_sweep_file_fails_before_any_run(change, message, tmp_path):
+    config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
+              "shapes": [{"n_head": 2, "n_layer": 1}], **change}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError) as err:
+        sweep.main([str(tmp_path / "s.yaml"), "--launcher", "false"])
+    assert message in str(err.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sweep_redoes_a_run_whose_metrics_json_was_cut_short(tmp_path, capsys):
+    config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
+              "shapes": [{"n_head": 2, "n_layer": 1}]}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
+    [(folder, run_args)] = sweep.plan(config)
+    run_identity.write_config(folder, sweep.expected_config(run_args))
+    (folder / "metrics.json").write_text('{"span": "sc')
+    launcher = tmp_path / "fake.py"  # writes a metrics.json as a finished run would
+    launcher.write_text("import json, sys\nout = [a for a in sys.argv if a.startswith('--output_dir=')][0][13:]\n"
+                        "json.dump({'span': 'score:1000', 'config': {}}, open(out + '/metrics.json', 'w'))\n")
+    assert sweep.main([str(tmp_path / "s.yaml"), "--launcher", f"{sys.executable} {launcher}"]) == 0
+    assert "metrics.json is not whole" in capsys.readouterr().out
+    assert (folder / "metrics.json.invalid-1").read_text() == '{"span": "sc'
+    assert json.loads((folder / "metrics.json").read_text())["span"] == "score:1000"
+
+
+def test_sweep_stops_at_a_folder_another_run_holds(tmp_path, capsys):
+    config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
+              "shapes": [{"n_head": 2, "n_layer": 1}]}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
+    [(folder, _)] = sweep.plan(config)
+    with run_identity.RunLock(folder):
+        assert sweep.main([str(tmp_path / "s.yaml"), "--launcher", "false"]) == 1
+    assert f"{folder}: another run is writing into it (process {os.getpid()}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,message", [
+    ("block_size: 2.5\n", "{file}: block_size=2.5: expected an integer"),
+    ("learning_rate: fast\n", "{file}: learning_rate='fast': expected a number"),
+    ("save_strategy: no\n", "{file}: save_strategy=False: expected text (YAML reads a bare yes/no/on/off"),
+    ("token_subset: all\n", "{file}: token_subset='all': allowed values are first, spread"),
+    ("do_train: maybe\n", "{file}: do_train='maybe': expected true or false"),
+])
+def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    file = tmp_path / "run.yaml"
+    file.write_text(text + f"output_dir: {tmp_path / 'out'}\n")
+    with pytest.raises(ValueError) as err:
+        run_clm.main([str(file)])
+    assert message.replace("{file}", str(file)) in str(err.value)
+
+
+def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
+    """YAML 1.1 reads 1e-3 as text; a list serves a comma-separated argument; "64" is a number."""
+    file = tmp_path / "run.yaml"
+    file.write_text(f"learning_rate: 1e-3\nspan_layers: [0, 2]\nblock_size: '64'\nspan: score:1000\n"
+                    f"tokenizer_name: {DATA / 'gpt2-tokenizer'}\noutput_dir: {tmp_path / 'out'}\n")
+    model, data, span, training, *_ = run_clm.parse_args([str(file)])
+    assert training.learning_rate == 0.001 and data.block_size == 64
+    assert span.config().layers == (0, 2)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda t: merge.main([str(t / "r.jsonl"), "--out", str(t / "file")]), "--out {tmp}/file: {tmp}/file is a file"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--set", "seed=3"]),
+     "--set 'seed=3': expected KEY=VALUE with a run_clm.py argument other than output_dir, span and seed"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--budget", "nan"]),
+     "--budget nan: allowed values are numbers >= 0"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--max_runs", "-1"]),
+     "--max_runs -1: allowed values are numbers >= 0"),
+    (lambda t: sweep.main([str(t / "s.yaml"), "--launcher", " "]), "--launcher is empty"),
+    (lambda t: report.main([str(t / "file")]), "report: {tmp}/file: not a folder"),
+    (lambda t: run_clm.main(["--early_stopping_threshold", "nan", "--output_dir", str(t / "o")]),
+     "--early_stopping_threshold nan: allowed values are >= 0"),
+    (lambda t: run_clm.main(["--output_dir", " "]), "--output_dir is empty"),
+    (lambda t: run_clm.main(["--span_schedule", str(t / "typo.yaml"), "--output_dir", str(t / "o")]),
+     "--span_schedule {tmp}/typo.yaml: no such file"),
+])
+def test_unusual_command_line_values_are_named(call, message, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "r.jsonl").write_text("")
+    write_sweep(tmp_path / "s.yaml", ["score:1000"], [0])
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises((SystemExit, ValueError)) as err:
+        call(tmp_path)
+    assert message.replace("{tmp}", str(tmp_path)) in str(err.value) + capsys.readouterr().err
+    assert sorted(tmp_path.rglob("*")) == before
