@@ -1,17 +1,18 @@
 """Every code block of the README runs as written, in the order a reader meets them.
 
-The README names Hub models and datasets, as users will run it; here each Hub name is swapped for
-a local stand-in by `SUBSTITUTIONS` (a tiny model saved to a folder, with the GPT-2 tokenizer from
-`../shared/data`, and a few hundred lines of WikiText-2 from there), nothing else in a block is
-changed. Python blocks run in one namespace, like a notebook; shell blocks run command by command
-in bash, in the same folder. Three rules say what does not run as written, each narrow and named:
+The README names Hub models and datasets and the users' own files, as users will run it; here
+`SUBSTITUTIONS` swaps each for a local stand-in (tiny models of the same families saved to folders,
+with the GPT-2 tokenizer from `../shared/data`; a few hundred short lines of WikiText-2 from there
+as text, JSON lines and CSV), and nothing else in a block is changed. Uploads go to a stand-in for
+the Hub's API. Python blocks run in one namespace, like a notebook; shell blocks run command by
+command in bash, in the same folder. Three rules say what does not run as written, each narrow and
+named:
   - `pip install` commands are checked as already done (the package from this checkout, its
     extras and the named packages importable), not run;
   - `recipes/run_clm.py` runs with `TINY_RUN` appended (its later flags win), so that a recipe
     command trains a few steps on a few blocks;
   - `SKIPPED` names every other command that does not run here, and why.
-A block that fails fails the test with its README line number.
-"""
+A block that fails fails the test with its README line number."""
 
 from __future__ import annotations
 
@@ -41,7 +42,12 @@ SHOWN = {"text", "bibtex"}  # code blocks that are shown, not run
 # Hub names and users' files (as the README writes them) -> local stand-ins; {fields} are filled by `world`.
 SUBSTITUTIONS = {
     "distilbert/distilgpt2": "{gpt2}",
+    "HuggingFaceTB/SmolLM2-135M": "{llama}",
     'load_dataset("wikitext", "wikitext-2-raw-v1", ': 'load_dataset("text", data_files={{"train": "{train}"}}, ',
+    "--dataset_name wikitext --dataset_config_name wikitext-2-raw-v1": "--train_file {train} --validation_file "
+                                                                        "{validation}",
+    "my_train.jsonl": "{train_jsonl}",
+    "my_validation.csv": "{validation_csv}",
 }
 TINY_RUN = ["--block_size", "32", "--max_train_samples", "8", "--max_eval_samples", "4", "--max_steps", "2",
             "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
@@ -51,6 +57,8 @@ SKIPPED = {
     "bash scripts/compare.sh": "the main job: minutes of training, data from the Hub",
     "SPANATTN_DATA=../shared/data bash scripts/compare.sh": "the main job: minutes of training",
     "bash scripts/test.sh": "the test suite, this test included",
+    "torchrun --nproc_per_node 2": "two processes: the CPU command runs in the slow test below, the others need GPUs",
+    "accelerate launch --multi_gpu": "needs GPUs",
 }
 
 
@@ -250,6 +258,14 @@ def test_readme_snippets_run_as_written(world, hub):
     assert saved["span_attention"]["method"] == "score"  # the snippets ran on the patched model
     assert hub.cards and all("hf_spanattn" in card for card in hub.cards)  # the pushed card names the method
 
+
+@pytest.mark.slow
+def test_readme_two_process_cpu_command_runs(world):
+    """The README's command for two processes on a CPU machine (its other launcher commands need GPUs)."""
+    commands = [(line, shlex.split(text, comments=True)) for block in readme_blocks(README.read_text())
+                if block.lang == "bash" for line, text in shell_commands(block)]
+    (cpu,) = [(line, argv) for line, argv in commands if argv[0] == "torchrun" and "--use_cpu" in argv]
+    run_command(*cpu, world)
 
 
 def test_every_relative_link_of_the_readme_and_docs_exists():
