@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One GPU command of the paper's sweep: as many whole runs of recipes/configs/paper_gpu.yaml as
-# fit in the budget, skipping those already merged into results/paper/runs. Run it as the device
-# machine's command, carrying the wheels and the data made here beforehand:
-#   bash scripts/fetch_gpu_wheels.sh && bash scripts/fetch_gpu_data.sh        # here, once
-#   command: bash scripts/gpu_sweep.sh [--parallel N] [--accum K] [--budget S] [--max_runs N]
-#   carry: [".whl", ".data"], timeout_s: 600
-# then, here:  python recipes/merge.py <files_at>/results.jsonl --out results/paper
+# fit in the budget, skipping those already merged into results/paper/runs. Made for a GPU machine
+# without internet access and a 10-minute limit per command: fetch the wheels and the data on a
+# connected machine first, and copy `.whl/` and `.data/` beside the checkout there:
+#   bash scripts/fetch_gpu_wheels.sh && bash scripts/fetch_gpu_data.sh        # connected machine, once
+#   bash scripts/gpu_sweep.sh [--parallel N] [--accum K] [--budget S] [--max_runs N]   # GPU machine
+# then, back here:  python recipes/merge.py <$OUT>/results.jsonl --out results/paper
 #   --parallel N  runs at once on the GPU (default 1)
 #   --accum K     batch 128 as K accumulated steps of 128/K (default 1: one step, if memory allows)
 #   --budget S    seconds in which runs may start and finish (default 540, inside the 600 s command)
-# Writes to $OUT (runs/gpu_out outside the device machine): results.jsonl (one line per finished
-# run), pack.log, env.txt (GPU and package versions). Three files: the device returns at most 8.
+# Writes to $OUT (default runs/gpu_out): results.jsonl (one line per finished run), pack.log and
+# env.txt (GPU and package versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml EXTRA=()
