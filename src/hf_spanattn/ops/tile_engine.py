@@ -107,16 +107,19 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> _M
     return replace(mask, additive=[a.clone() if a is not None else None for a in mask.additive])
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
-    """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with no finite mask entry give 0 (as SDPA)."""
+def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float) -> Tiled:
+    """softmax(scale·Q Kᵀ + mask) in q's dtype, tile by tile; rows with no finite mask entry give 0
+    (as SDPA). Scores and softmax are in the work dtype: float32 for half inputs, whose scores
+    may pass the half range (65504 in float16), as SDPA's."""
+    work = backward.work_dtype(q.dtype)
 
     def tile(i: int) -> torch.Tensor:
         start, end, cols = mask.tiles[i]
         additive, lo, dead_rows = mask.tile(i)
-        scores = (q[..., start:end, :] * scale).to(dtype) @ k[..., :cols, :].to(dtype).mT
+        scores = (q[..., start:end, :].to(work) * scale) @ k[..., :cols, :].to(work).mT
         if additive is not None:
             scores[..., lo:].add_(additive)
-        return masked_softmax(scores, dead_rows)
+        return masked_softmax(scores, dead_rows).to(q.dtype)
 
     return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])
 
@@ -137,22 +140,28 @@ class SpanAttentionFunction(torch.autograd.Function):
     """Attention on (B, H_kv, g, T, d) queries and (B, H_kv, 1, S, d) keys/values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
+    def forward(ctx, q, k, v, attn_mask, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
                 probe: Probe | None):
-        probs = _probs(q, k, mask, scale, q.dtype)
+        probs = _probs(q, k, mask, scale)
         keep = None
         if dropout_p > 0:
             # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
             keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
         out = _dropped(probs, keep, dropout_p) @ v
-        ctx.save_for_backward(q, k, v, keep, *probs.parts)
+        learnable = attn_mask if ctx.needs_input_grad[3] else None
+        ctx.save_for_backward(q, k, v, keep, learnable, *probs.parts)
         ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
         return out
 
     @staticmethod
+    @backward.first_order_only
     def backward(ctx, d_out):
-        q, k, v, keep, *parts = ctx.saved_tensors
+        q, k, v, keep, learnable, *parts = ctx.saved_tensors
         mask = ctx.mask
+        d_mask = None
+        if learnable is not None:
+            probs = Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2])
+            d_mask = backward.mask_grad(_mask_free_grads(probs, v, keep, ctx.dropout_p, d_out), learnable)
         inputs = backward.prepare(q, k, v, mask.key_valid, ctx.config.rule, _spans_of, probing=ctx.probe is not None)
         batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask, inputs)
         grads = [torch.empty_like(x) for x in (q, k, v)]
@@ -164,7 +173,20 @@ class SpanAttentionFunction(torch.autograd.Function):
             chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
-        return (*grads, None, None, None, None, None)
+        return (*grads, d_mask, None, None, None, None, None)
+
+
+def _mask_free_grads(probs: Tiled, v: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
+                     d_out: torch.Tensor):
+    """∂L/∂S without the factor scale, P ⊙ (dP − rowsum(dP ⊙ P)) for dP = ∂L/∂P, tile by tile with
+    (first row, end row, columns), in the work dtype: the standard one in every row (also in rows
+    that attend no key by MASKED_AT), as SDPA gives the mask."""
+    work = backward.work_dtype(v.dtype)
+    for p, (start, end, cols) in zip(probs.parts, probs.tiles):
+        d_probs = d_out[..., start:end, :].to(work) @ v[..., :cols, :].to(work).mT
+        if keep is not None:
+            d_probs = d_probs * keep[..., start:end, :cols] * _keep_scale(dropout_p)
+        yield torch.ops.aten._softmax_backward_data(d_probs, p.to(work), -1, work), start, end, cols
 
 
 def _spans_of(k: torch.Tensor, v: torch.Tensor | None, pinv: bool) -> tuple[Span, Span | None]:
@@ -242,6 +264,9 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    probe: Probe | None = None) -> torch.Tensor:
     """`span_attention` on the tiles; (B, H, T, D) inputs as checked and broadcast by it."""
     q, k = backward.grouped(query, key)
-    mask = _prepare_mask(attn_mask, is_causal, (*q.shape[:-1], k.shape[-2]), query.dtype, query.device)
-    out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), mask, dropout_p, scale, config, probe)
+    detached = attn_mask.detach() if attn_mask is not None else None
+    mask = _prepare_mask(detached, is_causal, (*q.shape[:-1], k.shape[-2]), backward.work_dtype(query.dtype),
+                         query.device)
+    learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
+    out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), learnable, mask, dropout_p, scale, config, probe)
     return out.reshape(*query.shape[:-1], value.shape[-1])

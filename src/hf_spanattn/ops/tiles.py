@@ -23,7 +23,7 @@ def row_tiles(attend: torch.Tensor | None, t: int, s: int) -> list[Tile]:
     that attend nothing are in no tile."""
     if attend is None:
         return [(0, t, s)]
-    attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0)
+    attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0).expand(-1, s)  # a mask may broadcast over the keys
     reach = (attend * torch.arange(1, attend.shape[-1] + 1, device=attend.device)).amax(dim=-1)
     reach = reach.expand(t).tolist()
     rows = max(_TILE_ROWS, -(-t // _MAX_TILES))
