@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_spanattn.ops import blocks, tiles
+from hf_spanattn.ops import blocks, tile_engine, tiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -15,3 +15,10 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tiles, "_TILE_ROWS", 4)
     monkeypatch.setattr(tiles, "_MAX_TILES", 100)
     monkeypatch.setattr(blocks, "_STACK_ELEMENTS", 200)
+
+
+@pytest.fixture
+def recomputed_tiles(monkeypatch):
+    """The probabilities recomputed in the backward pass at every length, in tiles of 16 rows."""
+    monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
+    monkeypatch.setattr(tile_engine, "_RECOMPUTED_TILE", 1)
