@@ -85,6 +85,8 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
                                         attn_mask=torch.rand(3, 2, 1, 6, 6, generator=torch.Generator().manual_seed(1))
                                         > 0.3), SDPA),
     "gqa": (lambda: qkv(h_q=4, h_kv=2), SDPA),
+    "gqa_mask_hides_everything": (lambda: with_(qkv(h_q=4, h_kv=2), attn_mask=torch.zeros(6, 6, dtype=torch.bool)),
+                                  SDPA),
     "value_head_dim_differs": (lambda: qkv(d_v=7), SDPA),
     "mask_key_padding_only": (lambda: with_(qkv(), attn_mask=left_padding(None)[:, :, -1:]), SDPA),
     # a mask that broadcasts over the keys: a bias per query row, or whole rows masked

@@ -93,7 +93,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     defined = (additive > -math.inf).any(dim=-1, keepdim=True)
     dead_rows, idle_rows = ~defined, defined & ~attend.any(dim=-1, keepdim=True)
     reach = attend | idle_rows
-    tiles = row_tiles(reach, t, s, rows)
+    tiles = row_tiles(reach, t, s, rows) or [(0, t, s)]  # no row attends: one tile of rows that give 0
     masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
     first_masked, parts = [], []
     for start, end, cols in tiles:
