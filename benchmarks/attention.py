@@ -9,7 +9,9 @@ backend and T, with ratios measured side by side in one run.
     python -m benchmarks.attention --seq 256 512 --backends tiles fused
     python -m benchmarks.attention --seq 256 512 1024 2048 4096 8192 --tokens 8192 --backends tiles fused
     python -m benchmarks.attention --seq 1024 8192 --tokens 8192 --memory  # peak memory only (no timing)
-    python -m benchmarks.attention --device cuda --dtype bfloat16     # GPU, T = 512 … 4096
+    python -m benchmarks.attention --device cuda --dtype bfloat16     # GPU, T = 512 … 4096, fused and triton
+    TRITON_INTERPRET=1 python -m benchmarks.attention --seq 32 --tokens 64 --backends triton --repeats 1
+                                                                      # the Triton kernels on the CPU (a check)
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from hf_spanattn.ops.attention import BACKENDS
 HEADS, HEAD_DIM = 4, 64
 METHODS = ["standard:QKV101", "score:1000", "score:1100", "score:1111", "reductionistic:1100", "simple:10",
            "score:1000@per_block", "score:1100@per_block", "score:1111@per_block"]
-DEFAULTS = {"cpu": dict(tokens=2048, seq=[256, 512, 1024, 2048], dtype="float32", repeats=7),
-            "cuda": dict(tokens=16384, seq=[512, 1024, 2048, 4096], dtype="bfloat16", repeats=10)}
+DEFAULTS = {"cpu": dict(tokens=2048, seq=[256, 512, 1024, 2048], dtype="float32", repeats=7, backends=["auto"]),
+            "cuda": dict(tokens=16384, seq=[512, 1024, 2048, 4096], dtype="bfloat16", repeats=10,
+                         backends=["fused", "triton"])}
 
 
 def eager(q, k, v):
@@ -83,7 +86,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="B·T (default 2048 on the CPU, 16384 on CUDA)")
     parser.add_argument("--seq", type=int, nargs="+")
     parser.add_argument("--methods", nargs="+", default=METHODS)
-    parser.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", *BACKENDS])
+    parser.add_argument("--backends", nargs="+", choices=["auto", *BACKENDS],
+                        help="default: auto on the CPU, fused and triton on CUDA")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--memory", action="store_true", help="peak memory only: no timing")
     parser.add_argument("--peak", nargs=3, metavar=("METHOD", "BACKEND", "T"), help=argparse.SUPPRESS)

@@ -1,9 +1,16 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from hf_spanattn.ops import blocks, tile_engine, tiles
+if not torch.cuda.is_available():
+    # the Triton kernels run in Triton's interpreter on CPU tensors; this must precede Triton's first
+    # import (Transformers imports it), so it is set here rather than in tests/test_triton.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hf_spanattn.ops import blocks, tile_engine, tiles  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from models import tiny
-from transformers import GPT2Config
+from models import VOCAB, tiny
+from transformers import AutoModelForCausalLM, GPT2Config
 
-from hf_spanattn import SpanAttentionConfig, patch_model
+from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
 from hf_spanattn.integration.registry import config_of
-from hf_spanattn.training import Keyframe
+from hf_spanattn.training import Keyframe, Schedule, SpanAttentionCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -41,6 +42,35 @@ def stored(value):
     config = GPT2Config()
     config.span_attention = value
     return config
+
+
+SECTION = SpanAttentionConfig().to_dict()
+
+
+def stored_with(**fields):
+    return stored({**SECTION, **fields})
+
+
+def qkv(t: int = 5):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, t, 4, generator=gen, requires_grad=True) for _ in range(3)]
+
+
+def saved_model(tmp: Path, **fields) -> Path:
+    """A patched tiny GPT-2 saved to `tmp/model`, its config.json's span_attention then edited by hand."""
+    model = tiny("gpt2")
+    patch_model(model, "score:1000")
+    model.save_pretrained(tmp / "model")
+    config = json.loads((tmp / "model" / "config.json").read_text())
+    config["span_attention"].update(fields)
+    (tmp / "model" / "config.json").write_text(json.dumps(config))
+    return tmp / "model"
+
+
+def train_step_after_from_pretrained(folder: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="span_attention")
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
 
 
 def from_pretrained_in(tmp: Path, name: str, cwd_folder: str | None = None):
@@ -113,6 +143,64 @@ CASES = [
     ("span_attention entry a list", lambda t: config_of(stored(["score", [1, 0, 0, 0]])), TypeError,
      "'span_attention' = ['score', [1, 0, 0, 0]]: expected a dict"),
     ("from_dict of a list", lambda t: SpanAttentionConfig.from_dict(["score"]), TypeError, "expected a dict"),
+    # the stored section: every field of every JSON type gets an error naming the field (tests/test_properties.py)
+    ("stored alphas a nested list", lambda t: config_of(stored_with(alphas=[[1], [0], [0], [0]])), ValueError,
+     "model config field 'span_attention': alphas=[[1], [0], [0], [0]]: expected a sequence of 4 numbers"),
+    ("stored alphas a dict", lambda t: config_of(stored_with(alphas={"a0": 1})), ValueError, "alphas={'a0': 1}"),
+    ("stored layers a nested list", lambda t: config_of(stored_with(layers=[[0, 1]])), ValueError,
+     "layers=[[0, 1]]: expected None (all layers) or a sequence of non-negative integer layer indices"),
+    ("stored method a dict", lambda t: config_of(stored_with(method={"name": "score"})), ValueError,
+     "method={'name': 'score'}: allowed values are standard, simple, reductionistic, score"),
+    ("stored version a list", lambda t: config_of(stored_with(hf_spanattn_version=[0, 1, 0])), ValueError,
+     "hf_spanattn_version=[0, 1, 0]: expected the version string"),
+    ("stored version not a version", lambda t: config_of(stored_with(hf_spanattn_version="latest")), ValueError,
+     "hf_spanattn_version='latest'"),
+    ("stored layers true after layers 1 (equal keys)",
+     lambda t: [config_of(stored_with(layers=[1])), config_of(stored_with(layers=[True]))], ValueError,
+     "layers=[True]"),
+    ("stored alpha true after alpha 1 (equal keys)",
+     lambda t: [config_of(stored_with(alphas=[1, 0, 0, 0])), config_of(stored_with(alphas=[True, 0, 0, 0]))],
+     ValueError, "alphas=[True, 0, 0, 0]: expected a sequence of 4 numbers"),
+    ("stored alphas strings", lambda t: config_of(stored_with(alphas=["1", "0", "0", "0"])), ValueError,
+     "alphas=['1', '0', '0', '0']"),
+    ("load_pretrained of a hand-edited config.json", lambda t: load_pretrained(saved_model(t, alphas=[[1, 0, 0, 0]])),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': alphas=[[1, 0, 0, 0]]: expected a sequence"),
+    ("load_pretrained of a layers dict", lambda t: load_pretrained(saved_model(t, layers={"0": True})),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': layers={'0': True}"),
+    ("from_pretrained span_attention of a hand-edited config.json",
+     lambda t: train_step_after_from_pretrained(saved_model(t, qkv_alphas={"q": 1})), ValueError,
+     "{tmp}/model/config.json, field 'span_attention': qkv_alphas={'q': 1}: expected a sequence of 3 numbers"),
+    ("load_pretrained of layers outside the model", lambda t: load_pretrained(saved_model(t, layers=[0, 9])),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': layers=[0, 9]: GPT2LMHeadModel has layers 0..1"),
+    ("load_pretrained config a dict", lambda t: load_pretrained(str(t), {"method": "score"}), TypeError,
+     "load_pretrained: config={'method': 'score'} (dict): expected a SpanAttentionConfig"),
+    # span_attention's config, as patch_model takes it
+    ("span_attention config a dict", lambda t: span_attention(*qkv(), config={"method": "score"}), TypeError,
+     "span_attention: config={'method': 'score'} (dict): expected a SpanAttentionConfig, a label string such as "
+     "'score:1000', or None (the default, score:1000) (for a dict of fields: SpanAttentionConfig.from_dict(...))"),
+    ("span_attention config an int", lambda t: span_attention(*qkv(), config=1000), TypeError,
+     "span_attention: config=1000 (int): expected a SpanAttentionConfig"),
+    ("span_attention a bad label", lambda t: span_attention(*qkv(), config="score:12"), ValueError,
+     "alphas=(1.0, 2.0): expected 4 values"),
+    ("span_attention a label with a space", lambda t: span_attention(*qkv(), config="score: 1000"), ValueError,
+     "label='score: 1000': expected '<method>:<alphas>"),
+    ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
+     "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
+    ("unpatch_model of a string", lambda t: unpatch_model("model"), TypeError,
+     "unpatch_model needs a transformers PreTrainedModel"),
+    ("load_pretrained model_class a string", lambda t: load_pretrained(str(saved_model(t)), model_class="gpt2"),
+     TypeError, "load_pretrained: model_class='gpt2': expected a Transformers model class with from_pretrained"),
+    ("from_pretrained of None", lambda t: SpanAttentionConfig.from_pretrained(None), TypeError,
+     "SpanAttentionConfig.from_pretrained: name_or_path=None: expected a folder"),
+    ("from_pretrained of ''", lambda t: SpanAttentionConfig.from_pretrained(""), TypeError, "name_or_path=''"),
+    # SpanAttentionConfig fields of unusual types
+    ("config alphas a bool", lambda t: SpanAttentionConfig(alphas=(True, False, False, False)), ValueError,
+     "alphas=(True, False, False, False): expected a sequence of 4 numbers"),
+    ("config alphas inf", lambda t: SpanAttentionConfig(alphas=(1, float("inf"), 0, 0)), ValueError, "finite"),
+    ("config layers a string", lambda t: SpanAttentionConfig(layers="0,1"), ValueError, "layers='0,1'"),
+    ("config layers floats", lambda t: SpanAttentionConfig(layers=[0.0, 1.0]), ValueError, "layers=[0.0, 1.0]"),
+    ("config method in capitals", lambda t: SpanAttentionConfig(method="Score"), ValueError,
+     "method='Score': allowed values are standard, simple, reductionistic, score"),
     ("label with a bad number", lambda t: SpanAttentionConfig.from_label("score:1e,0,0,0"), ValueError,
      "'1e,0,0,0' is not a list of numbers"),
     # SpanAttentionConfig.from_pretrained
@@ -131,10 +219,43 @@ CASES = [
      "{tmp}/c.json: not valid JSON"),
     ("from_pretrained JSON list", lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "[1]")),
      ValueError, "{tmp}/c.json: expected a JSON object"),
+    ("from_pretrained empty file", lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "")),
+     ValueError, "{tmp}/c.json: not valid JSON"),
+    ("from_pretrained binary file",
+     lambda t: SpanAttentionConfig.from_pretrained([(t / "c.json").write_bytes(b"\xff\xfe\x00{"), t / "c.json"][1]),
+     ValueError, "{tmp}/c.json: not valid JSON (UnicodeDecodeError"),
+    ("from_pretrained deeply nested JSON",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "[" * 100_000 + "]" * 100_000)),
+     ValueError, "{tmp}/c.json: not valid JSON (RecursionError"),
+    ("from_pretrained a field of the wrong type",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": "1000"}')), ValueError,
+     "{tmp}/c.json: alphas='1000': expected a sequence of 4 numbers"),
+    ("from_pretrained a version that is not one",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"hf_spanattn_version": 1}')), ValueError,
+     "{tmp}/c.json: hf_spanattn_version=1: expected the version string"),
+    ("from_pretrained a model folder", lambda t: SpanAttentionConfig.from_pretrained(saved_model(t)),
+     FileNotFoundError, "a saved model keeps its settings in config.json: hf_spanattn.load_pretrained reads them"),
     # schedules
     ("epoch keyframe without a data length", lambda t: Keyframe("1ep", "score:1000").step(10, None), ValueError,
      "needs training data with a length"),
     ("keyframe at nan%", lambda t: Keyframe("nan%", "score:1000").step(10, 5), ValueError, "finite"),
+    ("keyframe at a bool", lambda t: Keyframe(True, "score:1000").step(10, 5), ValueError, "keyframe at=True"),
+    ("keyframe ramp a string", lambda t: Keyframe(5, "score:1000", ramp="false"), ValueError,
+     "keyframe ramp='false': expected True or False"),
+    ("keyframe span a list", lambda t: Keyframe(0, ["score:1000"]).settings(2), ValueError,
+     "keyframe span=['score:1000']: expected a label or a {layers: label} table"),
+    ("callback diagnostics_every a bool", lambda t: SpanAttentionCallback(diagnostics_every=True), ValueError,
+     "diagnostics_every=True: expected an integer >= 0"),
+    ("callback diagnostics_per_head a string", lambda t: SpanAttentionCallback(diagnostics_per_head="no"), ValueError,
+     "diagnostics_per_head='no': expected True or False"),
+    ("callback diagnostics_file a number", lambda t: SpanAttentionCallback(diagnostics_file=7), ValueError,
+     "diagnostics_file=7: expected a file name"),
+    ("schedule a label", lambda t: Schedule("score:1000"), ValueError,
+     "schedule: expected a list of keyframes (Keyframe or dicts with 'at', 'span'), got 'score:1000'"),
+    ("keyframe from a list", lambda t: Keyframe.from_dict(["at", "span"]), ValueError,
+     "schedule keyframe ['at', 'span']: expected keys 'at', 'span'"),
+    ("callback schedule a label", lambda t: SpanAttentionCallback(schedule="score:1000"), ValueError,
+     "schedule='score:1000': expected a Schedule or a list of keyframes"),
     # sweep.py
     ("sweep empty YAML", lambda t: sweep.main([str(sweep_file(t, None))]), ValueError, "got an empty file"),
     ("sweep YAML a list", lambda t: sweep.main([str(sweep_file(t, ["score:1000"]))]), ValueError,
@@ -202,3 +323,30 @@ def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
     assert resume_with_saved(tmp_path, RUN, {**RUN, "training": {**RUN["training"], "output_dir": "b"}}) \
         == str(tmp_path / "out" / "checkpoint-3")
     assert run_identity.resume_point(str(tmp_path / "new"), RUN, None, overwrite=False) is None
+
+
+def test_span_attention_takes_a_label_or_none_as_patch_model_does():
+    """config="score:1100" gives what the config object gives; None gives the default (score:1000)."""
+    def grads(config):
+        leaves = qkv(t=7)
+        span_attention(*leaves, is_causal=True, config=config).square().sum().backward()
+        return [x.grad for x in leaves]
+
+    for label, same_as in (("score:1100", SpanAttentionConfig.from_label("score:1100")),
+                           (None, SpanAttentionConfig())):
+        for got, want in zip(grads(label), grads(same_as)):
+            assert torch.equal(got, want)
+    assert not torch.allclose(grads("score:1100")[0], grads(None)[0])  # the label is read, not ignored
+
+
+def test_numpy_and_path_arguments_of_the_callback_save_as_json():
+    """A NumPy step, a NumPy diagnostics interval and a Path file name work, and the callback's state (which
+    the Trainer writes into trainer_state.json) stays JSON."""
+    import numpy as np
+
+    callback = SpanAttentionCallback(schedule=(Keyframe(np.int64(5), "score:1000"),), diagnostics_every=np.int64(2),
+                                     diagnostics_file=Path("d.jsonl"))
+    assert callback.schedule.keyframes[0].step(10, None) == 5
+    assert json.loads(json.dumps(callback.state()))["args"] == {
+        "schedule": [{"at": 5, "span": "score:1000", "ramp": False}], "diagnostics_every": 2,
+        "diagnostics_per_head": False, "diagnostics_file": "d.jsonl"}

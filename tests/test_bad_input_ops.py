@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,14 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "empty_batch": (lambda: qkv(b=0), SDPA),
     "all_on_meta": (lambda: {k: x.to("meta") for k, x in qkv().items()}, SDPA),
     "dropout_one": (lambda: with_(qkv(), dropout_p=1.0), SDPA),
+    # numbers of other types, as SDPA takes them
+    "dropout_numpy_float32": (lambda: with_(qkv(), dropout_p=np.float32(0.0)), SDPA),
+    "dropout_numpy_int": (lambda: with_(qkv(), dropout_p=np.int64(0)), SDPA),
+    "dropout_0d_tensor": (lambda: with_(qkv(), dropout_p=torch.tensor(0.0)), SDPA),
+    "scale_numpy_float32": (lambda: with_(qkv(), scale=np.float32(0.3)), SDPA),
+    "scale_numpy_int": (lambda: with_(qkv(), scale=np.int64(2)), SDPA),
+    "scale_0d_tensor": (lambda: with_(qkv(), scale=torch.tensor(0.3, dtype=torch.float64)), SDPA),
+    "scale_0d_int_tensor": (lambda: with_(qkv(), scale=torch.tensor(1)), SDPA),
     # clear errors
     "key_on_meta": (lambda: moved(qkv(), "key", "meta"), (ValueError, "one device")),
     "query_on_meta": (lambda: moved(qkv(), "query", "meta"), (ValueError, "one device")),
@@ -124,6 +133,18 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "batches_do_not_broadcast": (lambda: with_(qkv(), key=qkv(b=3)["key"], value=qkv(b=3)["value"]),
                                  (ValueError, "broadcast")),
     "scale_not_a_number": (lambda: with_(qkv(), scale="0.5"), (TypeError, "scale")),
+    "scale_a_bool": (lambda: with_(qkv(), scale=True), (TypeError, "scale must be a float.*not a bool")),
+    "scale_needs_grad": (lambda: with_(qkv(), scale=torch.tensor(0.5, requires_grad=True)),
+                         (TypeError, "scale must be a float.*0-d tensor that needs no gradient")),
+    "scale_1d_tensor": (lambda: with_(qkv(), scale=torch.tensor([0.5])), (TypeError, "scale must be a float")),
+    "dropout_a_bool": (lambda: with_(qkv(), dropout_p=True), (TypeError, r"dropout_p must be a float.*True \(bool\)")),
+    "dropout_a_string": (lambda: with_(qkv(), dropout_p="0.1"), (TypeError, "dropout_p must be a float")),
+    "dropout_numpy_above_one": (lambda: with_(qkv(), dropout_p=np.float32(1.5)), (ValueError, r"dropout_p.*\[0, 1\]")),
+    "is_causal_an_int": (lambda: with_(qkv(), is_causal=1), (TypeError, r"is_causal must be True or False.*1 \(int\)")),
+    "is_causal_none": (lambda: with_(qkv(), is_causal=None), (TypeError, "is_causal must be True or False")),
+    "is_causal_numpy_bool": (lambda: with_(qkv(), is_causal=np.bool_(True)),
+                             (TypeError, r"is_causal must be True or False.*numpy\.bool")),
+    "enable_gqa_a_string": (lambda: with_(qkv(), enable_gqa="yes"), (TypeError, "enable_gqa must be True or False")),
 }
 
 

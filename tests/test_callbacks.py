@@ -271,3 +271,102 @@ def test_resumed_diagnostics_do_not_repeat_steps_and_stay_in_the_output_dir(tmp_
     with pytest.warns(UserWarning, match="outside the output dir"):
         run(moved, 6, resume=str(moved / "checkpoint-4"))
     assert not (first / "diag.jsonl").exists() and (moved / "diag.jsonl").is_file()
+
+
+def _span_figures(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k.startswith("span/")}
+
+
+@pytest.mark.parametrize("attach", ["callbacks", "add_to"])
+def test_alphas_and_diagnostics_reach_log_history_checkpoints_and_tensorboard(attach, tmp_path):
+    """A ramp from score:1111 to score:1000 over 4 steps, diagnostics at steps 1 and 3, TensorBoard on:
+    the α each step trained with and the diagnostics are in log_history, in the checkpoint's
+    trainer_state.json and in TensorBoard's event files, however the callback was added."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    schedule = [Keyframe(0, "score:1111"), Keyframe("100%", "score:1000", ramp=True)]
+    callback = SpanAttentionCallback(schedule, diagnostics_every=2)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2,
+                             report_to=["tensorboard"], save_strategy="steps", save_steps=4, logging_steps=1,
+                             use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1111"), args=args, train_dataset=Same(),
+                      callbacks=[callback] if attach == "callbacks" else None)
+    if attach == "add_to":
+        callback.add_to(trainer)
+    trainer.train()
+
+    steps = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
+    assert sorted(steps) == [1, 2, 3, 4]
+    for step, entry in steps.items():  # step s trains with the setting at global step s - 1
+        alpha = 1 - (step - 1) / 4
+        assert [entry[f"span/alpha{i}"] for i in range(4)] == [1, alpha, alpha, alpha], step
+        assert [entry[f"span/alpha_{n}"] for n in "qkv"] == [1, 1, 1]
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["layer"]) for r in records] == [(1, 0), (1, 1), (3, 0), (3, 1)]
+    for r in records:
+        entry, layer = steps[r["step"]], f"span/layer{r['layer']}/"
+        for side in ("dq", "dk"):
+            assert [entry[f"{layer}{side}_share{o}"] for o in range(4)] == r[f"{side}_share"]
+        assert [entry[layer + k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")] == \
+               [r[k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")]
+    assert [step for step, entry in steps.items() if "span/layer0/cos_q" in entry] == [1, 3]
+
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    assert [entry for entry in saved if "loss" in entry] == list(steps.values())
+
+    events = sorted(tmp_path.glob("runs/*/events.out.tfevents.*"))
+    assert len(events) == 1
+    accumulator = EventAccumulator(str(events[0].parent))
+    accumulator.Reload()
+    scalars = {tag: {e.step: e.value for e in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}
+    for step, entry in steps.items():
+        figures = _span_figures(entry)
+        assert len(figures) == (7 + 2 * 2 * 4 + 2 * 4 if step in (1, 3) else 7)
+        for key, value in figures.items():
+            assert scalars[f"train/{key}"][step] == pytest.approx(value, rel=1e-6), (key, step)  # float32 there
+
+
+def test_alphas_are_logged_per_layer_where_layers_differ(tmp_path):
+    """A layer table (and layers that the model's settings leave stock) gives each layer its own α."""
+    table = [Keyframe(0, {"1": "score:1100"}), Keyframe(2, {"1": "reductionistic:1000"})]
+    model = patch_model(tiny("gpt2", layers=3), "score:1111", layers=[1, 2])
+    trainer = train(model, tmp_path, [SpanAttentionCallback(table)])
+    steps = {entry["step"]: _span_figures(entry) for entry in trainer.state.log_history if "loss" in entry}
+    stock = {"span/layer0/alpha_q": 1, "span/layer0/alpha_k": 1, "span/layer0/alpha_v": 1}
+    kept = {"span/layer2/alpha0": 1, "span/layer2/alpha1": 1, "span/layer2/alpha2": 1, "span/layer2/alpha3": 1,
+            "span/layer2/alpha_q": 1, "span/layer2/alpha_k": 1, "span/layer2/alpha_v": 1}
+    for step, alphas in ((1, (1, 1, 0, 0)), (2, (1, 1, 0, 0)), (3, (1, 0, 0, 0)), (4, (1, 0, 0, 0))):
+        layer1 = {f"span/layer1/alpha{i}": a for i, a in enumerate(alphas)}
+        layer1.update({"span/layer1/alpha_q": 1, "span/layer1/alpha_k": 1, "span/layer1/alpha_v": 1})
+        assert steps[step] == {**stock, **layer1, **kept}, step
+
+
+def test_a_callback_run_outside_a_callback_handler_warns_that_reporters_may_miss_its_logs():
+    with pytest.warns(UserWarning, match="found no transformers CallbackHandler"):
+        SpanAttentionCallback()._move_first()
+
+
+@pytest.mark.slow
+def test_diagnostics_under_ddp_are_those_of_one_process_over_the_global_batch(tmp_path):
+    """2 gloo processes with 2 rows each against 1 process with all 4 rows, two steps: each rank logs the
+    figures of the global batch, and the JSONL holds them once."""
+    from gloo_workers import spawn, train_with_diagnostics
+
+    one = train_with_diagnostics(str(tmp_path / "one"), per_device=4, max_steps=2)
+    spawn(train_with_diagnostics, 2, str(tmp_path / "two"), 2, 2)
+    ranks = [json.loads((tmp_path / "two" / f"log_history-{r}.json").read_text()) for r in range(2)]
+    assert [e for e in ranks[0] if "loss" in e] == [e for e in ranks[1] if "loss" in e]
+    figures = [[_span_figures(e) for e in history if "loss" in e] for history in (one, ranks[0])]
+    assert len(figures[0]) == len(figures[1]) == 2 and all(len(f) == 7 + 2 * 2 * 4 + 2 * 4 for f in figures[0])
+    for want, got in zip(*figures):
+        assert want.keys() == got.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+    records = [[json.loads(line) for line in (tmp_path / d / "span_diagnostics.jsonl").read_text().splitlines()]
+               for d in ("one", "two")]
+    assert len(records[0]) == len(records[1]) == 4
+    for want, got in zip(*records):
+        for key in ("dq_norm", "dk_norm", "dq_share", "dk_share"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-12), key
+        for key in ("cos_q", "cos_k", "rank_k", "rank_v"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6), key

@@ -8,6 +8,7 @@ from models import VOCAB, tiny
 from transformers import CompileConfig
 
 import hf_spanattn
+from hf_spanattn import SpanAttentionConfig
 
 
 def gradients(model, ids, forward=None) -> dict[str, torch.Tensor]:
@@ -72,3 +73,60 @@ def test_fullgraph_generation_with_a_static_cache():
     hf_spanattn.patch_model(model, "score:1000")
     compiled = model.generate(ids, compile_config=CompileConfig(fullgraph=True, backend="aot_eager"), **kwargs)
     assert torch.equal(compiled, expected)
+
+
+def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package(monkeypatch):
+    """patch_model(torch.compile(model)) patches the model inside, also after the compiled module has run,
+    and the compiled module then gives the gradients of the patched model, not the stock ones, also when it
+    is patched again. Dynamo warns about nothing in the package on the way (the settings are
+    looked up, not parsed, per attention call)."""
+    import warnings
+    from pathlib import Path
+
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    stock = tiny("gpt2", layers=1)
+    expected = hf_spanattn.patch_model(tiny("gpt2", layers=1), "score:1000")
+    model = tiny("gpt2", layers=1)
+    compiled = torch.compile(model, backend="eager")  # Dynamo's tracing, the graphs run as traced
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            compiled(input_ids=ids)
+        assert hf_spanattn.patch_model(compiled, "score:1000") is compiled
+        assert model.config._attn_implementation == "span_attention"
+        got = gradients(model, ids, compiled)
+    files = {path.name for path in Path(hf_spanattn.__file__).parent.rglob("*.py")}
+    ours = [str(w.message) for w in caught if any(f"{name}:" in str(w.message) for name in files)
+            or Path(hf_spanattn.__file__).parent in Path(w.filename).parents]
+    assert not ours, ours
+    want, plain = gradients(expected, ids), gradients(stock, ids)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-6, name
+    assert max(((got[n] - plain[n]).norm() / plain[n].norm()).item() for n in plain) > 1e-3  # not the stock ones
+    hf_spanattn.patch_model(compiled, "score:1100")  # patched again: the compiled module reads the new rule
+    got, want = gradients(model, ids, compiled), gradients(hf_spanattn.patch_model(expected, "score:1100"), ids)
+    for name, grad in want.items():
+        assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-6, name
+    hf_spanattn.unpatch_model(compiled)
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.slow
+def test_settings_edited_in_place_reach_a_compiled_model(monkeypatch):
+    """The compiled forward looks the settings up by their content, so an edit of the stored dict in place
+    (a nested list included) recompiles rather than keeping the old rule."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = hf_spanattn.patch_model(tiny("gpt2", layers=1), "score:1000")
+    compiled = torch.compile(model, backend="eager")
+    before = gradients(model, ids, compiled)
+    model.config.span_attention["alphas"][1] = 1.0
+    got, want = gradients(model, ids, compiled), gradients(model, ids)
+    assert SpanAttentionConfig.from_dict(model.config.span_attention).label == "score:1100"
+    for name, grad in want.items():
+        assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-6, name
+    assert max(((got[n] - before[n]).norm() / before[n].norm()).item() for n in before) > 1e-3  # the rule changed

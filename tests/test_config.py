@@ -57,7 +57,8 @@ def test_bad_labels(label):
 
 def test_unknown_fields_from_a_newer_version_warn():
     data = {**SpanAttentionConfig.from_label("score:1100").to_dict(), "shiny": 1, "hf_spanattn_version": "9.0"}
-    with pytest.warns(UserWarning, match=r"ignoring unknown fields \['shiny'\].*9.0"):
+    with pytest.warns(UserWarning, match="written by hf_spanattn 9.0, newer than the installed"), \
+            pytest.warns(UserWarning, match=r"ignoring unknown fields \['shiny'\].*9.0"):
         config = SpanAttentionConfig.from_dict(data)
     assert config.label == "score:1100"
 
@@ -127,3 +128,59 @@ def test_every_valid_config_label_reads_back_as_the_same_config(kwargs):
 def test_one_setting_has_one_label(label, canonical):
     assert SpanAttentionConfig.from_label(label) == SpanAttentionConfig.from_label(canonical)
     assert SpanAttentionConfig.from_label(label).label == canonical
+
+
+def test_a_newer_version_warns_naming_both_versions_and_the_file(tmp_path):
+    import json
+
+    import hf_spanattn
+
+    path = tmp_path / "span_attention_config.json"
+    path.write_text(json.dumps({**SpanAttentionConfig().to_dict(), "hf_spanattn_version": "99.1"}))
+    with pytest.warns(UserWarning, match=rf"{path}: hf_spanattn_version='99.1': the settings were written by "
+                                         rf"hf_spanattn 99.1, newer than the installed {hf_spanattn.__version__}"):
+        assert SpanAttentionConfig.from_pretrained(tmp_path) == SpanAttentionConfig()
+
+
+def test_a_newer_version_on_a_saved_model_warns_once_naming_its_config_json(tmp_path):
+    import json
+    import warnings
+
+    import torch
+    from models import VOCAB, tiny
+
+    from hf_spanattn import load_pretrained, patch_model
+
+    patch_model(tiny("gpt2"), "score:1100").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["span_attention"]["hf_spanattn_version"] = "98.0"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_pretrained(str(tmp_path))
+        for _ in range(2):
+            model(ids, labels=ids).loss.backward()
+    newer = [str(w.message) for w in caught if "newer than the installed" in str(w.message)]
+    assert len(newer) == 1 and f"{tmp_path}/config.json, field 'span_attention': hf_spanattn_version='98.0'" \
+        in newer[0], newer
+
+
+def test_an_unknown_field_warns_with_the_known_one_it_is_near():
+    with pytest.warns(UserWarning, match=r"ignoring unknown fields \['alpha'\].*did you mean 'alphas' for 'alpha'"):
+        SpanAttentionConfig.from_dict({"method": "score", "alpha": [1, 1, 0, 0]})
+
+
+def test_numpy_and_tensor_numbers_are_taken_as_plain_numbers():
+    """Layers as NumPy integers (an arange), alphas as NumPy floats or 0-d tensors: the same config as
+    with Python numbers, and it still saves as JSON."""
+    import json
+
+    import numpy as np
+    import torch
+
+    config = SpanAttentionConfig(alphas=np.array([1, 0.5, 0, 0], dtype=np.float32), layers=np.arange(2, 4),
+                                 qkv_alphas=(torch.tensor(1.0), np.float64(0.5), 1))
+    assert config == SpanAttentionConfig(alphas=(1, 0.5, 0, 0), layers=[3, 2], qkv_alphas=[1, 0.5, 1])
+    assert type(config.layers[0]) is int and type(config.alphas[1]) is float
+    assert SpanAttentionConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config

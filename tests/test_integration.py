@@ -236,7 +236,7 @@ def test_saved_layers_outside_the_model_warn_on_load_and_bad_entries_fail(tmp_pa
     model = tiny("gpt2", layers=2)
     model.config.span_attention = {**SpanAttentionConfig.from_label("score:1000").to_dict(), "layers": [7]}
     model.save_pretrained(tmp_path)
-    registry._warn_layers_outside.cache_clear()
+    registry._PARSED.clear()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="span_attention")
     ids = tokens()
     with pytest.warns(UserWarning, match=r"layers=\[7\]: the model has layers 0\.\.1.*no layer does"):

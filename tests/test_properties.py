@@ -1,6 +1,7 @@
 """Properties of span_attention over random shapes, masks, dtypes and alphas (hypothesis):
 the forward pass is SDPA's, the gradients at alphas 1111 are SDPA's, and every rule matches the
-float64 reference of tests/reference.py."""
+float64 reference of tests/reference.py. Settings of every JSON type in every field, on a model
+config or in a file, give a valid config or an error that names the field (or the file)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from test_engine import LABELS, rel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_spanattn import SpanAttentionConfig, span_attention
+from hf_spanattn.config import VERSION_KEY
+from hf_spanattn.integration.registry import config_of
 from hf_spanattn.ops.inputs import MASKED_AT
 
 MASKS = ["none", "causal", "bool", "-inf", "min", "threshold"]
@@ -207,3 +210,82 @@ def test_half_extremes_are_sdpas(dtype, scale, size, label, backend, seed):
         if torch.isfinite(e).all():
             assert torch.isfinite(g).all()
             assert rel(g, w) < max(2 * rel(e, we), tol)
+
+
+# -- settings of every JSON type -------------------------------------------------------------------
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats() | st.text(max_size=10),
+                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=10)
+FIELDS = ["method", "alphas", "score_grad", "qkv_alphas", "layers", VERSION_KEY]
+# values that are right for some field, so that valid settings come up as well as bad ones
+PLAUSIBLE = st.sampled_from([None, "score", "simple", "exact", "per_block", "0.1.0", "99.0", [], [0], [1, 0],
+                             [1, 0, 0, 0], [1, 0.5, 0, 1e-5], [1, 1, 1], [0, 3, 3], [True, 0, 0, 0], [[1], [0]]])
+
+
+def load_or_name_the_field(load, data: dict, field: str) -> SpanAttentionConfig | None:
+    """`load()` gives a config, or a ValueError/TypeError whose message names `field` (or, for a method or
+    score_grad that the other fields do not fit, the field that does not fit); nothing else."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unknown fields and newer versions warn; tested in test_config.py
+            config = load()
+    except (ValueError, TypeError) as err:
+        named = {field, "alphas", "score_grad"} if field in ("method", "score_grad") else {field}
+        assert any(f"{name}=" in str(err) for name in named), (data, str(err))
+        return None
+    assert SpanAttentionConfig.from_dict(config.to_dict()) == config
+    return config
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.sampled_from(["score:1000", "simple:10", "standard:QKV101", "score:1100@per_block"]),
+       st.sampled_from(FIELDS), st.one_of(JSON, PLAUSIBLE))
+def test_a_stored_field_of_any_json_type_loads_or_is_named(label, field, value):
+    from transformers import GPT2Config
+
+    data = {**SpanAttentionConfig.from_label(label).to_dict(), field: value}
+    model_config = GPT2Config(n_layer=2)
+    model_config.span_attention = data
+    config = load_or_name_the_field(lambda: config_of(model_config), data, field)
+    if config is not None and field not in (VERSION_KEY, "method", "score_grad") and value is not None:
+        assert list(getattr(config, field)) == (sorted(set(value)) if field == "layers" else list(value))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.one_of(JSON, st.dictionaries(st.sampled_from(FIELDS + ["alpha", "shiny"]), st.one_of(JSON, PLAUSIBLE))))
+def test_a_settings_file_of_any_json_loads_or_names_the_file(content):
+    """SpanAttentionConfig.from_pretrained on any JSON document: a config, or an error naming the file."""
+    import json
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "span_attention_config.json"
+        path.write_text(json.dumps(content))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                SpanAttentionConfig.from_pretrained(folder)
+        except (ValueError, TypeError) as err:
+            assert str(path) in str(err), str(err)
+
+
+LABEL_PARTS = st.sampled_from(["score", "simple", "reductionistic", "standard", "Score", "", " ", ":", ",", "+", "@",
+                               "QKV", "per_block", "exact", "1", "0", "10", "1000", "0.5", "1e-5", "1e999", "-1",
+                               "nan", "inf", "e", "."])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.one_of(st.lists(LABEL_PARTS, max_size=8).map("".join), st.text(max_size=20)))
+def test_any_label_parses_or_names_the_label_or_field(text):
+    """from_label on any string: a config whose label reads back as it, or a ValueError naming the label or
+    the field it sets."""
+    try:
+        config = SpanAttentionConfig.from_label(text)
+    except ValueError as err:
+        assert any(name in str(err) for name in ("label=", "alphas=", "qkv_alphas=", "score_grad=", "method=")), err
+        return
+    assert SpanAttentionConfig.from_label(config.label) == config

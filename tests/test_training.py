@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,4 +128,48 @@ def test_bf16_autocast_on_cpu_trains_finite(tmp_path):
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert torch.isfinite(torch.tensor(result.training_loss))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_fsdp2_in_two_processes_gives_the_gradients_and_diagnostics_of_one(tmp_path):
+    """A tiny grouped-query Llama sharded with `fully_shard` over 2 gloo processes, 2 rows each, against the
+    unsharded model on all 4 rows: the same parameter gradients, and diagnostics reduced to the same figures."""
+    from gloo_workers import BATCH, LABELS, fsdp_gradients_and_diagnostics, one_step, spawn
+
+    spawn(fsdp_gradients_and_diagnostics, 2, str(tmp_path))
+    sharded = torch.load(tmp_path / "fsdp.pt")
+    gradients, diagnostics = one_step(patch_model(tiny("llama"), "score:1100"), BATCH, LABELS)
+    assert sharded["gradients"].keys() == gradients.keys()
+    for name, grad in gradients.items():
+        assert (sharded["gradients"][name] - grad).norm() <= 1e-5 * grad.norm(), name
+    assert sharded["diagnostics"].keys() == diagnostics.keys() == {0, 1}
+    for layer, want in diagnostics.items():
+        got = sharded["diagnostics"][layer]
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
+                                       torch.tensor(value, dtype=torch.float64), rtol=1e-5, atol=1e-12,
+                                       msg=lambda m, layer=layer, key=key: f"layer {layer}, {key}: {m}")
+
+
+def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplog):
+    """`TrainingArguments(torch_compile=True)` traces the patched model with Dynamo: no warning is raised in
+    the package or names one of its files (as Dynamo's warning about an `lru_cache` call site does),
+    and nothing is logged at WARNING by its loggers."""
+    import hf_spanattn
+
+    package = Path(hf_spanattn.__file__).parent
+    files = {path.name for path in package.rglob("*.py")}
+    torch._dynamo.reset()
+    model = patch_model(tiny("gpt2", layers=1), "score:1100")
+    trainer = Trainer(model=model, args=args(tmp_path, torch_compile=True, torch_compile_backend="aot_eager",
+                                             max_steps=1, save_strategy="no"), train_dataset=Tokens())
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        trainer.train()
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if Path(w.filename).is_relative_to(package) or any(f"{name}:" in str(w.message) for name in files)]
+    ours += [record.getMessage() for record in caplog.records if record.name.startswith("hf_spanattn")]
+    assert not ours, "\n".join(ours)
     assert all(torch.isfinite(p).all() for p in model.parameters())

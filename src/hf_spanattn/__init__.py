@@ -4,8 +4,10 @@ __version__ = "0.1.0"
 
 from hf_spanattn.config import SpanAttentionConfig  # noqa: E402
 from hf_spanattn.integration import load_pretrained, patch_model, register, unpatch_model  # noqa: E402
+from hf_spanattn.integration.adapters import install as _install_adapter_hooks  # noqa: E402
 from hf_spanattn.ops.attention import span_attention  # noqa: E402
 
 register()
+_install_adapter_hooks()  # PEFT adapters save and check the settings
 
 __all__ = ["SpanAttentionConfig", "__version__", "load_pretrained", "patch_model", "span_attention", "unpatch_model"]

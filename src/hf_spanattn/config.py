@@ -17,14 +17,19 @@ form (`repr`), so that every label reads back as the same setting: `score:1,0.5,
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
+import numbers
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
+from hf_spanattn.ops.inputs import as_float
 from hf_spanattn.ops.rules import RULES, Rule
 
 CONFIG_NAME = "span_attention_config.json"
@@ -38,11 +43,10 @@ _LABEL = re.compile(rf"^(?P<method>[a-z]+):(?P<alphas>{_NUMBERS}*?)(?:\+?QKV(?P<
 
 
 def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
-    try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
-        alphas = tuple(float(a) for a in value)
-    except (TypeError, ValueError):
+    alphas = None
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+        alphas = tuple(as_float(a) for a in value)
+    if alphas is None or None in alphas:
         raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None
     if len(alphas) != count:
         raise ValueError(f"{name}={value!r}: expected {count} values ({what}), got {len(alphas)}")
@@ -66,12 +70,51 @@ def _parse_alphas(text: str, label: str) -> tuple[float, ...]:
                          "or comma-separated numbers ('1,0.5,0,1e-05')") from None
 
 
+def _layers_field(value: Any) -> tuple[int, ...] | None:
+    """Layer indices as sorted distinct ints (NumPy integers included), or None if they are not that."""
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
+        return None
+    layers = list(value)
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in layers):
+        return None
+    return tuple(sorted({int(i) for i in layers}))
+
+
+def _version_field(value: Any, source: str) -> None:
+    """The version that wrote the settings: a version string; one newer than this package warns."""
+    from hf_spanattn import __version__
+
+    try:
+        written = Version(value) if isinstance(value, str) else None
+    except InvalidVersion:
+        written = None
+    if written is None:
+        raise ValueError(f"{source}{VERSION_KEY}={value!r}: expected the version string of the hf_spanattn that "
+                         f"wrote the settings, such as {__version__!r} (or no {VERSION_KEY} entry)")
+    if written > Version(__version__):
+        warnings.warn(f"{source}{VERSION_KEY}={value!r}: the settings were written by hf_spanattn {value}, newer "
+                      f"than the installed {__version__}; a setting that version added would be ignored or refused "
+                      "here: upgrade hf_spanattn to read them as written", stacklevel=3)
+
+
+def as_config(config: Any, caller: str, none: str) -> SpanAttentionConfig | None:
+    """A `config` argument as `patch_model` and `span_attention` take it: a SpanAttentionConfig, a label such
+    as 'score:1000', or None (whose meaning for the caller `none` states)."""
+    if config is None or isinstance(config, SpanAttentionConfig):
+        return config
+    if isinstance(config, str):
+        return SpanAttentionConfig.from_label(config)
+    hint = " (for a dict of fields: SpanAttentionConfig.from_dict(...))" if isinstance(config, Mapping) else ""
+    raise TypeError(f"{caller}: config={config!r} ({type(config).__name__}): expected a SpanAttentionConfig, a "
+                    f"label string such as 'score:1000', or None ({none}){hint}")
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path) as f:
             return json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
 
 
 def _looks_local(path: str) -> bool:
@@ -123,15 +166,14 @@ class SpanAttentionConfig:
         qkv = _alphas_field("qkv_alphas", self.qkv_alphas, 3, "α_Q, α_K, α_V")
         object.__setattr__(self, "qkv_alphas", qkv)
         if self.layers is not None:
-            if not isinstance(self.layers, (list, tuple, range, set, frozenset)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers
-            ):
+            layers = _layers_field(self.layers)
+            if layers is None:
                 raise ValueError(f"layers={self.layers!r}: expected None (all layers) or a sequence "
-                                 "of non-negative layer indices")
-            if not self.layers:
+                                 "of non-negative integer layer indices")
+            if not layers:
                 raise ValueError(f"layers={self.layers!r} selects no layer: expected None (all layers) or at "
                                  "least one layer index (hf_spanattn.unpatch_model removes span gradients)")
-            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+            object.__setattr__(self, "layers", layers)
 
     @property
     def rule(self) -> Rule:
@@ -187,19 +229,28 @@ class SpanAttentionConfig:
         return {**data, VERSION_KEY: __version__}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SpanAttentionConfig:
-        """Inverse of `to_dict`. Keys this version does not know (from a newer one) warn and are ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(data, dict):
-            raise TypeError(f"SpanAttentionConfig.from_dict: expected a dict with keys among {sorted(known)}, "
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> SpanAttentionConfig:
+        """Inverse of `to_dict`. Keys this version does not know (from a newer one) warn and are ignored,
+        as PEFT does; settings written by a newer version warn. `source` (the file and field the dict
+        was read from) is named in errors and warnings."""
+        where = f"{source}: " if source else ""
+        known = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{where or 'SpanAttentionConfig.from_dict: '}expected a dict with keys among {known}, "
                             f"got {type(data).__name__} {data!r}")
+        if VERSION_KEY in data:
+            _version_field(data[VERSION_KEY], where)
         fields = {k: v for k, v in data.items() if k != VERSION_KEY}
-        unknown = sorted(set(fields) - known)
+        unknown = [k for k in fields if k not in known]
         if unknown:
-            warnings.warn(f"SpanAttentionConfig: ignoring unknown fields {unknown} (written by hf_spanattn "
-                          f"{data.get(VERSION_KEY, '?')}; known fields are {sorted(known)})", stacklevel=2)
-        fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items() if k in known}
-        return cls(**fields)
+            close = {k: difflib.get_close_matches(str(k), known, n=1) for k in unknown}
+            hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in close.items() if m)
+            warnings.warn(f"{where}SpanAttentionConfig: ignoring unknown fields {unknown} (written by hf_spanattn "
+                          f"{data.get(VERSION_KEY, '?')}; known fields are {known}){hints}", stacklevel=2)
+        try:
+            return cls(**{k: v for k, v in fields.items() if k in known})
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{where}{err}") from None
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs: Any) -> str:
         """Write `span_attention_config.json` into `save_directory` (and push it if asked)."""
@@ -215,10 +266,15 @@ class SpanAttentionConfig:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs: Any) -> SpanAttentionConfig:
         """Read the settings from a local folder (or file), or from a Hub repository."""
+        if not isinstance(name_or_path, (str, os.PathLike)) or not os.fspath(name_or_path):
+            raise TypeError(f"SpanAttentionConfig.from_pretrained: name_or_path={name_or_path!r}: expected a folder, "
+                            f"a {CONFIG_NAME} file or a Hub repository id ('owner/name')")
         path = os.fspath(name_or_path)
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
-                raise FileNotFoundError(f"{path}: the folder has no {CONFIG_NAME} (written by save_pretrained)")
+                model = " (a saved model keeps its settings in config.json: hf_spanattn.load_pretrained reads them)" \
+                    if os.path.isfile(os.path.join(path, "config.json")) else ""
+                raise FileNotFoundError(f"{path}: the folder has no {CONFIG_NAME} (written by save_pretrained){model}")
             path = os.path.join(path, CONFIG_NAME)
         elif not os.path.isfile(path):
             if _looks_local(path):
@@ -230,7 +286,7 @@ class SpanAttentionConfig:
         data = _read_json(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of SpanAttentionConfig fields, got {data!r}")
-        return cls.from_dict(data)
+        return cls.from_dict(data, source=path)
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
                     commit_message: str = "Upload span attention config", revision: str | None = None) -> str:

@@ -7,6 +7,7 @@ registry, gets a small adapter on its attention modules.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from typing import Any
@@ -14,14 +15,18 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.config import SpanAttentionConfig, as_config
+from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
     PROBE_ATTR,
     config_of,
+    documents_of,
+    keeps_sdpa,
     register,
     settings_for,
+    stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
 
@@ -30,12 +35,14 @@ SUPPORTED = "models whose attention goes through Transformers' AttentionInterfac
 _ORIGINAL = "_hf_spanattn_original"  # model attribute: what patch_model changed, for unpatch_model
 
 
-def base_model(model: torch.nn.Module) -> PreTrainedModel:
-    """The Transformers model under a PEFT wrapper (or the model itself)."""
+def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTrainedModel:
+    """The Transformers model under a `torch.compile` or PEFT wrapper (or the model itself)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"patch_model needs a transformers PreTrainedModel (or a PEFT model around one), "
-                        f"got {type(model).__name__}")
+        raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model or torch.compile "
+                        f"module around one), got {type(model).__name__}")
     return base
 
 
@@ -50,22 +57,21 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     """Give `model` span-decomposed attention gradients; the forward pass is unchanged.
 
     Args:
-        model: a Transformers model, or a PEFT model around one (patched through its base model).
+        model: a Transformers model, or a PEFT model or `torch.compile` module around one (patched
+            through the model inside; a compiled module then trains with the span gradients).
         config: a SpanAttentionConfig or a label such as `"score:1000"`; None keeps the settings
             already on the model config, or takes the default.
         layers: decoder layer indices that use span gradients (the others keep stock ones), at
             least one and each inside the model; overrides `config.layers`.
 
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
-    `push_to_hub` carry them. Patching again replaces them. Returns `model`.
+    `push_to_hub` carry them, and the model's tags name them for the Hub page (`card.py`).
+    Patching again replaces them. Returns `model`.
     """
     register()
+    adapters.install()
     base = base_model(model)
-    if isinstance(config, str):
-        config = SpanAttentionConfig.from_label(config)
-    elif config is not None and not isinstance(config, SpanAttentionConfig):
-        raise TypeError(f"patch_model: config={config!r} ({type(config).__name__}): expected a SpanAttentionConfig, "
-                        "a label string such as 'score:1000', or None (keep the model's settings)")
+    config = as_config(config, "patch_model", "keep the model's settings")
     if config is None:
         config = config_of(base.config) or SpanAttentionConfig()
     if layers is not None:
@@ -76,7 +82,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                          f"registry, so span gradients cannot be attached. Supported: {SUPPORTED}.")
     n_layers = base.config.get_text_config().num_hidden_layers
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
-        raise ValueError(f"layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
+        where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
+        raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
 
     if not hasattr(base, _ORIGINAL):
         original = {"attn_implementation": base.config._attn_implementation, "reorder_and_upcast_attn": None}
@@ -88,6 +95,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             _set_reorder(base, False)
         setattr(base, _ORIGINAL, original)
     setattr(base.config, CONFIG_KEY, config.to_dict())
+    config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
+    card.set_tags(base, config)
     if neo:
         for module in neo:
             module._attn = types.MethodType(_neo_attn, module)
@@ -98,12 +107,13 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Restore exactly the attention implementation the model had before `patch_model`."""
-    base = base_model(model)
+    base = base_model(model, "unpatch_model")
     original = getattr(base, _ORIGINAL, None)
     if original is None and base.config._attn_implementation != ATTN_IMPLEMENTATION:
         return model  # not patched
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
+    card.set_tags(base, None)
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"
@@ -130,18 +140,37 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if config is None:
         return type(self)._attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
+    if keeps_sdpa(config, q_len, k_len):
+        return type(self)._attn(self, query, key, value, attention_mask)
     window = self.bias[:, :, k_len - q_len : k_len, :k_len]
     mask = torch.zeros(window.shape, dtype=torch.float32, device=query.device).masked_fill_(~window, float("-inf"))
     if attention_mask is not None:
         mask = mask + attention_mask.to(torch.float32)
-    out = span_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=1.0,
-                         dropout_p=self.attn_dropout.p if self.training else 0.0, config=config,
-                         probe=getattr(self, PROBE_ATTR, None))
+    run = functools.partial(span_attention, scale=1.0, dropout_p=self.attn_dropout.p if self.training else 0.0,
+                            config=config, probe=getattr(self, PROBE_ATTR, None))
+    packed = attention_mask is not None and q_len == k_len  # packing comes with a mask
+    docs = documents_of(query, mask, True, {}) if packed else None
+    if docs is not None:
+        out = run(*(packing.unpack(x.float(), docs) for x in (query, key, value)), attn_mask=docs.mask)
+        return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
+    out = run(query.float(), key.float(), value.float(), attn_mask=mask)
     return out.to(value.dtype), None
 
 
 def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
-                    model_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
-    """Load a model and patch it: with `config` if given, else with the settings saved in its config."""
+                    model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
+                    **kwargs: Any) -> torch.nn.Module:
+    """Load a model and patch it: with `config` if given, else with the settings saved in its config.
+    Saved settings that are bad fail here, naming the config.json and the field.
+
+    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
+    (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
+    patched with the settings saved beside the adapter (else those of the base model's config)."""
+    config = as_config(config, "load_pretrained", "the settings saved with the model")
+    if not callable(getattr(model_class, "from_pretrained", None)):
+        raise TypeError(f"load_pretrained: model_class={model_class!r}: expected a Transformers model class with "
+                        "from_pretrained, such as AutoModelForCausalLM")
+    if adapters.is_adapter_folder(name_or_path):
+        return adapters.load_adapter(name_or_path, config, model_class, is_trainable, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)
     return patch_model(model, config)

@@ -7,7 +7,8 @@ config is the single source of truth: saving, loading and pushing a model carrie
 
 from __future__ import annotations
 
-import functools
+import json
+import os
 import warnings
 from typing import Any
 
@@ -16,9 +17,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
+from transformers.utils import CONFIG_NAME, logging
 
 from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.integration import packing
 from hf_spanattn.ops.attention import span_attention
 
 ATTN_IMPLEMENTATION = "span_attention"
@@ -38,37 +40,66 @@ def register() -> None:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-@functools.lru_cache(maxsize=64)
-def _parse(frozen: tuple) -> SpanAttentionConfig:
-    return SpanAttentionConfig.from_dict({k: list(v) if isinstance(v, tuple) else v for k, v in frozen})
+# The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
+# which compare equal), so that the per-call lookup is one dict read and a changed dict is parsed afresh.
+_PARSED: dict[str, SpanAttentionConfig] = {}
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
-    """The settings stored on a PretrainedConfig, or None. Parsed once per distinct dict."""
+    """The settings stored on a PretrainedConfig, or None. Parsed once per distinct dict; a bad one raises
+    an error that names the config.json it was loaded from (where it was) and the field."""
     data = getattr(model_config, CONFIG_KEY, None)
-    if data is None:
-        return None
-    if isinstance(data, SpanAttentionConfig):
+    if data is None or isinstance(data, SpanAttentionConfig):
         return data
-    _check_stored(data)
-    return _parse(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in data.items())))
+    key = repr(data)
+    config = _PARSED.get(key)
+    if config is None:
+        if len(_PARSED) >= 64:
+            _PARSED.clear()
+        config = _PARSED[key] = _parse(data, model_config)
+    return config
 
 
-def _check_stored(data: Any) -> None:
-    """The model config's `span_attention` entry must be the dict that `patch_model` writes."""
+@torch.compiler.disable  # parsed once, outside any graph (it reads files for its messages)
+def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
+    """A stored section parsed; layers outside the model whose config holds it warn (once per section)."""
+    source = stored_source(model_config)
+    n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(data, dict):
-        raise TypeError(f"model config field {CONFIG_KEY!r} = {data!r}: expected a dict of SpanAttentionConfig "
-                        f"fields as patch_model writes it, e.g. {SpanAttentionConfig().to_dict()}; to set a "
-                        "label, call hf_spanattn.patch_model(model, 'score:1000')")
-
-
-@functools.lru_cache(maxsize=64)
-def _warn_layers_outside(layers: tuple[int, ...], n_layers: int) -> None:
-    outside = [i for i in layers if i >= n_layers]
+        raise TypeError(f"{source} = {data!r}: expected a dict of SpanAttentionConfig fields as patch_model writes "
+                        f"it, e.g. {SpanAttentionConfig().to_dict()}; to set a label, call "
+                        "hf_spanattn.patch_model(model, 'score:1000')")
+    config = SpanAttentionConfig.from_dict(data, source=source)
+    outside = [i for i in config.layers or () if isinstance(n_layers, int) and i >= n_layers]
     if outside:
-        warnings.warn(f"{CONFIG_KEY}.layers={list(layers)}: the model has layers 0..{n_layers - 1}, so layers "
+        warnings.warn(f"{source}: layers={list(config.layers)}: the model has layers 0..{n_layers - 1}, so layers "
                       f"{outside} do not exist and get no span gradients"
-                      + ("; no layer does" if len(outside) == len(layers) else ""), stacklevel=3)
+                      + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=4)
+    return config
+
+
+def stored_source(model_config: Any) -> str:
+    """Where the stored settings came from, for messages: the config.json the model was loaded from, when
+    that file holds these settings (a local folder, or the Hub's local cache), else the model config."""
+    field = f"model config field {CONFIG_KEY!r}"
+    name = str(getattr(model_config, "_name_or_path", "") or "")
+    path = os.path.join(name, CONFIG_NAME) if os.path.isdir(name) else None
+    if path is None and name and not os.path.exists(name):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, CONFIG_NAME)
+            path = cached if isinstance(cached, str) else None
+        except Exception:  # not a repository id
+            path = None
+    try:
+        with open(path) as f:
+            saved = json.load(f).get(CONFIG_KEY)
+        same = json.dumps(saved, sort_keys=True) == json.dumps(getattr(model_config, CONFIG_KEY, None),
+                                                               sort_keys=True, default=repr)
+    except Exception:  # no file, or not the file these settings came from
+        same = False
+    return f"{path}, field {CONFIG_KEY!r}" if same else field
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
@@ -104,12 +135,8 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
             f"using the default {SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model."
         )
         config = SpanAttentionConfig()
-    if config.layers is not None:
-        n_layers = getattr(module.config.get_text_config(), "num_hidden_layers", None)
-        if isinstance(n_layers, int):
-            _warn_layers_outside(config.layers, n_layers)
-        if layer_index(module) not in config.layers:
-            return None
+    if config.layers is not None and layer_index(module) not in config.layers:
+        return None
     return config
 
 
@@ -138,11 +165,59 @@ def span_attention_forward(
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "
                                       f"(attention of {type(module).__name__})")
-    q_length = query.shape[2]
+    q_length, k_length = query.shape[2], key.shape[2]
+    if keeps_sdpa(config, q_length, k_length):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    docs = documents_of(query, attention_mask, is_causal, kwargs) if q_length == k_length else None
+    probe = getattr(module, PROBE_ATTR, None)
+    if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
+        out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
+                             dropout_p=dropout, scale=scaling, config=config, probe=probe)
+        return packing.repack(out, docs, query.shape[0], q_length), None
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
     if attention_mask is not None and attention_mask.dim() == 4:
-        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+        attention_mask = attention_mask[:, :, :, :k_length]
     out = span_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-                         scale=scaling, config=config, probe=getattr(module, PROBE_ATTR, None))
+                         scale=scaling, config=config, probe=probe)
     return out.transpose(1, 2).contiguous(), None
+
+
+def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int) -> bool:
+    """Whether a call with these lengths gets SDPA's result and standard gradient: span rules need
+    self-attention (said once)."""
+    if q_length == k_length or config.method == "standard":
+        return False
+    logger.warning_once(
+        f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
+        "where they differ (a forward with past_key_values under autograd, or cross-attention) get SDPA's "
+        "result with the standard gradient.")
+    return True
+
+
+def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool,
+                 kwargs: dict[str, Any]) -> packing.Documents | None:
+    """The documents of a packed batch of self-attention (see `packing`), or None where each row is
+    one sequence."""
+    b, t = query.shape[0], query.shape[2]
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
+        if b == 1 and attention_mask is not None:
+            return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
+        logger.warning_once(
+            "span_attention: cu_seq_lens_q marks several documents, but "
+            + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
+               "no attention mask separates them (SDPA attends across them; pass position_ids restarting per "
+               "document, as DataCollatorWithFlattening does)")
+            + ": spans follow the attention mask.")
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (t, t):
+        return None
+    docs = packing.from_mask(attention_mask, b)
+    if isinstance(docs, str):
+        logger.warning_once(
+            "span_attention: the attention mask cuts a row of the batch into several blocks but is not the "
+            "block-diagonal (causal or bidirectional) mask of padding-free packing, so the documents cannot be "
+            "read from it: spans are taken over all the keys a row attends to. The forward pass is SDPA's.")
+        return None
+    return docs

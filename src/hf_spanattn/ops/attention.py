@@ -21,11 +21,13 @@ from hf_spanattn.ops.backward import Probe
 from hf_spanattn.ops.fused import fused_attention
 from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs
 from hf_spanattn.ops.tile_engine import tile_attention
+from hf_spanattn.ops.triton.backend import triton_attention
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
-BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"tiles": tile_attention, "fused": fused_attention}
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"tiles": tile_attention, "fused": fused_attention,
+                                                   "triton": triton_attention}
 
 
 def span_attention(
@@ -38,12 +40,15 @@ def span_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    config: SpanAttentionConfig,
+    config: SpanAttentionConfig | str | None = None,
     probe: Probe | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` whose backward pass applies
-    `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's.
+    `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's. `config` is a
+    SpanAttentionConfig or a label such as `"score:1000"`, as `patch_model` takes it; None takes the
+    default (`score:1000`). `dropout_p` and `scale` take what SDPA takes: Python and NumPy numbers,
+    and 0-d tensors that need no gradient.
 
     query (B, H_q, T, D); key, value (B, H_kv, S, D) with H_q a multiple of H_kv (grouped-query
     attention always works; `enable_gqa` is accepted for SDPA compatibility). As in SDPA, inputs
@@ -70,11 +75,19 @@ def span_attention(
 
     `backend` says how the T×T work runs: `"fused"` on SDPA's fused kernels (`ops/fused.py`: nothing
     T×T is formed, no host synchronisation; float32 and half inputs), `"tiles"` in row tiles of
-    explicit T×T matrices (`ops/tile_engine.py`; any dtype, the faster on a CPU), `"auto"` (default): the
-    environment variable HF_SPANATTN_BACKEND if set, else fused on accelerators and tiles on the CPU
-    or for float64.
+    explicit T×T matrices (`ops/tile_engine.py`; any dtype, the faster on a CPU), `"triton"` on this
+    package's Triton kernels (`ops/triton/`: one FlashAttention-2-style kernel pair that returns the
+    products of G each rule asks for; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; causal and
+    key-padding masks, dropout, head dims up to 128; anything else runs on fused, or tiles for float64,
+    with a warning naming the reason), `"auto"` (default): the environment variable HF_SPANATTN_BACKEND
+    if set, else fused on accelerators and tiles on the CPU or for float64.
     """
-    layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    config = _config(config)
+    if probe is not None and not callable(probe):
+        raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, "
+                        f"got {type(probe).__name__}")
+    layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    dropout_p, scale = layout.dropout_p, layout.scale
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     query, key, value, attn_mask = broadcast_inputs(layout, query, key, value, attn_mask)
     b, h_q, t, d = query.shape
@@ -98,6 +111,14 @@ def span_attention(
         out = BACKENDS[_backend(backend, query, probe)](query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                          config, probe)
     return out.reshape(layout.out_shape)
+
+
+def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
+    from hf_spanattn.config import SpanAttentionConfig, as_config  # the config imports ops.rules
+
+    if isinstance(config, SpanAttentionConfig):
+        return config
+    return as_config(config, "span_attention", "the default, score:1000") or SpanAttentionConfig()
 
 
 def _backend(name: str, query: torch.Tensor, probe: Probe | None) -> str:

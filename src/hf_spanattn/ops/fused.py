@@ -165,8 +165,8 @@ class _SdpaBlocks:
         self.call, self.v, self.d_out, self.rng = call, v, d_out, rng
 
     def __call__(self, needs: rules.Blocks) -> rules.BlockProducts:
-        q_blocks, k_blocks, k_weights = needs.q, needs.k, needs.key_weights
-        pairs = [(i, delta) for i in range(len(q_blocks)) for delta in needs.meets(i)]
+        q_blocks, k_blocks = needs.q, needs.k
+        pairs = needs.pairs()
         b, h_kv, g, t, d = q_blocks[0].shape
         dtype, work = self.v.dtype, q_blocks[0].dtype
         queries = [q_blocks[i].reshape(b, h_kv * g, t, d).to(dtype) for i, _ in pairs]
@@ -189,11 +189,7 @@ class _SdpaBlocks:
                 dk_parts.append(dk_b)
         gk = {pair: x.reshape(b, h_kv, g, t, d).to(work) for pair, x in zip(pairs, dq_parts)}  # G_B K_δ
         gq = {pair: x.unsqueeze(2).to(work) for pair, x in zip(pairs, dk_parts)}  # Σ_g G_Bᵀ Q_i
-        sums = {name: rules.lincomb(*((c[delta], gk.get((i, delta))) for delta in range(len(k_blocks))))
-                for name, (i, c) in needs.sums.items()}
-        k_out = [rules.lincomb(*((k_weights[i][delta], gq.get((i, delta))) for i in range(len(q_blocks))))
-                 for delta in range(len(k_blocks))]
-        return rules.BlockProducts(sums, k_out)
+        return needs.answer(gk, gq)
 
 
 def _attention_grads(call: dict, inputs: Sequence[torch.Tensor], d_out: torch.Tensor,

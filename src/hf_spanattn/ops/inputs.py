@@ -6,7 +6,9 @@ that names the argument and what is allowed where SDPA gives no result."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,19 +24,31 @@ def attended(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT
 
 
+def as_float(value: Any) -> float | None:
+    """A real number as SDPA's float arguments take it (Python, NumPy, or a 0-d tensor that needs no
+    gradient), as a Python float; None for anything else, bools included."""
+    if isinstance(value, torch.Tensor):
+        ok = value.dim() == 0 and not value.requires_grad and value.dtype != torch.bool and not value.is_complex()
+        return float(value) if ok and value.device.type != "meta" else None
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the inputs broadcast, as in SDPA: the batch dimensions (all before the heads, dim −3), the
-    query heads after broadcasting, the key/value heads, and the output's shape."""
+    query heads after broadcasting, the key/value heads, and the output's shape; `dropout_p` and
+    `scale` as Python floats."""
 
     batch: tuple[int, ...]
     h_q: int
     h_kv: int
     out_shape: tuple[int, ...]
+    dropout_p: float
+    scale: float | None
 
 
 def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                 dropout_p: float, is_causal: bool, scale: float | None) -> Layout:
+                 dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool = False) -> Layout:
     """What every backend of `span_attention` accepts: SDPA's inputs, with an error that names the
     argument and what is allowed where SDPA gives no result. Returns the layout they broadcast to."""
     named = {"query": query, "key": key, "value": value}
@@ -59,10 +73,17 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(f"span_attention: key and value must have the same sequence length (dimension −2), "
                          f"got {key.shape[-2]} and {value.shape[-2]}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p <= 1:
+    numbers_as = "a Python or NumPy number, or a 0-d tensor that needs no gradient; not a bool"
+    p = as_float(dropout_p)
+    if p is None:
+        raise TypeError(f"span_attention: dropout_p must be a float ({numbers_as}), got {_kind(dropout_p)}")
+    if not 0 <= p <= 1:
         raise ValueError(f"span_attention: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"span_attention: scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and as_float(scale) is None:
+        raise TypeError(f"span_attention: scale must be a float ({numbers_as}) or None, got {_kind(scale)}")
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"span_attention: {name} must be True or False (as in SDPA), got {_kind(flag)}")
     heads = lambda x: x.shape[-3] if x.dim() > 2 else 1  # noqa: E731
     try:
         batch = tuple(torch.broadcast_shapes(*(x.shape[:-3] for x in named.values())))
@@ -98,7 +119,13 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
         if attn_mask.dim() < 2 or not _broadcasts_to(tuple(attn_mask.shape), full):
             raise ValueError(f"span_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(batch…, heads, T, S) = {full}")
-    return Layout(batch, h_q, h_kv, out_shape)
+    return Layout(batch, h_q, h_kv, out_shape, p, None if scale is None else as_float(scale))
+
+
+def _kind(value: Any) -> str:
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    return f"{value!r} ({name})"
 
 
 def _broadcasts_to(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:

@@ -73,6 +73,19 @@ class Blocks:
         return [delta for delta in range(len(self.k))
                 if self.key_weights[i][delta] or any(c[delta] for block, c in self.sums.values() if block == i)]
 
+    def pairs(self) -> list[tuple[int, int]]:
+        """The blocks (i, δ) to run: every query block with the key blocks it meets."""
+        return [(i, delta) for i in range(len(self.q)) for delta in self.meets(i)]
+
+    def answer(self, gk: dict[tuple[int, int], torch.Tensor],
+               gq: dict[tuple[int, int], torch.Tensor]) -> BlockProducts:
+        """The `BlockProducts` from each run block's G_iδ K_δ (`gk`) and Σ_g G_iδᵀ Q_i (`gq`), keyed by (i, δ)."""
+        deltas, queries = range(len(self.k)), range(len(self.q))
+        sums = {name: lincomb(*((c[delta], gk.get((i, delta))) for delta in deltas))
+                for name, (i, c) in self.sums.items()}
+        key = [lincomb(*((self.key_weights[i][delta], gq.get((i, delta))) for i in queries)) for delta in deltas]
+        return BlockProducts(sums, key)
+
 
 @dataclass
 class BlockProducts:

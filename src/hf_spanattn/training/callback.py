@@ -5,26 +5,24 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
+import sys
 import warnings
-import weakref
 from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import has_length
 
+from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import OVERRIDE_ATTR, PROBE_ATTR, attention_modules, config_of, settings_for
-from hf_spanattn.training.diagnostics import OrderRecorder
+from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
 
 DIAGNOSTICS_FILE = "span_diagnostics.jsonl"
 logger = logging.getLogger(__name__)
-# callback handlers whose SpanAttentionCallback was put first by `add_to`: a copy that the Trainer
-# rebuilds from a checkpoint's trainer_state.json (restore_callback_states_from_checkpoint) is appended
-# last, and moves itself back to the front when training starts
-_FIRST_IN: weakref.WeakSet = weakref.WeakSet()
 
 
 class SpanAttentionCallback(TrainerCallback, ExportableState):
@@ -44,35 +42,65 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             A resumed run first drops the records past the step it resumes from.
 
     Settings are validated when training starts. The schedule is a function of the global step,
-    so a run resumed from a checkpoint continues it at the same point. For TensorBoard or W&B
-    to receive the diagnostics as well, add the callback with `callback.add_to(trainer)`.
+    so a run resumed from a checkpoint continues it at the same point.
+
+    Logs: each step the Trainer logs gets the α in force (`span/alpha0`.., `span/alpha_q`, `_k`, `_v`;
+    per layer as `span/layer{i}/alpha0`.. where the model's `layers` or a schedule's layer table sets
+    layers apart), and each recorded step its diagnostics (`span/layer{i}/dq_share0`.., `cos_q`,
+    `rank_k`, ...). They go through the Trainer's own logging, so they reach `state.log_history`,
+    `trainer_state.json` in checkpoints, TensorBoard, W&B and any other `report_to`, whether the
+    callback is given as `Trainer(callbacks=[cb])`, added with `trainer.add_callback(cb)` or with
+    `cb.add_to(trainer)`. Two things stand in the way, and are handled so:
+
+    - The Trainer appends a copy of the logs to `log_history` before it calls `on_log`, so `on_log`
+      adds the figures both to the logs and to that entry (the last one, at the same step, holding
+      the same values); checkpoints are saved after `on_log`, so `trainer_state.json` has them.
+    - Callbacks run in list order, and `callbacks=[cb]` comes after the reporting integrations, which
+      would have written their logs before `on_log` adds anything. So at `on_train_begin` the callback
+      moves itself to the front of the `CallbackHandler` running the event (callbacks are not handed
+      the handler; it is the caller of the event, found on the call stack by type and by holding this
+      callback in its `callbacks` list); a copy that the Trainer restores from a checkpoint moves
+      itself first the same way. Where no handler is found (a trainer that dispatches events
+      otherwise), the callback warns, and the figures reach log_history and the callbacks after it.
+      This is preferred over overriding `Trainer.log`, which needs a Trainer subclass, and over
+      writing to TensorBoard or W&B directly, which would bypass `report_to`.
+
+    Under DDP and FSDP the diagnostics are reduced over the ranks (`reduce_over_ranks`): every rank
+    logs the figures of the global batch, the same as one process over that batch.
     """
 
     def __init__(self, schedule: Schedule | list | None = None, diagnostics_every: int = 0,
                  diagnostics_per_head: bool = False, diagnostics_file: str | None = None) -> None:
-        if isinstance(schedule, list):
-            schedule = Schedule(schedule)
+        if isinstance(schedule, (list, tuple)):
+            schedule = Schedule(list(schedule))
         if schedule is not None and not isinstance(schedule, Schedule):
             raise ValueError(f"schedule={schedule!r}: expected a Schedule or a list of keyframes")
-        if not isinstance(diagnostics_every, int) or diagnostics_every < 0:
+        if not isinstance(diagnostics_every, numbers.Integral) or isinstance(diagnostics_every, bool) \
+                or diagnostics_every < 0:
             raise ValueError(f"diagnostics_every={diagnostics_every!r}: expected an integer >= 0 (0 = off)")
+        if not isinstance(diagnostics_per_head, bool):
+            raise ValueError(f"diagnostics_per_head={diagnostics_per_head!r}: expected True or False")
+        if diagnostics_file is not None and not isinstance(diagnostics_file, (str, os.PathLike)):
+            raise ValueError(f"diagnostics_file={diagnostics_file!r}: expected a file name (a path relative to the "
+                             "Trainer's output_dir) or None")
         self.schedule = schedule
-        self.diagnostics_every = diagnostics_every
+        self.diagnostics_every = int(diagnostics_every)
         self.diagnostics_per_head = diagnostics_per_head
-        self.diagnostics_file = diagnostics_file
+        self.diagnostics_file = None if diagnostics_file is None else os.fspath(diagnostics_file)  # JSON in the state
         self._frames: list | None = None
         self._layers: dict[int, list] = {}
+        self._per_layer = False
         self._applied: dict | None = None
         self._recorders: dict[int, OrderRecorder] = {}
         self._pending: dict[str, float] = {}
+        self._alphas_logged_at: int | None = None
         self._path: str | None = None
         self.last_step = 0
 
     def add_to(self, trainer: Any) -> SpanAttentionCallback:
-        """Put this callback first, so that the reporting callbacks also see its diagnostics (it stays
-        first when a checkpoint's callback state is restored)."""
+        """Add this callback to `trainer` in front of the others (the same as `trainer.add_callback(callback)`
+        or `Trainer(callbacks=[callback])`, which move it there when training starts)."""
         trainer.callback_handler.callbacks.insert(0, self)
-        _FIRST_IN.add(trainer.callback_handler)
         return self
 
     # -- the Trainer's events -----------------------------------------------------------------
@@ -80,9 +108,13 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
-        if config_of(base.config) is None:
+        config = config_of(base.config)
+        if config is None:
             raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
                              "config) before training")
+        self._per_layer = config.layers is not None or (
+            self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
+        self._alphas_logged_at = None
         if self.schedule is not None:
             n_layers = base.config.get_text_config().num_hidden_layers
             steps_per_epoch = None  # as the Trainer counts them: a last partial accumulation is a step
@@ -95,11 +127,15 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._apply(state.global_step)
 
     def _move_first(self) -> None:
-        for handler in list(_FIRST_IN):
-            callbacks = handler.callbacks
-            if any(c is self for c in callbacks) and callbacks[0] is not self:
-                callbacks.remove(self)  # safe while the handler iterates: only earlier entries shift
-                callbacks.insert(0, self)
+        """Put this callback first in the handler running the event (see the class docstring)."""
+        callbacks = _calling_handler_callbacks(self)
+        if callbacks is None:
+            warnings.warn("SpanAttentionCallback: found no transformers CallbackHandler calling it, so callbacks "
+                          "listed before it (TensorBoard, W&B, ...) do not receive its logs; put it first in the "
+                          "trainer's callbacks", stacklevel=3)
+        elif callbacks[0] is not self:
+            callbacks.remove(self)  # safe while the handler iterates: only earlier entries shift
+            callbacks.insert(0, self)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._apply(state.global_step)
@@ -117,6 +153,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         for modules in self._layers.values():
             for module in modules:
                 module.__dict__.pop(PROBE_ATTR, None)
+        reduce_over_ranks([self._recorders[index] for index in sorted(self._recorders)])
         records = []
         for index, recorder in sorted(self._recorders.items()):
             summary = recorder.summary(self.diagnostics_per_head)
@@ -136,9 +173,31 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         control.should_log = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is not None and self._pending:
-            logs.update(self._pending)
-            self._pending = {}
+        if logs is None:
+            return
+        figures, self._pending = self._pending, {}
+        if self._layers and state.global_step != self._alphas_logged_at:  # the α once per logged step
+            figures = {**self._alphas_in_force(), **figures}
+            self._alphas_logged_at = state.global_step
+        if not figures:
+            return
+        entry = state.log_history[-1] if state.log_history else {}
+        if entry.get("step") == state.global_step and all(k in logs and (logs[k] is v or logs[k] == v)
+                                                          for k, v in entry.items() if k != "step"):
+            entry.update(figures)  # the Trainer's copy of these logs
+        logs.update(figures)
+
+    def _alphas_in_force(self) -> dict[str, float]:
+        """The α each layer trains with now, as log entries (stock layers: α_Q = α_K = α_V = 1)."""
+        figures = {}
+        for index, modules in sorted(self._layers.items()):
+            config = settings_for(modules[0]) or SpanAttentionConfig.from_label("standard:QKV111")
+            prefix = f"span/layer{index}/" if self._per_layer else "span/"
+            figures.update({f"{prefix}alpha{i}": a for i, a in enumerate(config.alphas)})
+            figures.update({f"{prefix}alpha_{n}": a for n, a in zip("qkv", config.qkv_alphas)})
+            if not self._per_layer:
+                break
+        return figures
 
     def on_train_end(self, args, state, control, **kwargs):
         for modules in self._layers.values():
@@ -172,6 +231,19 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                          "diagnostics_file": self.diagnostics_file},
                 "attributes": {"last_step": self.last_step}}
 
+
+
+def _calling_handler_callbacks(callback: SpanAttentionCallback) -> list | None:
+    """The callback list of the `CallbackHandler` on the call stack that holds `callback`, or None."""
+    frame = sys._getframe(1)
+    for _ in range(10):  # the handler's call_event is two or three frames up
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, CallbackHandler) and any(c is callback for c in owner.callbacks):
+            return owner.callbacks
+        frame = frame.f_back
+    return None
 
 
 def _inside(output_dir: str, path: str) -> str:

@@ -4,6 +4,10 @@ For one attention layer over one optimizer step (all micro-batches and batch chu
 the norm of each order's component of dQ and dK (α-weighted, so they sum to the applied
 gradient), each order's share of their summed norms, the cosine between the applied and the
 standard gradient, and the mean ranks of K̃ and Ṽ (the dimensions of Π_K and Π_V).
+
+Everything a recorder holds is a sum over the batch (of squares, inner products, ranks and their
+count), so the figures of a batch split over ranks follow from the sums over ranks
+(`reduce_over_ranks`); norms, shares and cosines are not linear and are taken only after that.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 
 def _per_head(x: torch.Tensor) -> torch.Tensor:
@@ -59,3 +64,40 @@ class OrderRecorder:
                 heads = torch.stack([self.sums[f"{side}_sq{o}"].sqrt() for o in orders], dim=1)
                 out[f"{side}_norm_per_head"] = heads.tolist()
         return out
+
+
+def reduce_over_ranks(recorders: list[OrderRecorder]) -> None:
+    """Make each recorder hold the sums over the global batch of all ranks (DDP, FSDP), in place.
+
+    A no-op unless torch.distributed is initialised with more than one rank. Data-parallel training
+    averages the parameter gradients over the W ranks, so a rank's dQ, dK (the gradient of its own
+    loss) enter the gradient that is applied divided by W: the quadratic sums are summed over the
+    ranks and divided by W², which makes the norms those of one process over the same global batch
+    (shares and cosines do not depend on that factor). Every rank must call this with recorders of
+    the same layers and rules, as the callback does at every recorded step.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    keys = [sorted(r.sums) for r in recorders]
+    parts = [r.sums[k].reshape(-1) for r, names in zip(recorders, keys) for k in names]
+    # the gradients' device, which the process group serves; a rank that recorded no sums only sends counts
+    device = parts[0].device if parts else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    counts = torch.tensor([[r.rank_k, r.rank_v, r.rank_count] for r in recorders], dtype=torch.float64,
+                          device=device).reshape(-1)
+    flat = torch.cat([p.to(device, torch.float64) for p in parts] + [counts])
+    size = torch.tensor([flat.numel(), -flat.numel()], device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    if size[0] != -size[1]:  # a collective over tensors of other sizes would hang or fail obscurely
+        raise RuntimeError(f"span diagnostics: the ranks recorded different layers or orders this step (between "
+                           f"{-size[1].item()} and {size[0].item()} sums); every rank must train the same model "
+                           "with the same settings")
+    dist.all_reduce(flat)
+    sums, counts = flat[:-counts.numel()], flat[-counts.numel():].reshape(-1, 3)
+    offset = 0
+    for recorder, names, (rank_k, rank_v, rank_count) in zip(recorders, keys, counts.tolist()):
+        for name in names:
+            value = recorder.sums[name]
+            recorder.sums[name] = sums[offset:offset + value.numel()].reshape(value.shape) / world**2
+            offset += value.numel()
+        recorder.rank_k, recorder.rank_v, recorder.rank_count = rank_k, rank_v, round(rank_count)

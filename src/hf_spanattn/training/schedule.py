@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 from hf_spanattn.config import SpanAttentionConfig
@@ -27,10 +28,15 @@ class Keyframe:
     span: str | dict[str, str]
     ramp: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.ramp, bool):
+            raise ValueError(f"keyframe ramp={self.ramp!r}: expected True or False")
+        if isinstance(self.at, numbers.Integral) and not isinstance(self.at, bool):
+            object.__setattr__(self, "at", int(self.at))  # a NumPy integer too; the callback's state is JSON
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Keyframe:
-        unknown = set(data) - {"at", "span", "ramp"}
-        if unknown or not {"at", "span"} <= set(data):
+        if not isinstance(data, dict) or set(data) - {"at", "span", "ramp"} or not {"at", "span"} <= set(data):
             raise ValueError(f"schedule keyframe {data!r}: expected keys 'at', 'span' and optionally 'ramp'")
         return cls(**data)
 
@@ -95,6 +101,9 @@ class Schedule:
     keyframes: list[Keyframe]
 
     def __post_init__(self):
+        if not isinstance(self.keyframes, (list, tuple)):
+            raise ValueError(f"schedule: expected a list of keyframes (Keyframe or dicts with 'at', 'span'), got "
+                             f"{self.keyframes!r}")
         self.keyframes = [k if isinstance(k, Keyframe) else Keyframe.from_dict(k) for k in self.keyframes]
         if not self.keyframes:
             raise ValueError("schedule: needs at least one keyframe")

@@ -1,0 +1,97 @@
+"""PEFT adapters carry the settings.
+
+A PEFT adapter folder (and a Trainer checkpoint of a PEFT model, which is one) holds the adapter's
+weights and `adapter_config.json`, not the base model's config, so the settings on
+`config.span_attention` would be lost. PEFT offers no hook for extra files, so when PEFT is
+installed `install` wraps two of its methods, calling each through unchanged:
+
+- `PeftModel.save_pretrained` also writes `span_attention_config.json` into each adapter's folder
+  when the base model carries settings;
+- `PeftModel.from_pretrained` warns when a local adapter folder holds that file but the model it
+  loads into is not patched (it would train with the standard gradient).
+
+`load_adapter` loads base + adapter and patches the model with the saved settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig
+from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
+
+ADAPTER_CONFIG = "adapter_config.json"
+_WRAPPED = "_hf_spanattn_wrapped"
+
+
+def is_adapter_folder(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def install() -> None:
+    """Wrap PEFT's save and load once (nothing without PEFT)."""
+    try:
+        from peft import PeftModel
+    except Exception:  # PEFT missing or not importable with these versions: nothing to wrap
+        return
+    if getattr(PeftModel.save_pretrained, _WRAPPED, False):
+        return
+    save = PeftModel.save_pretrained
+    load = PeftModel.from_pretrained.__func__
+    save_signature = inspect.signature(save)
+
+    @functools.wraps(save)
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        result = save(self, *args, **kwargs)
+        settings = config_of(self.get_base_model().config)
+        arguments = save_signature.bind(self, *args, **kwargs).arguments
+        if settings is not None and arguments.get("is_main_process", True):
+            directory = arguments["save_directory"]
+            for name in arguments.get("selected_adapters") or list(self.peft_config):
+                settings.save_pretrained(directory if name == "default" else os.path.join(directory, name))
+        return result
+
+    @functools.wraps(load)
+    def from_pretrained(cls, model: torch.nn.Module, model_id: Any, *args: Any, **kwargs: Any) -> Any:
+        peft_model = load(cls, model, model_id, *args, **kwargs)
+        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
+        if is_adapter_folder(folder) and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+            base = peft_model.get_base_model()
+            if config_of(base.config) is None or not _patched(base):
+                saved = SpanAttentionConfig.from_pretrained(folder)
+                warnings.warn(f"{folder} holds span attention settings ({saved.label}) but the model it was loaded "
+                              "into is not patched, so it trains with the standard gradient. Load it with "
+                              f"hf_spanattn.load_pretrained({os.fspath(folder)!r}), or call "
+                              "hf_spanattn.patch_model(model, SpanAttentionConfig.from_pretrained(folder)).",
+                              stacklevel=2)
+        return peft_model
+
+    setattr(save_pretrained, _WRAPPED, True)
+    PeftModel.save_pretrained = save_pretrained
+    PeftModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _patched(base: torch.nn.Module) -> bool:
+    return base.config._attn_implementation == ATTN_IMPLEMENTATION or any(
+        "_attn" in module.__dict__ for module in base.modules())  # GPT-Neo's adapter
+
+
+def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | None, model_class: Any,
+                 is_trainable: bool, **kwargs: Any) -> torch.nn.Module:
+    """Base model (from the adapter's `base_model_name_or_path`) + adapter, patched with `config`, else
+    the settings saved with the adapter, else those on the base model's config."""
+    from peft import PeftConfig, PeftModel
+
+    from hf_spanattn.integration.patch import patch_model
+
+    base = model_class.from_pretrained(PeftConfig.from_pretrained(folder).base_model_name_or_path, **kwargs)
+    if config is None and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        config = SpanAttentionConfig.from_pretrained(folder)
+    patch_model(base, config)
+    return PeftModel.from_pretrained(base, folder, is_trainable=is_trainable)

@@ -1,0 +1,35 @@
+"""The Hub page names the method: model tags that Transformers' own card machinery writes.
+
+`patch_model` adds the tags with `PreTrainedModel.add_model_tags`; `push_to_hub` (the model's,
+and `save_pretrained(push_to_hub=True)`) writes them into the card it creates,
+`Trainer.push_to_hub` into the card `Trainer.create_model_card` writes (with `base_model` when the
+model was loaded from a Hub repository), and PEFT into an adapter's card (with `base_model`).
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from hf_spanattn.config import SpanAttentionConfig
+
+TAG = "hf_spanattn"
+RULE_PREFIX = "span_attention:"  # span_attention:score:1000
+VERSION_PREFIX = "hf_spanattn_version:"  # hf_spanattn_version:0.1.0
+
+
+def tags(config: SpanAttentionConfig) -> list[str]:
+    from hf_spanattn import __version__
+
+    return [TAG, RULE_PREFIX + config.label, VERSION_PREFIX + __version__]
+
+
+def ours(tag: str) -> bool:
+    return tag == TAG or tag.startswith((RULE_PREFIX, VERSION_PREFIX))
+
+
+def set_tags(model: PreTrainedModel, config: SpanAttentionConfig | None) -> None:
+    """Replace the model's hf_spanattn tags by those of `config` (none for None), keeping the others."""
+    if model.model_tags:
+        model.model_tags = [tag for tag in model.model_tags if not ours(tag)] or None
+    if config is not None:
+        model.add_model_tags(tags(config))

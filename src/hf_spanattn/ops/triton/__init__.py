@@ -1,0 +1,19 @@
+"""Triton kernels for span attention: a FlashAttention-2 forward with the log-sum-exp saved, and a
+backward that recomputes P and G = ∂L/∂S per tile and returns dV with the products G·X_i and Gᵀ·Y_j
+a rule asks for (`flash.py`), on a block axis for the per-block reading; the key-mask form they
+take (`masks.py`). Triton is imported on first use: `missing()` says why it cannot run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from hf_spanattn.ops.triton.masks import KeyMask, key_mask
+
+
+def missing() -> str | None:
+    """None where Triton is installed; else the reason, for a fallback's warning."""
+    return None if importlib.util.find_spec("triton") is not None else "Triton is not installed"
+
+
+__all__ = ["KeyMask", "key_mask", "missing"]

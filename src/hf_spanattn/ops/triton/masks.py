@@ -1,0 +1,96 @@
+"""SDPA masks in the form the kernels take: causal or not, plus an additive bias per key.
+
+A mask that is the same for every query (its query dimension 1 or broadcast, its head dimension
+too) is a bias per key by construction: it reduces on the device with no host synchronisation,
+bool (True → 0, False → −inf) or float (taken as is). A mask with a query dimension, as
+Transformers builds for padded batches (causal ∧ key padding, (B, 1, T, S)), is compared on the
+device against both patterns built from its last query row (which, under the causal pattern, sees
+every key); reading that verdict is one host synchronisation, remembered for the mask tensor
+while it is unchanged (the last one compared), so the layers of a model that share one mask pay it once.
+
+A float mask's entries at or below `MASKED_AT` count as masked only where the row keeps an attended
+entry (their weight is 0 then, as in the kernels); a row with none reduces only where it equals the
+pattern exactly (SDPA gives it the softmax over its finite entries, the kernels over the same ones).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from hf_spanattn.ops.inputs import attended
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """The kernels' mask: `bias` (B or 1, S) float32 added to scale·QKᵀ per key (None: no bias),
+    and `causal` (key j masked for query i < j)."""
+
+    bias: torch.Tensor | None
+    causal: bool
+
+
+_last: list = [None, -1, None]  # the last mask compared: (weak reference, version, result)
+
+
+def key_mask(attn_mask: torch.Tensor | None, is_causal: bool = False) -> KeyMask | None:
+    """The KeyMask equal to SDPA's (`attn_mask`, `is_causal`) for every (batch, head, query), or None
+    where the mask has no such form (then the kernels cannot run it). `attn_mask` is bool (True =
+    attend) or additive float, broadcastable to (B, H, T, S)."""
+    if attn_mask is None:
+        return KeyMask(None, is_causal)
+    if is_causal:  # SDPA takes one or the other
+        return None
+    mask = attn_mask
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    mask = mask.flatten(0, -4)
+    if _constant(mask, 1) and _constant(mask, 2):
+        return KeyMask(_bias(mask[:, 0, 0, :]), False)
+    ref, version, result = _last
+    if ref is not None and ref() is attn_mask and version == attn_mask._version:
+        return result
+    result = _compare(mask)
+    _last[:] = [weakref.ref(attn_mask), attn_mask._version, result]
+    return result
+
+
+def _constant(mask: torch.Tensor, dim: int) -> bool:
+    return mask.shape[dim] == 1 or mask.stride(dim) == 0
+
+
+def _bias(row: torch.Tensor) -> torch.Tensor:
+    if row.dtype == torch.bool:
+        return torch.zeros(row.shape, device=row.device).masked_fill_(~row, float("-inf"))
+    return row.float()
+
+
+def _compare(mask: torch.Tensor) -> KeyMask | None:
+    """Compare `mask` (M, H, T, S) with the non-causal and the causal pattern of its last row."""
+    t, s = mask.shape[-2:]
+    last = mask[:, :1, -1:, :]
+    past = torch.ones(t, s, dtype=torch.bool, device=mask.device).tril()
+    plain = last.expand_as(mask)
+    causal = torch.where(past, last, _masked(mask))
+    verdict = torch.stack([_same(mask, plain), _same(mask, causal)]).tolist()  # the one host synchronisation
+    if verdict[0]:
+        return KeyMask(_bias(last[:, 0, 0, :]), False)
+    if verdict[1]:
+        return KeyMask(_bias(last[:, 0, 0, :]), True)
+    return None
+
+
+def _masked(mask: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(False if mask.dtype == torch.bool else float("-inf"), dtype=mask.dtype, device=mask.device)
+
+
+def _same(mask: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
+    """Whether SDPA gives `mask` and `pattern` the same softmax in every row (a device bool)."""
+    if mask.dtype == torch.bool:
+        return (mask == pattern).all()
+    att, att_pattern = attended(mask), attended(pattern)
+    entries = (att == att_pattern) & (~att | (mask == pattern))
+    rows = att.any(-1) | (mask == pattern).all(-1)
+    return entries.all() & rows.all()

@@ -1,0 +1,100 @@
+"""Two CPU processes with a gloo process group: `spawn` and the code each rank runs.
+
+The workers live here, not in a test module, so that the spawned interpreters import only this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from models import VOCAB, tiny
+
+from hf_spanattn import patch_model
+from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules
+from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
+
+BATCH = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+LABELS = BATCH.masked_fill(torch.arange(16) == 0, -100)  # equal token counts in every row
+
+
+class Rows(torch.utils.data.Dataset):
+    """The 4 rows of BATCH: a global batch of 4 takes them all, in any order and over any number of ranks."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"input_ids": BATCH[i], "labels": LABELS[i]}
+
+
+def spawn(worker, world_size: int, *args) -> None:
+    """Run worker(*args) in `world_size` fresh processes that find the process group through the environment
+    variables torchrun sets; a failure in any of them raises here with its traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_run, args=(world_size, port, worker, args), nprocs=world_size, start_method="spawn")
+
+
+def _run(rank: int, world_size: int, port: int, worker, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    worker(*args)
+
+
+def train_with_diagnostics(output_dir: str, per_device: int, max_steps: int) -> list[dict]:
+    """Train a patched tiny GPT-2 with the Trainer (DDP over gloo where started by `spawn`), recording the
+    diagnostics every step; returns the log history and writes it to log_history-{rank}.json."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_spanattn.training import SpanAttentionCallback
+
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=per_device, max_steps=max_steps,
+                             learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, ddp_find_unused_parameters=False, disable_tqdm=True,
+                             seed=0)
+    trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1100"), args=args, train_dataset=Rows(),
+                      callbacks=[SpanAttentionCallback(diagnostics_every=1)])
+    trainer.train()
+    history = trainer.state.log_history
+    (Path(output_dir) / f"log_history-{trainer.args.process_index}.json").write_text(json.dumps(history))
+    return history
+
+
+def fsdp_gradients_and_diagnostics(output_dir: str) -> None:
+    """Rank r of 2 trains rows 2r, 2r+1 of BATCH on a tiny Llama (grouped-query) sharded with FSDP2's
+    `fully_shard`; rank 0 saves the full parameter gradients and the diagnostics reduced over the ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = patch_model(tiny("llama"), "score:1100")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    gradients, diagnostics = one_step(model, BATCH[2 * rank:2 * rank + 2], LABELS[2 * rank:2 * rank + 2])
+    gradients = {name: grad.full_tensor() for name, grad in gradients.items()}
+    if rank == 0:
+        torch.save({"gradients": gradients, "diagnostics": diagnostics}, Path(output_dir) / "fsdp.pt")
+    dist.destroy_process_group()
+
+
+def one_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[dict, dict]:
+    """The parameter gradients and the per-layer diagnostics (reduced over ranks) of one forward and backward."""
+    layers = attention_modules(model)
+    recorders = {index: OrderRecorder() for index in layers}
+    for index, modules in layers.items():
+        for module in modules:
+            setattr(module, PROBE_ATTR, recorders[index])
+    model.train()
+    model(ids, labels=labels).loss.backward()
+    reduce_over_ranks([recorders[index] for index in sorted(recorders)])
+    gradients = {name: p.grad for name, p in model.named_parameters()}
+    return gradients, {index: recorder.summary(per_head=True) for index, recorder in recorders.items()}

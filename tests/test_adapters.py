@@ -1,0 +1,85 @@
+"""PEFT adapters carry the settings: saved beside the adapter (and in Trainer checkpoints), restored
+by `load_pretrained`; a plain PEFT reload into an unpatched model warns."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from models import VOCAB, tiny
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import hf_spanattn
+from hf_spanattn.config import CONFIG_NAME
+
+TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "k_proj", "v_proj"]}
+
+
+def lora_model(family: str, folder: str, label: str = "score:1000"):
+    """A pretrained start (a tiny model saved to `folder`), patched, with LoRA whose B is not zero."""
+    tiny(family).save_pretrained(folder)
+    base = hf_spanattn.patch_model(AutoModelForCausalLM.from_pretrained(folder), label)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family], lora_dropout=0.0))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return model.train()
+
+
+def lora_gradients(model) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n.replace(".default", ""): p.grad.clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_adapter_folder_keeps_the_settings_and_reloads_them(family, tmp_path):
+    model = lora_model(family, str(tmp_path / "base"))
+    before = lora_gradients(model)
+    model.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / CONFIG_NAME).read_text())
+    assert hf_spanattn.SpanAttentionConfig.from_dict(saved).label == "score:1000"
+
+    reloaded = hf_spanattn.load_pretrained(str(tmp_path / "adapter"))
+    assert isinstance(reloaded, PeftModel)
+    after = lora_gradients(reloaded.train())
+    assert after.keys() == before.keys() and before
+    for name, grad in before.items():
+        assert rel(after[name], grad) <= 1e-6, name
+
+    # plain PEFT into an unpatched base: it says so, and the gradients are the standard ones
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    with pytest.warns(UserWarning, match="not patched"):
+        plain = PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
+    stock = lora_gradients(plain.train())
+    assert max(rel(stock[name], grad) for name, grad in before.items()) > 1e-4
+    with warnings.catch_warnings(record=True) as caught:  # patched first: no warning
+        warnings.simplefilter("always")
+        base = hf_spanattn.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), "score:1000")
+        PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
+    assert not [w for w in caught if "not patched" in str(w.message)]
+
+
+def test_trainer_checkpoint_of_a_lora_model_keeps_the_settings(tmp_path):
+    model = lora_model("llama", str(tmp_path / "base"), "score:1100@per_block")
+    ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=1, save_steps=1, per_device_train_batch_size=2,
+                             report_to="none", use_cpu=True, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data).train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    assert os.path.isfile(checkpoint / "adapter_config.json")
+    reloaded = hf_spanattn.load_pretrained(str(checkpoint))
+    settings = reloaded.get_base_model().config.span_attention
+    assert hf_spanattn.SpanAttentionConfig.from_dict(settings).label == "score:1100@per_block"
+    assert reloaded.get_base_model().config._attn_implementation == "span_attention"

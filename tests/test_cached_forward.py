@@ -1,0 +1,42 @@
+"""A forward with past_key_values under autograd (fewer queries than keys): SDPA's result and the
+standard gradient, with a one-time warning that the rule needs self-attention."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from models import VOCAB, tiny
+
+from hf_spanattn import patch_model
+from hf_spanattn.integration import registry
+
+
+def decode_step_gradients(model, ids, prompt: int):
+    """A hand-written decode step: the prompt cached without gradients, then the next tokens under grad."""
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        cache = model(ids[:, :prompt], use_cache=True).past_key_values
+    out = model(ids[:, prompt:], past_key_values=cache, use_cache=True, labels=ids[:, prompt:])
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neo"])
+def test_cached_forward_under_grad_is_sdpa_with_the_standard_gradient(family, caplog):
+    stock = tiny(family).train()
+    patched = patch_model(copy.deepcopy(stock), "score:1000").train()
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    stock_logits, stock_grads = decode_step_gradients(stock, ids, prompt=7)
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        logits, grads = decode_step_gradients(patched, ids, prompt=7)
+        decode_step_gradients(patched, ids, prompt=6)
+    assert torch.allclose(logits, stock_logits, atol=1e-6)
+    assert grads.keys() == stock_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, stock_grads[name], rtol=1e-5, atol=1e-7), name
+    warned = [r for r in caplog.records if "needs self-attention" in r.getMessage()]
+    assert len(warned) == 1 and "past_key_values" in warned[0].getMessage()

@@ -1,0 +1,108 @@
+"""The Hub page of a model trained or saved with the package names it: the card's tags carry
+hf_spanattn, the rule label and the package version, and base_model where it was fine-tuned.
+Uploads go to a stand-in for the Hub API (nothing leaves the machine)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import transformers.modelcard
+import transformers.trainer
+import transformers.utils.hub
+from huggingface_hub import ModelCard
+from huggingface_hub.errors import EntryNotFoundError
+from models import VOCAB, tiny
+from peft import LoraConfig, get_peft_model
+from transformers import Trainer, TrainingArguments
+
+import hf_spanattn
+
+EXPECTED_TAGS = {"hf_spanattn", "span_attention:score:1100@per_block", f"hf_spanattn_version:{hf_spanattn.__version__}"}
+
+
+class FakeHub:
+    """What Transformers calls on the Hub API when pushing; keeps each README.md it would upload."""
+
+    def __init__(self):
+        self.cards: list[str] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"me/{repo_id}")
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        for op in operations:
+            if op.path_in_repo == "README.md":
+                self.cards.append(Path(op.path_or_fileobj).read_text())
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        self.cards.append((Path(folder_path) / "README.md").read_text())
+
+    def model_info(self, repo_id, **kwargs):
+        return types.SimpleNamespace(tags=["license:mit"])
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    fake = FakeHub()
+    for module in (transformers.utils.hub, transformers.trainer, transformers.modelcard):
+        monkeypatch.setattr(module, "hf_api", lambda: fake)
+
+    def no_card_yet(*args, **kwargs):
+        raise EntryNotFoundError("no README.md in the repository yet")
+
+    monkeypatch.setattr(transformers.utils.hub.ModelCard, "load", no_card_yet)
+    return fake
+
+
+def card_of(text: str) -> ModelCard:
+    return ModelCard(text)
+
+
+def fine_tuned(family: str = "gpt2"):
+    """A patched model as if loaded from a Hub repository."""
+    model = tiny(family)
+    model.config._name_or_path = "someone/tiny-base"
+    return hf_spanattn.patch_model(model, "score:1100@per_block")
+
+
+def test_model_push_to_hub_card_names_the_method(hub):
+    model = fine_tuned()
+    model.push_to_hub("me/tiny-span")
+    (card,) = hub.cards
+    assert EXPECTED_TAGS <= set(card_of(card).data.tags)
+
+
+def test_patching_again_or_unpatching_replaces_the_tags():
+    model = fine_tuned()
+    model.add_model_tags(["mine"])
+    hf_spanattn.patch_model(model, "score:1000")
+    assert set(model.model_tags) == {"mine", "hf_spanattn", "span_attention:score:1000",
+                                     f"hf_spanattn_version:{hf_spanattn.__version__}"}
+    hf_spanattn.unpatch_model(model)
+    assert model.model_tags == ["mine"]
+
+
+def test_trainer_push_to_hub_card_names_the_method_and_the_base_model(hub, tmp_path):
+    model = fine_tuned()
+    ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                             use_cpu=True, disable_tqdm=True, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+    trainer.train()
+    trainer.push_to_hub()
+    assert hub.cards == [(tmp_path / "out" / "README.md").read_text()]
+    card = card_of(hub.cards[0])
+    assert EXPECTED_TAGS <= set(card.data.tags)
+    assert card.data.base_model == "someone/tiny-base"
+
+
+def test_lora_adapter_card_names_the_method_and_the_base_model(tmp_path):
+    model = get_peft_model(fine_tuned("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    card = card_of((tmp_path / "adapter" / "README.md").read_text())
+    assert EXPECTED_TAGS <= set(card.data.tags)
+    assert card.data.base_model == "someone/tiny-base"
+    assert card.data.library_name == "peft"

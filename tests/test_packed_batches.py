@@ -1,0 +1,155 @@
+"""Packed batches (padding-free packing): each document gets the rule over its own keys, so its
+gradients are those of the same document run alone, however Transformers marks the documents."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from models import VOCAB, tiny
+from transformers import DataCollatorWithFlattening
+
+from hf_spanattn import patch_model
+from hf_spanattn.integration import packing, registry
+
+LENGTHS = (5, 9, 3)
+
+
+def documents(lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def summed_loss(model, embeds, labels, **kwargs) -> torch.Tensor:
+    """The summed next-token loss: a packed row's is the sum of its documents' own. Without a cache,
+    as the Trainer runs (TrainingArguments.use_cache=False): with one, Transformers reads no packing."""
+    logits = model(inputs_embeds=embeds, use_cache=False, **kwargs).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                             ignore_index=-100, reduction="sum")
+
+
+def gradients(model, ids, labels, **kwargs):
+    """d loss / d input embeddings and d loss / d parameters."""
+    model.zero_grad(set_to_none=True)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    summed_loss(model, embeds, labels, **kwargs).backward()
+    return embeds.grad[0], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_packed_equals_alone(family: str, label: str, collator, monkeypatch, backend: str,
+                              lengths=LENGTHS) -> float:
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", backend)
+    model = patch_model(tiny(family), label).train()
+    docs = documents(lengths)
+    batch = collator([{"input_ids": doc} for doc in docs])
+    ids = batch.pop("input_ids")
+    labels = batch.pop("labels")
+    batch = {k: v for k, v in batch.items() if k != "seq_idx"}
+    packed_input, packed_params = gradients(model, ids, labels, **batch)
+    alone_input, alone_params = [], {}
+    for doc in docs:
+        ids_alone = torch.tensor([doc])
+        grad_input, grad_params = gradients(model, ids_alone, ids_alone)
+        alone_input.append(grad_input)
+        for name, grad in grad_params.items():
+            alone_params[name] = alone_params.get(name, 0) + grad
+    worst = rel(packed_input[: sum(lengths)], torch.cat(alone_input))  # after them: padding, if any
+    assert worst <= 1e-5
+    assert packed_params.keys() == alone_params.keys()
+    for name, grad in packed_params.items():
+        worst = max(worst, rel(grad, alone_params[name]))
+        assert rel(grad, alone_params[name]) <= 1e-5, name
+    return worst
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_packed_document_has_the_gradients_it_has_alone(family, flash_kwargs, backend, monkeypatch):
+    """DataCollatorWithFlattening's packed row, marked by position ids (Transformers builds a
+    block-diagonal mask for SDPA) or also by FlashAttention's cu_seq_lens keyword arguments."""
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    check_packed_equals_alone(family, "score:1100", collator, monkeypatch, backend)
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_trl_padding_free_packing(backend, monkeypatch):
+    """TRL's padding-free collator (SFTTrainer's packing=True): position ids and cu_seq_lens, padded to a
+    multiple of 8 with one-token documents."""
+    trl = pytest.importorskip("trl.trainer.sft_trainer")
+    collator = trl.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=8)
+    check_packed_equals_alone("llama", "score:1000", collator, monkeypatch, backend)
+
+
+def test_gpt_neo_packed_documents_within_its_local_window(monkeypatch):
+    """GPT-Neo's own attention adapter reads the packing from its float mask too (documents no longer
+    than the local window of 6, which would otherwise cut them into blocks that are not documents)."""
+    check_packed_equals_alone("gpt_neo", "score:1100", DataCollatorWithFlattening(), monkeypatch, "tiles", (5, 6, 3))
+
+
+def test_packed_rows_without_the_split_would_differ(monkeypatch):
+    """The comparison can fail: read as one sequence per row, the packed document's gradients differ."""
+    monkeypatch.setattr(registry.packing, "from_mask", lambda *args: None)
+    with pytest.raises(AssertionError):
+        check_packed_equals_alone("gpt2", "score:1000", DataCollatorWithFlattening(), monkeypatch, "tiles")
+
+
+def test_mask_reading_finds_documents_padding_and_blocks():
+    t = 8
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    same = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    packed = (causal & (same[:, None] == same[None, :]))[None, None]
+    docs = packing.from_mask(packed, 1)
+    assert isinstance(docs, packing.Documents) and (docs.count, docs.length) == (3, 3)
+    assert docs.mask[1, 0].tolist() == [[True, False, False], [True, True, False], [False, False, False]]
+    assert packing.from_mask(causal[None, None].clone(), 2) is None  # one sequence per row
+    right_padded = causal.clone()
+    right_padded[:, 6:] = False
+    assert packing.from_mask(right_padded[None, None], 1) is None
+    window = causal & ~torch.ones(t, t, dtype=torch.bool).tril(-2)  # a sliding window is not packing
+    assert packing.from_mask(window[None, None], 1) is None
+    assert packing.from_mask((window & packed[0, 0])[None, None], 1) == "unreadable"
+
+
+def test_cu_seq_lens_without_a_mask_that_separates_documents_warns(caplog):
+    """cu_seq_lens without position ids: SDPA's forward attends across the documents, so spans
+    follow it, and a warning says why."""
+    model = patch_model(tiny("gpt2"), "score:1000").train()
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
+    batch = collator([{"input_ids": doc} for doc in documents()])
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model(**batch, use_cache=False).loss.backward()
+    assert len([r for r in caplog.records if "no attention mask separates them" in r.getMessage()]) == 1
+
+
+def test_unreadable_packing_warns_once(caplog, monkeypatch):
+    """A packed row whose mask is not the block-diagonal mask of whole documents (here a sliding
+    window inside the documents) keeps the row's spans and says so once."""
+    model = patch_model(tiny("gpt2"), "score:1000").train()
+    ids = torch.randint(1, VOCAB, (1, 12))
+    same = torch.tensor([0] * 6 + [1] * 6)
+    window = torch.ones(12, 12, dtype=torch.bool).tril() & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)
+    mask = (window & (same[:, None] == same[None, :]))[None, None]
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        model(ids, attention_mask=mask.clone(), labels=ids).loss.backward()
+    warned = [r for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def test_the_mask_is_read_once_per_forward(monkeypatch):
+    """All layers share the mask Transformers builds: its documents are read (one host sync) once."""
+    reads = []
+    read = packing._read_mask
+    monkeypatch.setattr(packing, "_read_mask", lambda *args: reads.append(1) or read(*args))
+    model = patch_model(tiny("llama", layers=3), "score:1000").train()
+    batch = DataCollatorWithFlattening()([{"input_ids": doc} for doc in documents()])
+    model(**batch, use_cache=False).loss.backward()
+    assert len(reads) == 1
