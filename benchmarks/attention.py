@@ -126,8 +126,9 @@ def main() -> None:
             peaks = {n: peak_in_subprocess("benchmarks.attention", ["--peak", *n, str(seq), *size]) for n in names}
         sdpa, eager_ = ("sdpa", "-"), ("eager", "-")
         for n in names:
-            print(f"| {seq} | {n[0]} | {n[1]} | {times[n] * 1e3:.2f} | {times[n] / times[sdpa]:.2f} | "
-                  f"{times[n] / times[eager_]:.2f} | {peaks[n] / 2**20:.0f} | {peaks[n] / peaks[sdpa]:.2f} |",
+            timing = ("- | - | -" if args.memory else
+                      f"{times[n] * 1e3:.2f} | {times[n] / times[sdpa]:.2f} | {times[n] / times[eager_]:.2f}")
+            print(f"| {seq} | {n[0]} | {n[1]} | {timing} | {peaks[n] / 2**20:.1f} | {peaks[n] / peaks[sdpa]:.2f} |",
                   flush=True)
         del steps
 
