@@ -7,6 +7,8 @@ backend and T, with ratios measured side by side in one run.
 
     python -m benchmarks.attention                                    # CPU, the full table
     python -m benchmarks.attention --seq 256 512 --backends tiles fused
+    python -m benchmarks.attention --seq 256 512 1024 2048 4096 8192 --tokens 8192 --backends tiles fused
+    python -m benchmarks.attention --seq 1024 8192 --tokens 8192 --memory  # peak memory only (no timing)
     python -m benchmarks.attention --device cuda --dtype bfloat16     # GPU, T = 512 … 4096, fused and triton
     TRITON_INTERPRET=1 python -m benchmarks.attention --seq 32 --tokens 64 --backends triton --repeats 1
                                                                       # the Triton kernels on the CPU (a check)
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", choices=["auto", *BACKENDS],
                         help="default: auto on the CPU, fused and triton on CUDA")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--memory", action="store_true", help="peak memory only: no timing")
     parser.add_argument("--peak", nargs=3, metavar=("METHOD", "BACKEND", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     for key, value in DEFAULTS[args.device].items():
@@ -106,14 +109,16 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name()}")
 
     names = candidates(args.methods, args.backends)
-    print(f"causal, {HEADS} heads, D={HEAD_DIM}, B*T={args.tokens}, {args.dtype}, {args.device}, "
-          f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}; median of {args.repeats}, "
-          "forward+backward" + ("; steady heap" if args.device == "cpu" else "; CUDA events"))
+    print(f"causal, {HEADS} heads, D={HEAD_DIM}, B*T={args.tokens} (B = max(1, B*T // T)), {args.dtype}, "
+          f"{args.device}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}; "
+          + ("peak memory only" if args.memory else f"median of {args.repeats}")
+          + ", forward+backward" + ("; steady heap" if args.device == "cpu" else "; CUDA events"))
     print("| T | method | backend | time ms | × sdpa | × eager | peak MiB | mem × sdpa |")
     print("|---:|---|---|---:|---:|---:|---:|---:|")
     for seq in args.seq:
         steps = {n: make_step(*n, seq, args.tokens, args.device, dtype) for n in names}
-        times = time_interleaved(steps, args.repeats, device=args.device)
+        times = ({n: math.nan for n in names} if args.memory
+                 else time_interleaved(steps, args.repeats, device=args.device))
         if args.device == "cuda":
             peaks = {n: cuda_peak_bytes(step) for n, step in steps.items()}
         else:
@@ -121,8 +126,9 @@ def main() -> None:
             peaks = {n: peak_in_subprocess("benchmarks.attention", ["--peak", *n, str(seq), *size]) for n in names}
         sdpa, eager_ = ("sdpa", "-"), ("eager", "-")
         for n in names:
-            print(f"| {seq} | {n[0]} | {n[1]} | {times[n] * 1e3:.2f} | {times[n] / times[sdpa]:.2f} | "
-                  f"{times[n] / times[eager_]:.2f} | {peaks[n] / 2**20:.0f} | {peaks[n] / peaks[sdpa]:.2f} |",
+            timing = ("- | - | -" if args.memory else
+                      f"{times[n] * 1e3:.2f} | {times[n] / times[sdpa]:.2f} | {times[n] / times[eager_]:.2f}")
+            print(f"| {seq} | {n[0]} | {n[1]} | {timing} | {peaks[n] / 2**20:.1f} | {peaks[n] / peaks[sdpa]:.2f} |",
                   flush=True)
         del steps
 

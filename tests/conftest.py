@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     # import (Transformers imports it), so it is set here rather than in tests/test_triton.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_spanattn.ops import blocks, tiles  # noqa: E402
+from hf_spanattn.ops import blocks, tile_engine, tiles  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -22,3 +22,10 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tiles, "_TILE_ROWS", 4)
     monkeypatch.setattr(tiles, "_MAX_TILES", 100)
     monkeypatch.setattr(blocks, "_STACK_ELEMENTS", 200)
+
+
+@pytest.fixture
+def recomputed_tiles(monkeypatch):
+    """The probabilities recomputed in the backward pass at every length, in tiles of 16 rows."""
+    monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
+    monkeypatch.setattr(tile_engine, "_RECOMPUTED_TILE", 1)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine import LABELS
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_spanattn import SpanAttentionConfig, span_attention
@@ -85,8 +86,13 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
                                         attn_mask=torch.rand(3, 2, 1, 6, 6, generator=torch.Generator().manual_seed(1))
                                         > 0.3), SDPA),
     "gqa": (lambda: qkv(h_q=4, h_kv=2), SDPA),
+    "gqa_mask_hides_everything": (lambda: with_(qkv(h_q=4, h_kv=2), attn_mask=torch.zeros(6, 6, dtype=torch.bool)),
+                                  SDPA),
     "value_head_dim_differs": (lambda: qkv(d_v=7), SDPA),
     "mask_key_padding_only": (lambda: with_(qkv(), attn_mask=left_padding(None)[:, :, -1:]), SDPA),
+    # a mask that broadcasts over the keys: a bias per query row, or whole rows masked
+    "mask_per_row_float": (lambda: with_(qkv(), attn_mask=torch.randn(2, 1, 6, 1, dtype=torch.float64)), SDPA),
+    "mask_per_row_bool": (lambda: with_(qkv(), attn_mask=torch.tensor([True, False] * 3).view(1, 1, 6, 1)), SDPA),
     # empty sizes and no data
     "no_queries": (lambda: with_(qkv(), query=qkv()["query"][:, :, :0]), SDPA),
     "no_keys": (lambda: with_(qkv(), key=qkv()["key"][:, :, :0], value=qkv()["value"][:, :, :0]), SDPA),
@@ -222,3 +228,117 @@ def test_float_padding_masks_give_the_bool_masks_gradients(label, fill, kind, dt
     assert rel(out_float * rows, out_bool) < 1e-6
     for name, g, e in zip("qkv", grads_float, grads_bool):
         assert rel(g, e) < 1e-5, name
+
+
+def _learnable_mask_case(shape: tuple[int, ...], h_kv: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Float64 q, k, v (B = 3, 4 query heads, T = 5) and a learnable bias of `shape`, with some
+    entries masked (−inf) and one query row of batch 0 masked at −1e5 (it attends no key)."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(3, heads, 5, 4, generator=gen, dtype=torch.float64) for heads in (4, h_kv, h_kv)]
+    bias = 0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    if shape[-1] > 1:
+        bias = bias.masked_fill(torch.rand(shape, generator=gen) < 0.2, float("-inf"))
+        bias[..., 0] = 0.0  # every row keeps a key
+    if len(shape) == 4 and shape[-2] > 1:
+        bias[0, ..., 2, :] = -1e5
+    return inputs, bias
+
+
+MASK_SHAPES = [(3, 1, 5, 5), (1, 4, 5, 5), (5, 5), (3, 4, 5, 5), (3, 1, 1, 5), (1, 1, 5, 1)]
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("label", LABELS)
+def test_learnable_mask_gets_sdpas_gradient(label, backend):
+    """∂L/∂mask is SDPA's (∂L/∂S without the factor scale, summed over what the mask broadcasts
+    over, query heads of a key/value head included), whatever the rule; the forward too."""
+    config = SpanAttentionConfig.from_label(label)
+    dtype, tol = (torch.float64, 1e-10) if backend == "tiles" else (torch.float32, 1e-5)
+    index = LABELS.index(label)  # every shape, with and without GQA, over the labels
+    cases = [(MASK_SHAPES[(index + i) % len(MASK_SHAPES)], 2 if (index + i) % 2 else 4) for i in range(2)]
+    if label in ("score:1100", "score:1100@per_block", "standard:QKV101"):
+        cases = [(shape, h_kv) for shape in MASK_SHAPES for h_kv in (4, 2)]
+    for seed, (shape, h_kv) in enumerate(cases):
+        inputs, bias = _learnable_mask_case(shape, h_kv, seed)
+        d_out = torch.randn(3, 4, 5, 4, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        bias_leaf = bias.to(dtype).requires_grad_(True)  # SDPA in the same dtype: it rounds −1e5 + S alike
+        expected = F.scaled_dot_product_attention(*(x.to(dtype) for x in inputs), attn_mask=bias_leaf,
+                                                  enable_gqa=h_kv != 4)
+        (expected_grad,) = torch.autograd.grad(expected, bias_leaf, d_out)
+        leaves = [x.to(dtype).requires_grad_(True) for x in (*inputs, bias)]
+        out = span_attention(*leaves[:3], attn_mask=leaves[3], config=config, backend=backend)
+        (grad,) = torch.autograd.grad(out, leaves[3], d_out)
+        assert grad.shape == bias.shape and grad.dtype == dtype
+        for got, want in ((out, expected), (grad, expected_grad)):  # a bias per row has gradient 0: absolute
+            assert (got - want).abs().max() <= tol * max(1.0, want.abs().max().item()), (shape, h_kv)
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_learnable_mask_under_full_dropout_gets_sdpas_zero_gradient(backend):
+    inputs, bias = _learnable_mask_case((3, 1, 5, 5), 4, 0)
+    leaves = [x.float().requires_grad_(True) for x in (*inputs, bias)]
+    out = span_attention(*leaves[:3], attn_mask=leaves[3], dropout_p=1.0, config=EXACT, backend=backend)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(leaves[3].grad, torch.zeros_like(bias).float())
+
+
+def half_extremes(dtype: torch.dtype, seed: int = 0, size: float = 300.0) -> list[torch.Tensor]:
+    """q, k, v in `dtype` whose scores at scale 1 pass float16's range (65504) by a common part of
+    size² while differing by a few units: the softmax is not saturated, the gradients are not 0."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3))
+    q[..., 0], k[..., 0] = size, size
+    return [x.to(dtype) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize(("label", "backend", "probe"), [
+    ("score:1111", "tiles", False), ("score:1111", "fused", False), ("score:1000", "tiles", True),
+    ("score:1000", "fused", False), ("score:1100@per_block", "tiles", False), ("score:1100@per_block", "fused", False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_scores_beyond_the_half_range_are_sdpas(dtype, label, backend, probe):
+    """Scores and softmax in float32 for half inputs, as SDPA: finite, and SDPA's output. The
+    gradients are finite, and as close to the rule's float32 gradients on the same inputs as SDPA's
+    half gradients are to its float32 ones (or within 4 ulp of the dtype)."""
+    config = SpanAttentionConfig.from_label(label)
+    inputs = half_extremes(dtype)
+    d_out = torch.randn(2, 2, 16, 8, generator=torch.Generator().manual_seed(5)).to(dtype)
+    seen = []
+    kwargs = dict(is_causal=True, scale=1.0, config=config, backend=backend,
+                  probe=seen.append if probe else None)
+    out, grads = _run(inputs, d_out, span_attention, **kwargs)
+    sdpa_out, sdpa_grads = _run(inputs, d_out, F.scaled_dot_product_attention, is_causal=True, scale=1.0)
+    tol = 4 * torch.finfo(dtype).eps
+    assert torch.isfinite(out).all() and rel(out, sdpa_out) < tol
+    # the same inputs in float32: the rule's gradients, and how far SDPA's half gradients are from its own
+    _, wide_grads = _run([x.float() for x in inputs], d_out.float(), span_attention,
+                         **dict(kwargs, backend="tiles", probe=None))
+    _, wide_sdpa_grads = _run([x.float() for x in inputs], d_out.float(), F.scaled_dot_product_attention,
+                              is_causal=True, scale=1.0)
+    for g, e, w, we in zip(grads, sdpa_grads, wide_grads, wide_sdpa_grads):
+        assert torch.isfinite(g).all()
+        assert rel(g, w) < max(2 * rel(e, we), tol)
+    if probe:
+        assert seen and all(torch.isfinite(x).all() for x in seen[0]["dq_orders"])
+
+
+def _run(inputs, d_out, fn, **kwargs):
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves, **kwargs)
+    return out, torch.autograd.grad(out, leaves, d_out)
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("label", ["score:1000", "simple:10", "score:1100@per_block", "standard:QKV101"])
+def test_second_derivative_says_it_is_not_supported(label, backend):
+    """create_graph=True gives the first-order gradients as without it; differentiating them again
+    raises an error that names span_attention and what to use instead."""
+    config = SpanAttentionConfig.from_label(label)
+    inputs, bias = _learnable_mask_case((3, 1, 5, 5), 2, 0)
+    leaves = [x.float().requires_grad_(True) for x in inputs]
+    out = span_attention(*leaves, attn_mask=bias.float(), config=config, backend=backend)
+    plain = torch.autograd.grad(out.square().sum(), leaves, retain_graph=True)
+    grads = torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+    for g, p in zip(grads, plain):
+        torch.testing.assert_close(g, p, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"span_attention: a second derivative.*standard:QKV111.*MATH"):
+        sum(g.square().sum() for g in grads).backward()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from reference import projector, reference
 
 from hf_spanattn import SpanAttentionConfig, span_attention
-from hf_spanattn.ops import span_of, tiles
+from hf_spanattn.ops import span_of, tile_engine, tiles
 
 LABELS = [
     "standard:QKV111", "standard:QKV101", "standard:QKV001",
@@ -232,8 +232,31 @@ def test_padded_batch_matches_each_sequence_alone():
                     assert g[i, :, : t - n].abs().max() < 1e-12  # no gradient into padding
 
 
+@pytest.mark.parametrize("label", ["standard:QKV101", "simple:10", "reductionistic:1100", "score:1000", "score:1111",
+                                   "score:0.5,2,0,1.5@per_block"])
+@pytest.mark.parametrize("case", ["causal", "float_mask", "gqa_padded_scale", "first_rows_dead", "t_gg_d"])
+def test_recomputed_tiles_match_float64_reference(label, case, recomputed_tiles):
+    check_against_reference(label, case)
+
+
+def test_long_sequences_keep_no_probabilities():
+    """From _RECOMPUTE_FROM keys on, what the forward pass saves for the backward is O(T·d), not
+    O(T²): here under 1/8 of the T×T/2 probabilities that the tiles keep below it."""
+    t = tile_engine._RECOMPUTE_FROM
+    q, k, v = (torch.randn(1, 1, t, 8, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        out = span_attention(q, k, v, is_causal=True, config=SpanAttentionConfig.from_label("score:1000"))
+    assert sum(saved) < t * t / 16
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
 @pytest.mark.parametrize("label", ["score:1111", "score:1000", "reductionistic:1100", "score:1100@per_block"])
-def test_dropout_uses_the_forward_mask(label, small_tiles):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dropout_uses_the_forward_mask(label, recompute, small_tiles, monkeypatch):
+    if recompute:
+        monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
     config = SpanAttentionConfig.from_label(label)
     (q, k, v), d_out = make(h_q=4, h_kv=2)
     p = 0.3

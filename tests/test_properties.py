@@ -133,6 +133,85 @@ def test_the_strategy_reaches_every_mask(kind):
         assert torch.equal(hidden, ~attend)
 
 
+@st.composite
+def learnable_masks(draw):
+    """float64 q, k, v (B, H_q, T, d) with GQA, and a float bias (some entries −inf, rows of them
+    included) or a bool mask, of a random shape that broadcasts to (B, H_q, T, T)."""
+    b, h_kv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+    t, d = draw(st.integers(1, 7)), draw(st.sampled_from([2, 4]))
+    full = (b, h_kv * groups, t, t)
+    shape = tuple(n if draw(st.booleans()) else 1 for n in full)[4 - draw(st.integers(2, 4)):]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    inputs = [torch.randn(b, heads, t, d, generator=gen, dtype=torch.float64) for heads in (h_kv * groups, h_kv, h_kv)]
+    hidden = torch.rand(shape, generator=gen) < draw(st.sampled_from([0.0, 0.3, 0.7]))
+    if draw(st.booleans()):
+        return inputs, ~hidden
+    bias = draw(st.sampled_from([0.1, 1.0, 10.0])) * torch.randn(shape, generator=gen, dtype=torch.float64)
+    return inputs, bias.masked_fill(hidden, float("-inf"))
+
+
+@FAST
+@given(learnable_masks(), st.sampled_from(LABELS), st.sampled_from(["tiles", "fused"]))
+def test_learnable_masks_get_sdpas_gradient(problem, label, backend):
+    """Any rule: the forward and ∂L/∂mask (float masks) are SDPA's, and at alphas 1111 dQ, dK, dV too."""
+    inputs, mask = problem
+    dtype, tol = (torch.float64, 1e-10) if backend == "tiles" else (torch.float32, 1e-5)
+    inputs = [x.to(dtype) for x in inputs]
+    mask = mask.to(dtype) if mask.is_floating_point() else mask
+    learnable = mask.is_floating_point()
+    d_out = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    results = []
+    for fn in (lambda *x, **kw: span_attention(*x, config=SpanAttentionConfig.from_label(label), backend=backend,
+                                               **kw),
+               lambda *x, **kw: F.scaled_dot_product_attention(*x, enable_gqa=x[0].shape[1] != x[1].shape[1], **kw)):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        m = mask.clone().requires_grad_(learnable)
+        out = fn(*leaves, attn_mask=m)
+        results.append((out, torch.autograd.grad(out, leaves + [m] * learnable, d_out)))
+    (out, grads), (expected, expected_grads) = results
+    close = lambda a, e: (a - e).nan_to_num(0).abs().max() <= tol * max(1.0, e.nan_to_num(0).abs().max())  # noqa: E731
+    assert torch.equal(out.isnan(), expected.isnan()) and close(out, expected)
+    compared = list(zip(grads, expected_grads))[3:] if label != "score:1111" else zip(grads, expected_grads)
+    for g, e in compared:
+        assert g.shape == e.shape and close(g, e)
+
+
+@FAST
+@given(st.sampled_from([torch.float16, torch.bfloat16]), st.sampled_from([0.01, 0.1, 1.0, 4.0]),
+       st.sampled_from([1.0, 30.0, 300.0, 3000.0]), st.sampled_from(["score:1111", "standard:QKV101"]),
+       st.sampled_from(["tiles", "fused"]), st.integers(0, 2**16))
+def test_half_extremes_are_sdpas(dtype, scale, size, label, backend, seed):
+    """Half inputs with scores up to 3.6e7 at random scales: the forward is SDPA's, the gradients
+    are finite where SDPA's are; output and gradients are as close to the rule's float64 ones on the
+    same inputs as SDPA's half results are to SDPA's float64 ones (or within 4 ulp of the dtype).
+    Rules with spans are left out: K with one column 10³× the others makes Π_K ill-conditioned in
+    float32 whatever the scores' range (test_bad_input_ops covers them at moderate sizes)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=gen) for _ in range(3))
+    # a common part of the scores up to scale·size², and parts that differ by at most 4: not saturated
+    q[..., 0], k[..., 0] = size, size + 4 / (scale * size) * torch.rand(9, generator=gen)
+    inputs = [x.to(dtype) for x in (q, k, v)]
+    d_out = torch.randn(1, 2, 9, 4, generator=gen).to(dtype)
+    config = SpanAttentionConfig.from_label(label)
+
+    def run_(xs, fn, **kw):
+        leaves = [x.clone().requires_grad_(True) for x in xs]
+        out = fn(*leaves, is_causal=True, scale=scale, **kw)
+        return out, torch.autograd.grad(out, leaves, d_out.to(xs[0].dtype))
+
+    out, grads = run_(inputs, span_attention, config=config, backend=backend)
+    sdpa_out, sdpa_grads = run_(inputs, F.scaled_dot_product_attention)
+    # the same (rounded) inputs in float64: how far SDPA's half results are from its own, and ours from the rule's
+    wide_out, wide_grads = run_([x.double() for x in inputs], span_attention, config=config, backend="tiles")
+    wide_sdpa_out, wide_sdpa = run_([x.double() for x in inputs], F.scaled_dot_product_attention)
+    tol = 4 * torch.finfo(dtype).eps
+    assert torch.isfinite(out).all() and rel(out, wide_out) < max(2 * rel(sdpa_out, wide_sdpa_out), tol)
+    for g, e, w, we in zip(grads, sdpa_grads, wide_grads, wide_sdpa):
+        if torch.isfinite(e).all():
+            assert torch.isfinite(g).all()
+            assert rel(g, w) < max(2 * rel(e, we), tol)
+
+
 # -- settings of every JSON type -------------------------------------------------------------------
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats() | st.text(max_size=10),
                     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=3),

@@ -26,12 +26,15 @@ evaluation and the diagnostics probe (`rule_grads`), α_QKV (`scaled`). A backwa
 (a backend that must know the operands in its forward pass, as `fused.py` does, calls
 `config.rule.needs` there and `config.rule.finish` in its backward). A backend is one module with
 a function of (query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe) in
-`attention.BACKENDS`.
+`attention.BACKENDS`. Its autograd function's backward is decorated `@first_order_only` (a rule's
+gradient is not a derivative: it has none of its own), and a learnable float mask gets
+∂L/∂mask = G/scale summed to the mask's shape (`mask_grad`), whatever the rule, as in SDPA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,6 +128,62 @@ def rule_grads(config: SpanAttentionConfig, x: RuleInputs, products: ProductsOf,
 def scaled(grads: Sequence[torch.Tensor], qkv_alphas: Sequence[float]) -> list[torch.Tensor]:
     """(α_Q dQ, α_K dK, α_V dV), without a copy where an α is 1."""
     return [x if a == 1 else x * a for x, a in zip(grads, qkv_alphas)]
+
+
+DOUBLE_BACKWARD = (
+    "span_attention: a second derivative (create_graph=True through its gradients) is not supported: a "
+    "span rule's gradient is not the derivative of a function, so it has no derivative of its own. For "
+    "gradient penalties and other second derivatives use attention that has one: config standard:QKV111 "
+    "(SDPA itself) or F.scaled_dot_product_attention, under torch.nn.attention.sdpa_kernel(SDPBackend.MATH) "
+    "on the CPU, or the model's eager attention (hf_spanattn.unpatch_model)")
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients a backward pass computed, as they are; differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+def first_order_only(backward_fn: Callable) -> Callable:
+    """For an autograd function's backward: under create_graph=True (grad mode on in the backward pass)
+    it runs without a graph and its gradients come back marked, so that differentiating them again
+    raises a RuntimeError that says what to do (`DOUBLE_BACKWARD`); a caller that only reads them
+    gets them as usual."""
+
+    @functools.wraps(backward_fn)
+    def wrapper(ctx, *grad_outputs):
+        if not torch.is_grad_enabled():
+            return backward_fn(ctx, *grad_outputs)
+        with torch.no_grad():
+            grads = backward_fn(ctx, *grad_outputs)
+        present = [g for g in grads if isinstance(g, torch.Tensor)]
+        marked = iter(_NoSecondDerivative.apply(torch.empty(0, requires_grad=True), *present))
+        return tuple(next(marked) if isinstance(g, torch.Tensor) else g for g in grads)
+
+    return wrapper
+
+
+def mask_grad(g_parts: Iterable[tuple[torch.Tensor, int, int, int]], mask: torch.Tensor) -> torch.Tensor:
+    """∂L/∂mask for an additive `mask` broadcast to (b, H_q, T, S), from ∂L/∂S without the factor
+    scale (G/scale) as row tiles (b, H_kv, g, rows, columns) with their (first row, end row,
+    columns): summed over what the mask broadcasts over (batch, heads, rows, keys); 0 where no
+    tile reaches."""
+    shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    out = torch.zeros(shape4, dtype=work_dtype(mask.dtype), device=mask.device)
+    for g, start, end, cols in g_parts:
+        x = g.reshape(g.shape[0], -1, *g.shape[-2:]).to(out.dtype)
+        for dim, size in enumerate(shape4):
+            if size == 1 and x.shape[dim] != 1:
+                x = x.sum(dim, keepdim=True)
+        rows = slice(start, end) if shape4[2] > 1 else slice(None)
+        out[..., rows, :cols if shape4[3] > 1 else None] += x
+    return out.reshape(mask.shape).to(mask.dtype)
 
 
 def _rank(x: torch.Tensor) -> torch.Tensor:

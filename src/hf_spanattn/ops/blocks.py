@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_spanattn.ops import rules
+from hf_spanattn.ops import backward, rules
 from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range
 
 MaskTile = Callable[[int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
@@ -42,7 +42,8 @@ class TileBlocks:
     additive mask on the columns [lo, columns), lo and the dead rows. Query blocks
     that meet the same key blocks are stacked as (m, b, h, n, g, rows, ·) for n query blocks and
     m key blocks: one product per key block gives all their scores, one softmax forward and
-    backward takes them all. T×T work runs in the dtype of d_probs (the forward's).
+    backward takes them all. T×T work runs in the work dtype (float32 for half inputs, whose
+    scores may pass the half range, as in the forward pass).
     """
 
     def __init__(self, d_probs: Tiled, scale: float, mask_tile: MaskTile, workspace: Workspace) -> None:
@@ -91,7 +92,7 @@ class TileBlocks:
         first = start - self.tiles[i][0]  # of the tile's rows
         b, h, g, _, d = q_blocks[0].shape
         n, m, r = len(q_blocks), len(k_blocks), end - start
-        dtype = self.d_probs.dtype
+        dtype = backward.work_dtype(self.d_probs.dtype)
         work = lambda name, shape: self.workspace(name, shape, dtype, q_blocks[0].device)  # noqa: E731
         stack = torch.stack([q[..., start:end, :].to(dtype) for q in q_blocks], dim=2,
                             out=work("q", (b, h, n, g, r, d)))

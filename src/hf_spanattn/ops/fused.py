@@ -88,6 +88,7 @@ class _Operands(torch.autograd.Function):
         return q_aug, k_aug, v_aug
 
     @staticmethod
+    @backward.first_order_only
     def backward(ctx, dq_aug, dk_aug, dv_aug):
         basis_k, basis_v, coef_k, q, k, key_valid = ctx.saved_tensors
         config = ctx.config
@@ -136,23 +137,25 @@ class _PerBlock(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, dropout_p: float, is_causal: bool, scale: float, key_valid,
                 config: SpanAttentionConfig):
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
-        ctx.call = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        detached = attn_mask.detach() if attn_mask is not None else None
+        ctx.call = dict(attn_mask=detached, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=q.shape[1] != k.shape[1])
         ctx.config = config
         ctx.save_for_backward(q, k, v, key_valid)
         return F.scaled_dot_product_attention(q, k, v, **ctx.call)
 
     @staticmethod
+    @backward.first_order_only
     def backward(ctx, d_out):
         q, k, v, key_valid = ctx.saved_tensors
         config = ctx.config
-        with _replaying(ctx.rng, q.device):
-            (dv,) = _attention_grads(ctx.call, (q, k, v), d_out, wanted=(2,))
+        with _replaying(ctx.rng, q.device):  # dV and the mask's gradient are SDPA's, whatever the rule
+            dv, *d_mask = _attention_grads(ctx.call, (q, k, v), d_out, wanted=(2,), mask_grad=ctx.needs_input_grad[3])
         inputs = backward.prepare(*grouped(q, k), v.unsqueeze(2), key_valid, config.rule,
                                   functools.partial(_spans, padded=key_valid is not None))
         dq, dk = backward.rule_grads(config, inputs, _SdpaBlocks(ctx.call, v, d_out, ctx.rng))
         dq, dk, dv = backward.scaled((dq.reshape(q.shape), dk.squeeze(2), dv), config.qkv_alphas)
-        return dq.to(q.dtype), dk.to(k.dtype), dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv, *(d_mask or [None]), None, None, None, None, None
 
 
 class _SdpaBlocks:
@@ -190,13 +193,17 @@ class _SdpaBlocks:
 
 
 def _attention_grads(call: dict, inputs: Sequence[torch.Tensor], d_out: torch.Tensor,
-                     wanted: Sequence[int]) -> tuple[torch.Tensor, ...]:
+                     wanted: Sequence[int], mask_grad: bool = False) -> tuple[torch.Tensor, ...]:
     """SDPA's forward and backward on `inputs` with the upstream gradient d_out: the gradients of
-    the inputs at `wanted`."""
+    the inputs at `wanted`, then, with `mask_grad`, the float mask's."""
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_(i in wanted) for i, x in enumerate(inputs)]
+        wrt = [leaves[i] for i in wanted]
+        if mask_grad:
+            call = dict(call, attn_mask=call["attn_mask"].detach().requires_grad_())
+            wrt.append(call["attn_mask"])
         out = F.scaled_dot_product_attention(*leaves, **call)
-        return torch.autograd.grad(out, [leaves[i] for i in wanted], d_out)
+        return torch.autograd.grad(out, wrt, d_out)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

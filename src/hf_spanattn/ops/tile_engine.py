@@ -1,8 +1,10 @@
 """The tile backend of `span_attention`: the T×T work (scores, probabilities, ∂L/∂S and their
 products) as explicit matrices in row tiles of queries that meet only the keys their rows may
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
-`span_of`; the faster way on a CPU. The probabilities are kept from the forward pass. It answers
-the rules' `Operands` and `Blocks` from them (the contract in `backward.py`).
+`span_of`; the faster way on a CPU. The probabilities are kept from the forward pass, or, from
+_RECOMPUTE_FROM keys on, recomputed in the backward pass in small tiles, one at a time (memory
+O(T·d), as SDPA's). It answers the rules' `Operands` and `Blocks` from them (the contract in
+`backward.py`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ from hf_spanattn.ops.backward import Probe
 from hf_spanattn.ops.blocks import TileBlocks, Workspace
 from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range, row_tiles
+from hf_spanattn.ops.tiles import Recomputed, Tile, Tiled, masked_softmax, row_range, row_tiles
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
 _BACKWARD_CHUNKS = 4
+# From this many keys on, the probabilities are not kept from the forward to the backward pass but
+# recomputed there, tile by tile, in tiles of about _RECOMPUTED_TILE elements (at least 16 rows):
+# memory O(T·d) as SDPA's rather than O(T²), for about one more product per product of P or G.
+_RECOMPUTE_FROM, _RECOMPUTED_TILE = 2048, 1 << 20
 
 
 @dataclass
@@ -65,12 +71,14 @@ def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-                  dtype: torch.dtype, device: torch.device) -> _Mask:
+                  dtype: torch.dtype, device: torch.device, rows: int | None = None) -> _Mask:
+    """The mask of a call with q (B, H_kv, g, T, ·) for keys (…, S, ·) as `shape` = (B, H_kv, g, T, S);
+    `rows`: the rows per tile, if fixed."""
     _, h_kv, groups, t, s = shape
     if is_causal:
-        return _causal_mask(t, s, dtype, device)
+        return _causal_mask(t, s, dtype, device, rows)
     if attn_mask is None:
-        tiles = row_tiles(None, t, s)
+        tiles = row_tiles(None, t, s, rows)
         return _Mask(tiles, [cols for *_, cols in tiles], [None] * len(tiles), None, None)
     attend, additive = _attend(attn_mask, dtype)
     while attend.dim() < 4:
@@ -85,7 +93,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     defined = (additive > -math.inf).any(dim=-1, keepdim=True)
     dead_rows, idle_rows = ~defined, defined & ~attend.any(dim=-1, keepdim=True)
     reach = attend | idle_rows
-    tiles = row_tiles(reach, t, s)
+    tiles = row_tiles(reach, t, s, rows) or [(0, t, s)]  # no row attends: one tile of rows that give 0
     masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
     first_masked, parts = [], []
     for start, end, cols in tiles:
@@ -98,26 +106,32 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
 
 
 @functools.lru_cache(maxsize=4)
-def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> _Mask:
+def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows: int | None) -> _Mask:
     """The causal mask, built once per shape. It keeps only the tiles' parts that are not zero, the
     squares on the diagonal (T × rows per tile numbers rather than T·S); nothing reads them but to
     add them."""
     attend = torch.ones(t, s, dtype=torch.bool, device=device).tril()
-    mask = _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device)
+    mask = _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device, rows)
     return replace(mask, additive=[a.clone() if a is not None else None for a in mask.additive])
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, dtype: torch.dtype) -> Tiled:
-    """softmax(scale·Q Kᵀ + mask) in `dtype`, tile by tile; rows with no finite mask entry give 0 (as SDPA)."""
+def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, recompute: bool = False) -> Tiled:
+    """softmax(scale·Q Kᵀ + mask) in q's dtype, tile by tile (kept, or `Recomputed` when read);
+    rows with no finite mask entry give 0 (as SDPA). Scores and softmax are in the work dtype:
+    float32 for half inputs, whose scores may pass the half range (65504 in float16), as SDPA's."""
+    work = backward.work_dtype(q.dtype)
 
     def tile(i: int) -> torch.Tensor:
         start, end, cols = mask.tiles[i]
         additive, lo, dead_rows = mask.tile(i)
-        scores = (q[..., start:end, :] * scale).to(dtype) @ k[..., :cols, :].to(dtype).mT
+        scores = (q[..., start:end, :].to(work) * scale) @ k[..., :cols, :].to(work).mT
         if additive is not None:
             scores[..., lo:].add_(additive)
-        return masked_softmax(scores, dead_rows)
+        return masked_softmax(scores, dead_rows).to(q.dtype)
 
+    if recompute:
+        select = lambda rows: _probs(q[rows], k[rows], mask.select(rows), scale, True).parts  # noqa: E731
+        return Tiled(mask.tiles, Recomputed(tile, len(mask.tiles), select), q.shape[-2], k.shape[-2], q.dtype)
     return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])
 
 
@@ -137,24 +151,32 @@ class SpanAttentionFunction(torch.autograd.Function):
     """Attention on (B, H_kv, g, T, d) queries and (B, H_kv, 1, S, d) keys/values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
-                probe: Probe | None):
-        probs = _probs(q, k, mask, scale, q.dtype)
+    def forward(ctx, q, k, v, attn_mask, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
+                probe: Probe | None, recompute: bool):
+        probs = _probs(q, k, mask, scale, recompute)
         keep = None
         if dropout_p > 0:
             # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
             keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
         out = _dropped(probs, keep, dropout_p) @ v
-        ctx.save_for_backward(q, k, v, keep, *probs.parts)
+        learnable = attn_mask if ctx.needs_input_grad[3] else None
+        ctx.save_for_backward(q, k, v, keep, learnable, *([] if recompute else probs.parts))
         ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
+        ctx.recompute = recompute
         return out
 
     @staticmethod
+    @backward.first_order_only
     def backward(ctx, d_out):
-        q, k, v, keep, *parts = ctx.saved_tensors
+        q, k, v, keep, learnable, *parts = ctx.saved_tensors
         mask = ctx.mask
+        probs = _probs(q, k, mask, ctx.scale, True) if ctx.recompute else Tiled(mask.tiles, parts, q.shape[-2],
+                                                                                   k.shape[-2])
+        d_mask = None
+        if learnable is not None:
+            d_mask = backward.mask_grad(_mask_free_grads(probs, v, keep, ctx.dropout_p, d_out), learnable)
         inputs = backward.prepare(q, k, v, mask.key_valid, ctx.config.rule, _spans_of, probing=ctx.probe is not None)
-        batch = _Batch(v, keep, d_out.contiguous(), Tiled(mask.tiles, parts, q.shape[-2], k.shape[-2]), mask, inputs)
+        batch = _Batch(v, keep, d_out.contiguous(), probs, mask, inputs)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
         step = max(1, math.ceil(q.shape[0] / _BACKWARD_CHUNKS))
@@ -164,7 +186,20 @@ class SpanAttentionFunction(torch.autograd.Function):
             chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
-        return (*grads, None, None, None, None, None)
+        return (*grads, d_mask, None, None, None, None, None, None)
+
+
+def _mask_free_grads(probs: Tiled, v: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
+                     d_out: torch.Tensor):
+    """∂L/∂S without the factor scale, P ⊙ (dP − rowsum(dP ⊙ P)) for dP = ∂L/∂P, tile by tile with
+    (first row, end row, columns), in the work dtype: the standard one in every row (also in rows
+    that attend no key by MASKED_AT), as SDPA gives the mask."""
+    work = backward.work_dtype(v.dtype)
+    for p, (start, end, cols) in zip(probs.parts, probs.tiles):
+        d_probs = d_out[..., start:end, :].to(work) @ v[..., :cols, :].to(work).mT
+        if keep is not None:
+            d_probs = d_probs * keep[..., start:end, :cols] * _keep_scale(dropout_p)
+        yield torch.ops.aten._softmax_backward_data(d_probs, p.to(work), -1, work), start, end, cols
 
 
 def _spans_of(k: torch.Tensor, v: torch.Tensor | None, pinv: bool) -> tuple[Span, Span | None]:
@@ -198,12 +233,14 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
         """scale·∂L/∂P on a tile: G = ∂L/∂S then carries the factor of S = scale·QKᵀ."""
         rows = scaled_d_out[..., start:end, :]
+        name = "d_probs_tile" if recomputed else f"d_probs{start}"  # recomputed: one tile at a time
         tile = torch.matmul(rows, v[..., :cols, :].mT,
-                            out=workspace(f"d_probs{start}", (*rows.shape[:-1], cols), d_out.dtype, d_out.device))
+                            out=workspace(name, (*rows.shape[:-1], cols), d_out.dtype, d_out.device))
         if mask.idle_rows is not None:  # rows that attend no key (by MASKED_AT): no gradient into Q and K
             tile.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
         return tile.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p)) if keep is not None else tile
 
+    recomputed = isinstance(probs.parts, Recomputed)
     scaled_d_out = d_out * scale
     d_probs = probs.map(tile_d_probs)
     block_products = TileBlocks(d_probs, scale, mask.tile, workspace)
@@ -212,9 +249,8 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     def softmax_grad() -> Tiled:
         """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers unless blocks read dP."""
         in_place = not config.rule.per_block
-        return Tiled(d_probs.tiles, [torch.ops.aten._softmax_backward_data.out(
-            dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp))
-            for dp, p in zip(d_probs.parts, probs.parts)], d_probs.t, d_probs.s)
+        return d_probs.combine(probs, lambda dp, p, *_: torch.ops.aten._softmax_backward_data.out(
+            dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp)))
 
     def products(needs: rules.Operands | rules.Blocks) -> rules.Products | rules.BlockProducts:
         if isinstance(needs, rules.Blocks):
@@ -242,6 +278,12 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    probe: Probe | None = None) -> torch.Tensor:
     """`span_attention` on the tiles; (B, H, T, D) inputs as checked and broadcast by it."""
     q, k = backward.grouped(query, key)
-    mask = _prepare_mask(attn_mask, is_causal, (*q.shape[:-1], k.shape[-2]), query.dtype, query.device)
-    out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), mask, dropout_p, scale, config, probe)
+    detached = attn_mask.detach() if attn_mask is not None else None
+    shape = (*q.shape[:-1], k.shape[-2])
+    recompute = shape[-1] >= _RECOMPUTE_FROM
+    rows = max(16, _RECOMPUTED_TILE // math.prod((*shape[:3], shape[-1]))) if recompute else None
+    mask = _prepare_mask(detached, is_causal, shape, backward.work_dtype(query.dtype), query.device, rows)
+    learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
+    out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), learnable, mask, dropout_p, scale, config, probe,
+                                      recompute)
     return out.reshape(*query.shape[:-1], value.shape[-1])

@@ -9,6 +9,8 @@ T×T work of a causal mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from hf_spanattn.ops.backward import HALF
@@ -17,21 +19,22 @@ Tile = tuple[int, int, int]  # (first row, end row, key columns)
 _TILE_ROWS, _MAX_TILES = 64, 8  # rows per tile: at least 64, and at most 8 tiles
 
 
-def row_tiles(attend: torch.Tensor | None, t: int, s: int) -> list[Tile]:
+def row_tiles(attend: torch.Tensor | None, t: int, s: int, rows: int | None = None) -> list[Tile]:
     """The tiles of T query rows over S keys for a bool mask (…, T, S), True = attend; a tile's
-    rows attend only keys < its columns. Neighbouring tiles that reach as far merge, and rows
-    that attend nothing are in no tile."""
+    rows attend only keys < its columns. Neighbouring tiles that reach as far merge (unless `rows`,
+    the rows per tile, is given), and rows that attend nothing are in no tile."""
+    fixed = rows is not None
+    rows = rows or max(_TILE_ROWS, -(-t // _MAX_TILES))
     if attend is None:
-        return [(0, t, s)]
-    attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0)
-    reach = (attend * torch.arange(1, attend.shape[-1] + 1, device=attend.device)).amax(dim=-1)
-    reach = reach.expand(t).tolist()
-    rows = max(_TILE_ROWS, -(-t // _MAX_TILES))
+        return [(start, min(start + rows, t), s) for start in range(0, t, rows)] if fixed else [(0, t, s)]
+    attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0).expand(-1, s)  # a mask may broadcast over the keys
+    last = attend.flip(-1).to(torch.uint8).argmax(dim=-1)  # from the end: the last key attended
+    reach = torch.where(attend.any(dim=-1), s - last, 0).expand(t).tolist()
     tiles: list[Tile] = []
     for start in range(0, t, rows):
         end = min(start + rows, t)
         cols = max(reach[start:end])
-        if tiles and tiles[-1][2] == cols and tiles[-1][1] == start:
+        if tiles and tiles[-1][2] == cols and tiles[-1][1] == start and not fixed:
             tiles[-1] = (tiles[-1][0], end, cols)
         elif cols:
             tiles.append((start, end, cols))
@@ -57,20 +60,52 @@ def masked_softmax(scores: torch.Tensor, dead_rows: torch.Tensor | None,
     return probs.masked_fill_(dead_rows, 0.0) if dead_rows is not None else probs
 
 
-class Tiled:
-    """A (…, T, S) matrix kept as its row tiles (…, rows, cols); every other entry is 0."""
+class Recomputed:
+    """Tiles that are not kept: tile i is `fn(i)`, computed again each time it is read, so that
+    one at a time is in memory. `select(rows)`, if given, gives the tiles of the batch entries
+    `rows` (else they are cut from the whole batch's)."""
 
-    def __init__(self, tiles: list[Tile], parts: list[torch.Tensor], t: int, s: int) -> None:
+    def __init__(self, fn: Callable[[int], torch.Tensor], n: int,
+                 select: Callable[[slice], Recomputed] | None = None) -> None:
+        self.fn, self.n, self._select = fn, n, select
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.fn(i)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self.fn(i) for i in range(self.n))
+
+    def select(self, rows: slice) -> Recomputed:
+        return self._select(rows) if self._select is not None else Recomputed(lambda i: self.fn(i)[rows], self.n)
+
+
+class Tiled:
+    """A (…, T, S) matrix kept as its row tiles (…, rows, cols); every other entry is 0. The parts
+    are a list, or `Recomputed` (then so is what `map` and `combine` give)."""
+
+    def __init__(self, tiles: list[Tile], parts: list[torch.Tensor] | Recomputed, t: int, s: int,
+                 dtype: torch.dtype | None = None) -> None:
         self.tiles, self.parts, self.t, self.s = tiles, parts, t, s
-        self.dtype = parts[0].dtype if parts else None
+        self.dtype = dtype or (parts[0].dtype if isinstance(parts, list) and parts else None)
 
     def select(self, rows: slice) -> Tiled:
         """The batch entries `rows`."""
-        return Tiled(self.tiles, [p[rows] for p in self.parts], self.t, self.s)
+        parts = self.parts.select(rows) if isinstance(self.parts, Recomputed) else [p[rows] for p in self.parts]
+        return Tiled(self.tiles, parts, self.t, self.s, self.dtype)
 
     def map(self, fn) -> Tiled:
         """fn applied to each tile with its (first row, end row, columns)."""
-        return Tiled(self.tiles, [fn(p, *tile) for p, tile in zip(self.parts, self.tiles)], self.t, self.s)
+        return self.combine(None, lambda p, _, *tile: fn(p, *tile))
+
+    def combine(self, other: Tiled | None, fn) -> Tiled:
+        """fn(tile of self, tile of other, first row, end row, columns) for each tile."""
+        one = lambda i: fn(self.parts[i], other.parts[i] if other else None, *self.tiles[i])  # noqa: E731
+        if isinstance(self.parts, Recomputed) or (other is not None and isinstance(other.parts, Recomputed)):
+            return Tiled(self.tiles, Recomputed(one, len(self.tiles)), self.t, self.s, self.dtype)
+        return Tiled(self.tiles, [one(i) for i in range(len(self.tiles))], self.t, self.s)
 
     def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
         """self @ x for x (…, S, n): (…, T, n)."""
@@ -81,7 +116,7 @@ class Tiled:
         return _Transposed(self)
 
     def _product(self, x: torch.Tensor, transpose: bool) -> torch.Tensor:
-        if not self.parts:
+        if not len(self.parts):
             return x.new_zeros(*x.shape[:-2], self.s if transpose else self.t, x.shape[-1])
         if transpose:  # Σ over tiles: the widest product is the sum's buffer, the others add into its first rows
             widest = max(range(len(self.tiles)), key=lambda i: self.tiles[i][2])
