@@ -252,6 +252,26 @@ def test_long_sequences_keep_no_probabilities():
     assert torch.isfinite(q.grad).all()
 
 
+@pytest.mark.parametrize("label", ["score:1111", "score:1100@per_block"])
+def test_long_sequences_work_one_head_at_a_time(label, monkeypatch):
+    """From _RECOMPUTE_FROM keys on, the backward pass takes one key/value head of one batch entry
+    at a time, so that the rules' O(T·d) temporaries are one head's; below, a few batch entries
+    with all their heads."""
+    monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 16)
+    real, chunks = tile_engine._backward, []
+    monkeypatch.setattr(tile_engine, "_backward",
+                        lambda batch, *args: chunks.append(tuple(batch.inputs.q.shape[:3])) or real(batch, *args))
+    config = SpanAttentionConfig.from_label(label)
+    for t, expected in [(16, [(1, 1, 2)] * 6), (15, [(1, 3, 2)] * 2)]:
+        chunks.clear()
+        (q, k, v), d_out = make(b=2, h_q=6, h_kv=3, t=t)
+        out, grads = run((q, k, v), d_out, config, is_causal=True)
+        assert chunks == expected
+        ref_out, ref_grads = reference(q, k, v, d_out, config, is_causal=True)
+        for g, r in zip(grads, ref_grads):
+            assert rel(g, r) < 1e-9
+
+
 @pytest.mark.parametrize("label", ["score:1111", "score:1000", "reductionistic:1100", "score:1100@per_block"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_dropout_uses_the_forward_mask(label, recompute, small_tiles, monkeypatch):

@@ -75,13 +75,24 @@ class RuleInputs:
     v: torch.Tensor | None
     spans: rules.Spans
 
-    def select(self, rows: slice) -> RuleInputs:
-        """The batch entries `rows` (fields broadcast over the batch stay whole)."""
-        pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
+    def select(self, rows: Rows) -> RuleInputs:
+        """The batch entries (and key/value heads) `rows` (see `pick`)."""
         span = lambda s: s.select(rows) if s is not None else None  # noqa: E731
         spans = self.spans
         return RuleInputs(self.q[rows], self.k[rows], self.v[rows] if self.v is not None else None,
-                          rules.Spans(span(spans.k), span(spans.v), pick(spans.key_valid)))
+                          rules.Spans(span(spans.k), span(spans.v), pick(spans.key_valid, rows)))
+
+
+# Part of a (B, H_kv, …) batch: batch entries, or batch entries and key/value heads.
+Rows = slice | tuple[slice, ...]
+
+
+def pick(x: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
+    """x[rows], where a dimension of size 1 (broadcast over the batch or the heads) stays whole."""
+    if x is None:
+        return None
+    rows = rows if isinstance(rows, tuple) else (rows,)
+    return x[tuple(r if size > 1 else slice(None) for r, size in zip(rows, x.shape))]
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, rule: rules.Rule,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_spanattn.ops import backward, rules
-from hf_spanattn.ops.backward import Probe
+from hf_spanattn.ops.backward import Probe, Rows, pick
 from hf_spanattn.ops.blocks import TileBlocks, Workspace
 from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_of
@@ -48,11 +48,10 @@ class _Mask:
     dead_rows: torch.Tensor | None  # (b, h, g, T, 1) bool
     idle_rows: torch.Tensor | None = None  # (b, h, g, T, 1) bool: finite, but no key above MASKED_AT
 
-    def select(self, rows: slice) -> _Mask:
-        """The mask of batch entries `rows` (fields broadcast over the batch stay whole)."""
-        pick = lambda x: x[rows] if x is not None and x.shape[0] > 1 else x  # noqa: E731
-        return _Mask(self.tiles, self.first_masked, [pick(a) for a in self.additive], pick(self.key_valid),
-                     pick(self.dead_rows), pick(self.idle_rows))
+    def select(self, rows: Rows) -> _Mask:
+        """The mask of batch entries (and key/value heads) `rows` (see `pick`)."""
+        return _Mask(self.tiles, self.first_masked, [pick(a, rows) for a in self.additive],
+                     *(pick(x, rows) for x in (self.key_valid, self.dead_rows, self.idle_rows)))
 
     def tile(self, i: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
         """(additive, lo, dead_rows) on the rows of tile i: the additive mask on the keys [lo, its
@@ -178,15 +177,24 @@ class SpanAttentionFunction(torch.autograd.Function):
         inputs = backward.prepare(q, k, v, mask.key_valid, ctx.config.rule, _spans_of, probing=ctx.probe is not None)
         batch = _Batch(v, keep, d_out.contiguous(), probs, mask, inputs)
         grads = [torch.empty_like(x) for x in (q, k, v)]
-        # Batch entries are independent: a few at a time bounds the O(T·d) temporaries.
-        step = max(1, math.ceil(q.shape[0] / _BACKWARD_CHUNKS))
         workspace = Workspace()
-        for start in range(0, q.shape[0], step):
-            rows = slice(start, start + step)
+        for rows in _backward_chunks(q.shape, ctx.recompute):
             chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
         return (*grads, d_mask, None, None, None, None, None, None)
+
+
+def _backward_chunks(shape: torch.Size, recompute: bool) -> list[Rows]:
+    """The parts of the (B, H_kv, …) batch that the backward pass takes one at a time: batch entries
+    and key/value heads are independent, and a part bounds the rule's O(T·d) temporaries. A few
+    batch entries; where the probabilities are recomputed (long sequences), one head of one entry,
+    so that those temporaries stay those of one head, as SDPA's are of one."""
+    b, h_kv = shape[:2]
+    if recompute:
+        return [(slice(i, i + 1), slice(j, j + 1)) for i in range(b) for j in range(h_kv)]
+    step = max(1, math.ceil(b / _BACKWARD_CHUNKS))
+    return [slice(start, start + step) for start in range(0, b, step)]
 
 
 def _mask_free_grads(probs: Tiled, v: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
@@ -218,8 +226,8 @@ class _Batch:
     mask: _Mask
     inputs: backward.RuleInputs
 
-    def select(self, rows: slice) -> _Batch:
-        """The batch entries `rows`."""
+    def select(self, rows: Rows) -> _Batch:
+        """The batch entries (and key/value heads) `rows`."""
         pick = lambda x: x.select(rows) if isinstance(x, (Tiled, _Mask, backward.RuleInputs)) else x[rows]  # noqa: E731
         return _Batch(*(None if x is None else pick(x) for x in (getattr(self, f.name) for f in fields(self))))
 

@@ -62,11 +62,11 @@ def masked_softmax(scores: torch.Tensor, dead_rows: torch.Tensor | None,
 
 class Recomputed:
     """Tiles that are not kept: tile i is `fn(i)`, computed again each time it is read, so that
-    one at a time is in memory. `select(rows)`, if given, gives the tiles of the batch entries
-    `rows` (else they are cut from the whole batch's)."""
+    one at a time is in memory. `select(rows)`, if given, gives the tiles of the batch entries (and
+    key/value heads) `rows` (else they are cut from the whole batch's)."""
 
     def __init__(self, fn: Callable[[int], torch.Tensor], n: int,
-                 select: Callable[[slice], Recomputed] | None = None) -> None:
+                 select: Callable[[slice | tuple[slice, ...]], Recomputed] | None = None) -> None:
         self.fn, self.n, self._select = fn, n, select
 
     def __len__(self) -> int:
@@ -78,7 +78,7 @@ class Recomputed:
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (self.fn(i) for i in range(self.n))
 
-    def select(self, rows: slice) -> Recomputed:
+    def select(self, rows: slice | tuple[slice, ...]) -> Recomputed:
         return self._select(rows) if self._select is not None else Recomputed(lambda i: self.fn(i)[rows], self.n)
 
 
@@ -91,8 +91,8 @@ class Tiled:
         self.tiles, self.parts, self.t, self.s = tiles, parts, t, s
         self.dtype = dtype or (parts[0].dtype if isinstance(parts, list) and parts else None)
 
-    def select(self, rows: slice) -> Tiled:
-        """The batch entries `rows`."""
+    def select(self, rows: slice | tuple[slice, ...]) -> Tiled:
+        """The batch entries (and key/value heads) `rows`."""
         parts = self.parts.select(rows) if isinstance(self.parts, Recomputed) else [p[rows] for p in self.parts]
         return Tiled(self.tiles, parts, self.t, self.s, self.dtype)
 
