@@ -75,7 +75,8 @@ def test_fullgraph_generation_with_a_static_cache():
     assert torch.equal(compiled, expected)
 
 
-def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package(monkeypatch):
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package(monkeypatch, backend):
     """patch_model(torch.compile(model)) patches the model inside, also after the compiled module has run,
     and the compiled module then gives the gradients of the patched model, not the stock ones, also when it
     is patched again. Dynamo warns about nothing in the package on the way (the settings are
@@ -83,7 +84,7 @@ def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_packag
     import warnings
     from pathlib import Path
 
-    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", backend)
     torch._dynamo.reset()
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     stock = tiny("gpt2", layers=1)

@@ -104,14 +104,21 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
                  dead_rows if dead_rows.any() else None, idle_rows if idle_rows.any() else None)
 
 
-@functools.lru_cache(maxsize=4)
+_CAUSAL_MASKS: dict[tuple, _Mask] = {}  # a dict, not lru_cache: Dynamo traces it without a warning
+
+
 def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows: int | None) -> _Mask:
-    """The causal mask, built once per shape. It keeps only the tiles' parts that are not zero, the
-    squares on the diagonal (T × rows per tile numbers rather than T·S); nothing reads them but to
-    add them."""
-    attend = torch.ones(t, s, dtype=torch.bool, device=device).tril()
-    mask = _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device, rows)
-    return replace(mask, additive=[a.clone() if a is not None else None for a in mask.additive])
+    """The causal mask, built once per shape (the last few kept). It keeps only the tiles' parts that
+    are not zero, the squares on the diagonal (T × rows per tile numbers rather than T·S); nothing
+    reads them but to add them."""
+    key = (t, s, dtype, device, rows)
+    if key not in _CAUSAL_MASKS:
+        attend = torch.ones(t, s, dtype=torch.bool, device=device).tril()
+        mask = _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device, rows)
+        if len(_CAUSAL_MASKS) >= 4:
+            del _CAUSAL_MASKS[next(iter(_CAUSAL_MASKS))]
+        _CAUSAL_MASKS[key] = replace(mask, additive=[a.clone() if a is not None else None for a in mask.additive])
+    return _CAUSAL_MASKS[key]
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, recompute: bool = False) -> Tiled:
