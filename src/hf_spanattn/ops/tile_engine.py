@@ -2,9 +2,9 @@
 products) as explicit matrices in row tiles of queries that meet only the keys their rows may
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
 `span_of`; the faster way on a CPU. The probabilities are kept from the forward pass, or, from
-_RECOMPUTE_FROM keys on, recomputed in the backward pass in small tiles, one at a time (memory
-O(T·d), as SDPA's). It answers the rules' `Operands` and `Blocks` from them (the contract in
-`backward.py`).
+_RECOMPUTE_FROM keys on, recomputed in the backward pass in small tiles, one at a time, while the
+backward pass takes one key/value head at a time (memory O(T·d), as SDPA's). It answers the
+rules' `Operands` and `Blocks` from them (the contract in `backward.py`).
 """
 
 from __future__ import annotations
