@@ -19,13 +19,12 @@ mask, `repack` gathers the output back; autograd carries the gradients through b
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hf_spanattn.ops.inputs import attended
+from hf_spanattn.ops.inputs import LastMaskRead, attended
 
 
 @dataclass(frozen=True)
@@ -92,19 +91,14 @@ def from_cu_seq_lens(cu_seq_lens: torch.Tensor, max_length: Any, t: int, causal:
     return _documents(doc[None], pos[None], inside[None], inside[None], count, length, causal)
 
 
-_LAST: list[Any] = [None, None]  # the last mask read: (a weakref to it, its version, the batch), its documents
+_last_read = LastMaskRead()
 
 
 def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     """The documents of a block-diagonal 4-D mask (B or 1, H or 1, T, T): a Documents where some row
     holds several, None where every row holds at most one, "unreadable" where a row is cut into
     blocks that are not a block-diagonal causal or bidirectional mask of whole documents."""
-    key, result = _LAST
-    if key is not None and key[0]() is mask and key[1:] == (mask._version, b):
-        return result
-    result = _read_mask(mask, b)
-    _LAST[:] = [(weakref.ref(mask), mask._version, b), result]
-    return result
+    return _last_read(mask, lambda: _read_mask(mask, b), b)
 
 
 def _read_mask(mask: torch.Tensor, b: int) -> Documents | None | str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,21 @@ import torch
 # float64 precision. Transformers' and older models' masks (−1e4, −1e9, the dtype's minimum, −inf)
 # all fall below it; a bias such as ALiBi's (−m·distance) stays above it while m·distance < 10⁴.
 MASKED_AT = -1e4
+
+
+class LastMaskRead:
+    """What was read from the last mask tensor seen (a weak reference to it, its version and `extra`),
+    so that the layers sharing one mask pay the read's host synchronisation once per forward."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: Any = None
+
+    def __call__(self, mask: torch.Tensor, read: Callable[[], Any], *extra: Any) -> Any:
+        key = self._key
+        if key is None or key[0]() is not mask or key[1:] != (mask._version, *extra):
+            self._value, self._key = read(), (weakref.ref(mask), mask._version, *extra)
+        return self._value
 
 
 def attended(attn_mask: torch.Tensor) -> torch.Tensor:

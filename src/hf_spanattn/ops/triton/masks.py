@@ -15,12 +15,11 @@ pattern exactly (SDPA gives it the softmax over its finite entries, the kernels 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from hf_spanattn.ops.inputs import attended
+from hf_spanattn.ops.inputs import LastMaskRead, attended
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class KeyMask:
     causal: bool
 
 
-_last: list = [None, -1, None]  # the last mask compared: (weak reference, version, result)
+_last_read = LastMaskRead()  # the last full mask compared
 
 
 def key_mask(attn_mask: torch.Tensor | None, is_causal: bool = False) -> KeyMask | None:
@@ -49,12 +48,7 @@ def key_mask(attn_mask: torch.Tensor | None, is_causal: bool = False) -> KeyMask
     mask = mask.flatten(0, -4)
     if _constant(mask, 1) and _constant(mask, 2):
         return KeyMask(_bias(mask[:, 0, 0, :]), False)
-    ref, version, result = _last
-    if ref is not None and ref() is attn_mask and version == attn_mask._version:
-        return result
-    result = _compare(mask)
-    _last[:] = [weakref.ref(attn_mask), attn_mask._version, result]
-    return result
+    return _last_read(attn_mask, lambda: _compare(mask))
 
 
 def _constant(mask: torch.Tensor, dim: int) -> bool:
