@@ -13,6 +13,7 @@ from test_engine import CASES, LABELS, UNIFORM, make, padding_mask, rank_deficie
 from torch.overrides import TorchFunctionMode
 
 from hf_spanattn import SpanAttentionConfig, span_attention
+from hf_spanattn.ops import backward
 from hf_spanattn.ops.fused import key_support
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -201,18 +202,49 @@ def test_cuda_train_step_never_synchronises(label):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def check_matches_float64_reference(device: str, label: str, dtype: torch.dtype, tol: float) -> None:
+    """A left-padded causal batch on `device` in `dtype` against what the package promises: rows that
+    attend something give the float64 reference's output; rows that attend nothing (46 of entry 1's)
+    give stock SDPA's on the same device and dtype (where SDPA gives a result, span_attention gives
+    SDPA's: CUDA's fused kernels give them another value than the CPU's 0); the gradients are the
+    reference's with ∂L/∂O zeroed on the empty rows, so that no convention for them enters."""
+    config = SpanAttentionConfig.from_label(label)
+    inputs, d_out = make(b=2, h_q=4, h_kv=2, t=96, d=16)
+    mask = padding_mask([96, 50], 96)
+    attends = mask.any(-1, keepdim=True).expand(-1, 4, -1, 16)  # (B, H_q, T, D): the rows that attend a key
+    d_out = d_out * attends
+    ref_out, ref_grads = reference(*inputs, d_out, config, attn_mask=mask)
+    leaves = [x.to(device, dtype).requires_grad_(True) for x in inputs]
+    out = span_attention(*leaves, attn_mask=mask.to(device), config=config, backend="fused")
+    grads = torch.autograd.grad(out, leaves, d_out.to(device, dtype))
+    sdpa = F.scaled_dot_product_attention(*(x.detach() for x in leaves), attn_mask=mask.to(device), enable_gqa=True)
+    out, sdpa = out.detach().cpu(), sdpa.cpu()
+    assert rel(out[attends], ref_out[attends]) < tol
+    assert rel(out[~attends], sdpa[~attends]) < tol
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all() and rel(g.cpu(), r) < tol, f"d{name}: {rel(g.cpu(), r):.2e}"
+
+
+@pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block", "reductionistic:1100"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_matches_float64_reference(label, dtype, tol):
+    check_matches_float64_reference("cpu", label, dtype, tol)
+
+
+@pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_the_reference_check_sees_a_wrong_gradient(label, dtype, tol, monkeypatch):
+    """The check can fail: the rule's dQ off by a factor 1 + 3·tol."""
+    scaled = backward.scaled
+    monkeypatch.setattr(backward, "scaled", lambda grads, alphas: scaled((grads[0] * (1 + 3 * tol), *grads[1:]),
+                                                                          alphas))
+    with pytest.raises(AssertionError, match="dq"):
+        check_matches_float64_reference("cpu", label, dtype, tol)
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block", "reductionistic:1100"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_cuda_matches_float64_reference(label, dtype, tol):
-    config = SpanAttentionConfig.from_label(label)
-    inputs, d_out = make(b=2, h_q=4, h_kv=2, t=96, d=16)
-    mask = padding_mask([96, 50], 96)
-    ref_out, ref_grads = reference(*inputs, d_out, config, attn_mask=mask)
-    leaves = [x.to("cuda", dtype).requires_grad_(True) for x in inputs]
-    out = span_attention(*leaves, attn_mask=mask.cuda(), config=config)
-    grads = torch.autograd.grad(out, leaves, d_out.to("cuda", dtype))
-    assert rel(out.cpu(), ref_out) < tol
-    for g, r in zip(grads, ref_grads):
-        assert torch.isfinite(g).all() and rel(g.cpu(), r) < tol
+    check_matches_float64_reference("cuda", label, dtype, tol)
