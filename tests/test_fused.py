@@ -5,6 +5,9 @@ marked `gpu` need CUDA."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,6 +159,17 @@ class HostReads(TorchFunctionMode):
         if name in SYNCING or (torch.is_tensor(index) and index.dtype == torch.bool):
             self.calls.append(name)
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def graph_capture():
+    """A CUDA graph capture as the package and Transformers see it, on CPU tensors too: torch.cuda's
+    `is_current_stream_capturing` answers True, and so does one given to the CPU's module (the package
+    asks the tensor's device). Nothing is captured."""
+    with contextlib.ExitStack() as stack:
+        for device in (torch.cpu, torch.cuda):
+            stack.enter_context(mock.patch.object(device, "is_current_stream_capturing", lambda: True, create=True))
+        yield
 
 
 def test_the_detector_sees_host_reads():

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from models import VOCAB, tiny
+from test_fused import HostReads, graph_capture
 from transformers import DataCollatorWithFlattening
 
 from hf_spanattn import patch_model
@@ -153,3 +154,70 @@ def test_the_mask_is_read_once_per_forward(monkeypatch):
     batch = DataCollatorWithFlattening()([{"input_ids": doc} for doc in documents()])
     model(**batch, use_cache=False).loss.backward()
     assert len(reads) == 1
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_under_graph_capture_the_mask_is_used_as_it_is(packed, monkeypatch, caplog):
+    """Under CUDA graph capture (simulated) a forward pass reads nothing on the host: the packing reader
+    leaves the mask as it is, even the mask tensor it read before the capture (a graph's replays refill
+    it). A causal bool mask gives the gradients it gives outside the capture, a packed one those of spans
+    over every key a row attends to; a warning names the capture, once."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    model = patch_model(tiny("gpt2"), "score:1000").train()
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    same = torch.tensor([0] * 5 + [1] * 7) if packed else torch.zeros(12)
+    mask = (torch.ones(12, 12, dtype=torch.bool).tril() & (same[:, None] == same[None, :]))[None, None]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with HostReads() as mode:
+            loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return mode.calls, [p.grad.clone() for p in model.parameters()]
+
+    reads, read = step()  # outside the capture: the mask is read once, and remembered for the tensor
+    with monkeypatch.context() as patched:
+        patched.setattr(registry.packing, "from_mask", lambda *args: None)
+        _, as_is = step()
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"), graph_capture():
+        captured_reads, captured = step()
+        step()
+    assert reads == ["tolist"] and captured_reads == []
+    assert max(rel(c, a) for c, a in zip(captured, as_is)) <= 1e-6
+    assert packed == (max(rel(c, r) for c, r in zip(captured, read)) > 1e-3)
+    assert len([r for r in caplog.records if "CUDA graph capture" in r.getMessage()]) == 1
+
+
+def test_cu_seq_lens_separate_documents_under_graph_capture(monkeypatch):
+    """Under CUDA graph capture (simulated) cu_seq_lens still give each packed document its own spans,
+    with nothing read on the host, even without max_length_q (then the row length bounds the documents)."""
+    def collator(features):
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+        return {k: v for k, v in batch.items() if not k.startswith("max_length")}
+
+    reads, documents_of = [], registry.documents_of
+
+    def recorded(*args):
+        with HostReads() as mode:
+            docs = documents_of(*args)
+        reads.append((docs is not None, mode.calls))
+        return docs
+
+    monkeypatch.setattr(registry, "documents_of", recorded)
+    with graph_capture():
+        check_packed_equals_alone("llama", "score:1100", collator, monkeypatch, "fused")
+    assert (True, []) in reads and all(calls == [] for _, calls in reads)
+
+
+def test_cu_seq_lens_read_on_the_device_under_graph_capture():
+    """Without max_length, the longest document is read from cu_seq_lens on the host, except under
+    capture: then the row length T bounds the documents."""
+    cu = torch.tensor([0, 5, 14, 17])
+    with HostReads() as mode:
+        docs = packing.from_cu_seq_lens(cu, None, 20, True)
+    assert mode.calls == ["__int__"] and docs.length == 9
+    with graph_capture(), HostReads() as mode:
+        docs = packing.from_cu_seq_lens(cu, None, 20, True)
+    assert mode.calls == [] and (docs.count, docs.length) == (3, 20)
+    assert docs.mask[1, 0].diagonal().tolist() == [True] * 9 + [False] * 11

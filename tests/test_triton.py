@@ -18,8 +18,8 @@ from hf_spanattn.ops import attention
 
 pytest.importorskip("triton")
 
+from hf_spanattn.ops.triton import KeyMask, flash, key_mask  # noqa: E402
 from hf_spanattn.ops.triton import backend as triton_backend  # noqa: E402
-from hf_spanattn.ops.triton import flash, key_mask  # noqa: E402
 
 # conftest.py sets TRITON_INTERPRET=1 without CUDA
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -249,8 +249,8 @@ def test_key_mask(case):
     """A mask has the kernels' form exactly where the forward on it is SDPA's."""
     mask, reducible = _masks(2, 12)[case]
     form = key_mask(mask)
-    assert (form is not None) == reducible
-    if form is not None:
+    assert isinstance(form, KeyMask) == reducible
+    if isinstance(form, KeyMask):
         q, k, v, _ = _inputs(h_q=2, h_kv=2, t=12, d=16)
         out, _ = flash.forward(q, k, v, scale=0.25, causal=form.causal, key_bias=form.bias)
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
@@ -347,12 +347,14 @@ def test_dropout_through_the_backend(label):
 def test_blocks_run_in_one_launch(monkeypatch):
     """The per-block rule: one forward and one backward launch over all its blocks, one for dV."""
     calls = []
+    inputs, d_out = make(b=1, h_q=1, h_kv=1, t=16, d=8, dtype=torch.float32)
+    config = SpanAttentionConfig.from_label("score:1100@per_block")
+    run_triton(inputs, d_out, config, is_causal=True)  # the first call of a kernel variant checks it once
     for name in ("forward", "backward"):
         original = getattr(flash, name)
         monkeypatch.setattr(flash, name, lambda *a, _f=original, _n=name, **kw: calls.append((_n, a[0].dim())) or
                             _f(*a, **kw))
-    inputs, d_out = make(b=1, h_q=1, h_kv=1, t=16, d=8, dtype=torch.float32)
-    run_triton(inputs, d_out, SpanAttentionConfig.from_label("score:1100@per_block"), is_causal=True)
+    run_triton(inputs, d_out, config, is_causal=True)
     assert sorted(calls) == [("backward", 4), ("backward", 5), ("forward", 4), ("forward", 5)]
 
 
@@ -500,8 +502,9 @@ def test_cuda_train_step_never_synchronises(label, monkeypatch):
 @cuda
 @pytest.mark.gpu
 def test_cuda_graph_of_a_train_step(monkeypatch):
-    """Forward and backward of a GPT-2 on the kernels captured in a CUDA graph: a replay gives the
-    eager step's gradients."""
+    """Forward and backward of a GPT-2 captured in a CUDA graph: a replay gives the eager step's
+    gradients. The attention runs on the kernels where Transformers passes no mask under capture, and on
+    fused where it builds the causal mask then (5.17 does), which cannot be read during the capture."""
     monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
     model, ids = gpt2(0.0, "cuda")
     expected = grads_of(model, ids)
@@ -521,6 +524,48 @@ def test_cuda_graph_of_a_train_step(monkeypatch):
     torch.cuda.synchronize()
     for p, e in zip(model.parameters(), expected, strict=True):
         assert rel(p.grad, e) < 1e-4
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("label,mask", [("score:1000", "causal"), ("score:1111@per_block", "key_padding")])
+def test_cuda_graph_of_the_kernels(label, mask):
+    """span_attention on the kernels (no fallback) captured in a CUDA graph, forward and backward: replayed
+    on new inputs and new key lengths, it gives what an eager call on them gives."""
+    config = SpanAttentionConfig.from_label(label)
+    (q, k, v), d_out = make(b=2, h_q=4, h_kv=2, t=64, d=16, dtype=torch.float32)
+    leaves = [x.cuda().requires_grad_(True) for x in (q, k, v)]
+    d_out = d_out.cuda()
+    valid = torch.ones(2, 1, 1, 64, dtype=torch.bool, device="cuda")
+    valid[1, ..., 40:] = False
+    kwargs = dict(is_causal=True) if mask == "causal" else dict(attn_mask=valid)
+
+    def step():
+        out = span_attention(*leaves, config=config, backend="triton", **kwargs)
+        return (out, *torch.autograd.grad(out, leaves, d_out))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="backend=.triton. runs on")  # no fallback
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        (q, k, v), new_d_out = make(b=2, h_q=4, h_kv=2, t=64, d=16, dtype=torch.float32, seed=1)
+        with torch.no_grad():
+            for leaf, new in zip(leaves, (q, k, v)):
+                leaf.copy_(new)
+            d_out.copy_(new_d_out)
+            valid[1, ..., 20:] = False
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = step()
+    for got, want in zip(captured, expected, strict=True):
+        assert rel(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("label,mask", [
@@ -563,6 +608,63 @@ def test_no_host_synchronisation(label, mask, monkeypatch):
         out = span_attention(*leaves, config=config, backend="triton", **kwargs)
     out.backward(d_out.to(DEVICE))
     assert mode.calls == []
+
+
+@pytest.mark.parametrize("mask", ["key_padding", "padded_causal"])
+def test_under_graph_capture_nothing_reads_the_mask(mask, monkeypatch, fresh_warnings):
+    """Under CUDA graph capture (simulated) nothing reads the device on the host, forward or backward. A
+    key-padding mask broadcast over the queries reduces on the device and runs on the kernels; telling
+    Transformers' padded causal mask (B, 1, T, T) from others needs a host read, so it runs on fused
+    with a warning that names the capture, even though the same mask tensor was read before the capture
+    (a graph's replays refill it)."""
+    from test_fused import HostReads, graph_capture
+
+    from hf_spanattn.ops.triton import kernels, masks
+
+    config = SpanAttentionConfig.from_label("score:1100")
+    (q, k, v), d_out = make(b=2, h_q=2, h_kv=1, t=12, d=8, dtype=torch.float32)
+    valid = (torch.arange(12) < torch.tensor([12, 7])[:, None])[:, None, None, :]
+    attn_mask = (valid & torch.ones(12, 12, dtype=torch.bool).tril() if mask == "padded_causal" else valid).to(DEVICE)
+    expected_out, expected = run_triton((q, k, v), d_out, config, attn_mask=attn_mask)  # kernels checked, mask read
+    for name in ("forward_kernel", "keys_kernel", "queries_kernel"):
+        monkeypatch.setattr(kernels, name, _Unrecorded(getattr(kernels, name)))
+    mode = HostReads()
+    backward = triton_backend._Attention.backward
+
+    def recorded_backward(ctx, *grads):
+        with mode:
+            return backward(ctx, *grads)
+
+    monkeypatch.setattr(triton_backend._Attention, "backward", staticmethod(recorded_backward))
+    leaves = [x.to(DEVICE).requires_grad_(True) for x in (q, k, v)]
+    with graph_capture(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mode:
+            out = span_attention(*leaves, config=config, backend="triton", attn_mask=attn_mask)
+        grads = torch.autograd.grad(out, leaves, d_out.to(DEVICE))
+    assert mode.calls == []
+    fallbacks = [str(w.message) for w in caught if "runs on" in str(w.message)]
+    assert fallbacks == ([] if mask == "key_padding" else [f"backend='triton' runs on backend='fused' here: "
+                                                           f"{masks.CAPTURED}"])
+    assert rel(out.cpu(), expected_out.cpu()) < 1e-5 and all(rel(g.cpu(), e.cpu()) < 1e-4
+                                                              for g, e in zip(grads, expected))
+
+
+def test_kernels_first_called_under_graph_capture_run_on_fused(monkeypatch, fresh_warnings):
+    """A kernel variant is tried once before its first use, which a capture does not allow: under capture
+    (simulated) an untried variant runs on fused, said once, and stays untried; the first call after the
+    capture tries it and runs on the kernels."""
+    from test_fused import graph_capture
+
+    monkeypatch.setattr(triton_backend, "_checked", {})
+    config = SpanAttentionConfig.from_label("score:1000")
+    inputs, d_out = make(b=1, h_q=2, h_kv=2, t=12, d=8, dtype=torch.float32)
+    leaves = [x.detach().to(DEVICE).requires_grad_(True) for x in inputs]
+    with graph_capture(), pytest.warns(UserWarning, match="first called under CUDA graph capture") as record:
+        span_attention(*leaves, config=config, backend="triton", is_causal=True)
+    assert len(record) == 1 and "backend='fused'" in str(record[0].message) and triton_backend._checked == {}
+    run_triton(inputs, d_out, config, is_causal=True)  # raises on a fallback
+    assert list(triton_backend._checked.values()) == [None]
 
 
 class _Unrecorded:

@@ -13,6 +13,11 @@ ran alone. Transformers tells the attention where documents start in one of two 
   separates them: with a 2-D padding mask it does not). One host sync reads how many documents
   there are and the longest; the result is kept for the mask tensor that all layers share.
 
+While a CUDA graph is captured nothing is read on the host: the mask is not read (`from_mask`
+gives "captured", and the mask is used as it is), and `cu_seq_lens` are, as always, read on the
+device, with `max_length_q` (a Python int, frozen into the graph as FlashAttention's is) or else
+the row length T as the documents' length.
+
 `unpack` gathers the rows into a padded batch of documents (N, H, L, D) with a padding (+ causal)
 mask, `repack` gathers the output back; autograd carries the gradients through both gathers.
 """
@@ -24,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hf_spanattn.ops.inputs import LastMaskRead, attended
+from hf_spanattn.ops.inputs import LastMaskRead, attended, capturing
 
 
 @dataclass(frozen=True)
@@ -79,10 +84,15 @@ def _documents(doc: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor, keys
 
 def from_cu_seq_lens(cu_seq_lens: torch.Tensor, max_length: Any, t: int, causal: bool) -> Documents:
     """FlashAttention's varlen form for one packed row of t tokens: document i holds the tokens
-    cu_seq_lens[i]:cu_seq_lens[i+1]; tokens from cu_seq_lens[-1] on are in none."""
+    cu_seq_lens[i]:cu_seq_lens[i+1]; tokens from cu_seq_lens[-1] on are in none. `max_length`, the
+    longest document, is read from cu_seq_lens where not given, except under CUDA graph capture:
+    then a given Python int must bound the documents of every replay, and T does otherwise."""
     cu = cu_seq_lens.to(torch.long)
     count = cu.numel() - 1
-    length = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())  # a host sync
+    if capturing(cu):
+        length = max_length if isinstance(max_length, int) else t
+    else:
+        length = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())  # a host sync
     index = torch.arange(t, device=cu.device)
     doc = torch.searchsorted(cu, index, right=True) - 1
     inside = (index >= cu[0]) & (index < cu[-1])
@@ -91,13 +101,14 @@ def from_cu_seq_lens(cu_seq_lens: torch.Tensor, max_length: Any, t: int, causal:
     return _documents(doc[None], pos[None], inside[None], inside[None], count, length, causal)
 
 
-_last_read = LastMaskRead()
+_last_read = LastMaskRead(while_capturing="captured")
 
 
 def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     """The documents of a block-diagonal 4-D mask (B or 1, H or 1, T, T): a Documents where some row
     holds several, None where every row holds at most one, "unreadable" where a row is cut into
-    blocks that are not a block-diagonal causal or bidirectional mask of whole documents."""
+    blocks that are not a block-diagonal causal or bidirectional mask of whole documents, "captured"
+    while a CUDA graph is captured (then the mask is not read)."""
     return _last_read(mask, lambda: _read_mask(mask, b), b)
 
 

@@ -214,6 +214,15 @@ def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_ca
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (t, t):
         return None
     docs = packing.from_mask(attention_mask, b)
+    if docs == "captured":
+        logger.warning_once(
+            "span_attention: under CUDA graph capture the attention mask is not read on the host, so documents "
+            "packed into one row cannot be told apart in it: spans are taken over all the keys a row attends to "
+            "(rows that hold one sequence are unaffected). For packed rows under capture, pass cu_seq_lens_q/k and "
+            "max_length_q/k with the position ids (DataCollatorWithFlattening(return_flash_attn_kwargs=True), one "
+            "row per batch): they are read on the device, and max_length_q is kept in the graph, so it must bound "
+            "the documents of every replay.")
+        return None
     if isinstance(docs, str):
         logger.warning_once(
             "span_attention: the attention mask cuts a row of the batch into several blocks but is not the "

@@ -21,15 +21,30 @@ import torch
 MASKED_AT = -1e4
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether the current stream of x's device is capturing a graph (a CUDA graph; XPU's alike). Then a host
+    read of x raises, and whatever it gave would be frozen into the graph, whose replays see new values."""
+    device_module = getattr(torch, x.device.type, None)  # torch.cuda, torch.xpu; a CPU has no graphs to capture
+    check = getattr(device_module, "is_current_stream_capturing", None)
+    return check is not None and check()
+
+
 class LastMaskRead:
     """What was read from the last mask tensor seen (a weak reference to it, its version and `extra`),
-    so that the layers sharing one mask pay the read's host synchronisation once per forward."""
+    so that the layers sharing one mask pay the read's host synchronisation once per forward.
 
-    def __init__(self) -> None:
+    While a graph is captured (`capturing`) nothing is read and nothing remembered is used: the call
+    gives `while_capturing`. A read during capture would fail, and one remembered from before it would
+    be frozen into the graph while each replay fills the captured mask tensor anew."""
+
+    def __init__(self, while_capturing: Any) -> None:
         self._key: tuple | None = None
         self._value: Any = None
+        self._while_capturing = while_capturing
 
     def __call__(self, mask: torch.Tensor, read: Callable[[], Any], *extra: Any) -> Any:
+        if capturing(mask):
+            return self._while_capturing
         key = self._key
         if key is None or key[0]() is not mask or key[1:] != (mask._version, *extra):
             self._value, self._key = read(), (weakref.ref(mask), mask._version, *extra)

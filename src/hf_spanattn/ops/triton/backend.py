@@ -10,7 +10,8 @@ kernels' block axis in one launch. The rest (spans, the rule, α_QKV) is `backwa
 Masks: causal, and masks that reduce to a bias per key (`masks.key_mask`: key padding, as
 Transformers builds for padded batches). Dropout is drawn in the kernels from a seed on the device,
 the same mask in the forward pass, the backward pass and every block. Anything else (another mask,
-a head dim above 128, float64, no Triton, a kernel that fails to compile or launch) runs on
+a head dim above 128, float64, no Triton, a kernel that fails to compile or launch, under CUDA
+graph capture a mask with a query dimension or a kernel not yet called before the capture) runs on
 `fused` (float64 on `tiles`) with a warning, once per reason.
 """
 
@@ -26,6 +27,7 @@ import torch
 from hf_spanattn.ops import backward, rules
 from hf_spanattn.ops.backward import Probe, grouped
 from hf_spanattn.ops.fused import _spans, fused_attention, key_support
+from hf_spanattn.ops.inputs import capturing
 from hf_spanattn.ops.tile_engine import tile_attention
 from hf_spanattn.ops.triton import flash, masks, missing
 
@@ -58,7 +60,7 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return _Attention.apply(query, key, value, form.bias, form.causal, dropout_p, scale, key_valid, config, probe)
 
 
-def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | None,
+def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | str,
                  dropout_p: float) -> str | None:
     """Why the kernels cannot run this call, or None."""
     if missing():
@@ -72,8 +74,8 @@ def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fo
         return f"the kernels run float32, float16 and bfloat16 inputs, got {query.dtype}"
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM}, got {query.shape[-1]} (query, key) and {value.shape[-1]} (value)"
-    if form is None:
-        return "attn_mask is neither causal nor a key-padding mask (one bias per key for every query)"
+    if isinstance(form, str):
+        return form
     if dropout_p >= 1:
         return f"dropout_p={dropout_p} drops every weight"
     if query.shape[-2] * key.shape[-2] >= 2**31:
@@ -87,6 +89,9 @@ def _check(query: torch.Tensor, value: torch.Tensor, form: masks.KeyMask, dropou
     backward pass. Remembered per variant."""
     variant = (query.device, query.dtype, query.shape[-1], value.shape[-1], form.causal, form.bias is not None,
                dropout_p > 0)
+    if variant not in _checked and capturing(query):  # a trial's copies would break the capture: not remembered
+        return ("these kernels are first called under CUDA graph capture, where they cannot be tried first: "
+                "run a step before capturing, as torch.cuda.graphs asks")
     if variant not in _checked:
         _checked[variant] = None
         try:

@@ -7,6 +7,8 @@ Transformers builds for padded batches (causal ∧ key padding, (B, 1, T, S)), i
 device against both patterns built from its last query row (which, under the causal pattern, sees
 every key); reading that verdict is one host synchronisation, remembered for the mask tensor
 while it is unchanged (the last one compared), so the layers of a model that share one mask pay it once.
+While a CUDA graph is captured such a mask is not read (`inputs.LastMaskRead`): the call runs on the
+fallback, and only masks without a query dimension (or is_causal=True without a mask) reach the kernels.
 
 A float mask's entries at or below `MASKED_AT` count as masked only where the row keeps an attended
 entry (their weight is 0 then, as in the kernels); a row with none reduces only where it equals the
@@ -31,17 +33,21 @@ class KeyMask:
     causal: bool
 
 
-_last_read = LastMaskRead()  # the last full mask compared
+NOT_A_KEY_MASK = "attn_mask is neither causal nor a key-padding mask (one bias per key for every query)"
+CAPTURED = ("attn_mask has a query dimension, and telling whether it is causal + key padding reads it on the host, "
+            "which CUDA graph capture does not allow (under capture the kernels take is_causal=True without a mask, "
+            "or a key-padding mask broadcast over the queries, (B, 1, 1, S))")
+_last_read = LastMaskRead(while_capturing=CAPTURED)  # the last full mask compared
 
 
-def key_mask(attn_mask: torch.Tensor | None, is_causal: bool = False) -> KeyMask | None:
-    """The KeyMask equal to SDPA's (`attn_mask`, `is_causal`) for every (batch, head, query), or None
-    where the mask has no such form (then the kernels cannot run it). `attn_mask` is bool (True =
-    attend) or additive float, broadcastable to (B, H, T, S)."""
+def key_mask(attn_mask: torch.Tensor | None, is_causal: bool = False) -> KeyMask | str:
+    """The KeyMask equal to SDPA's (`attn_mask`, `is_causal`) for every (batch, head, query), or why
+    the kernels cannot run the mask (it has no such form, or it cannot be read under CUDA graph
+    capture). `attn_mask` is bool (True = attend) or additive float, broadcastable to (B, H, T, S)."""
     if attn_mask is None:
         return KeyMask(None, is_causal)
     if is_causal:  # SDPA takes one or the other
-        return None
+        return NOT_A_KEY_MASK
     mask = attn_mask
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
@@ -61,7 +67,7 @@ def _bias(row: torch.Tensor) -> torch.Tensor:
     return row.float()
 
 
-def _compare(mask: torch.Tensor) -> KeyMask | None:
+def _compare(mask: torch.Tensor) -> KeyMask | str:
     """Compare `mask` (M, H, T, S) with the non-causal and the causal pattern of its last row."""
     t, s = mask.shape[-2:]
     last = mask[:, :1, -1:, :]
@@ -73,7 +79,7 @@ def _compare(mask: torch.Tensor) -> KeyMask | None:
         return KeyMask(_bias(last[:, 0, 0, :]), False)
     if verdict[1]:
         return KeyMask(_bias(last[:, 0, 0, :]), True)
-    return None
+    return NOT_A_KEY_MASK
 
 
 def _masked(mask: torch.Tensor) -> torch.Tensor:
