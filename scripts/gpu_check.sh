@@ -1,24 +1,47 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a machine with CUDA (torch, transformers, triton and pytest
-# installed; nothing to carry): the fused backend's tests marked gpu, the Triton kernels' and the
-# triton backend's tests compiled on the GPU (every default test of tests/test_triton.py, the gpu ones
-# included: no host synchronisation over a train step, a CUDA graph of one; one kernel config each, no
-# tuning), then both benchmarks with fused and triton beside SDPA (the train step with GPT-2's
-# attention dropout 0.1 and without). Output to $OUT/gpu_check.txt (runs/gpu_check.txt elsewhere).
+# installed; nothing to carry). Figures first, then the tests, each step under its own time limit so
+# that a slow one cannot take the others' time (at most 15 min 30 s in all; a step that runs out
+# says so and the next one starts):
+#   1. benchmarks.attention: forward+backward of fused and triton beside SDPA and eager, bf16 (150 s)
+#   2. benchmarks.train_step: a GPT-2 train step, attention dropout 0.1, then 0 (150 s each)
+#   3. benchmarks.profile_attention: the top CUDA kernels per call, and the share of the package's
+#      Triton kernels (120 s)
+#   4. the tests marked gpu of tests/test_fused.py, test_compile.py and test_triton.py: float64
+#      references on CUDA, no host synchronisation over a train step, CUDA graphs, inductor (120 s)
+#   5. the rest of tests/test_triton.py (not slow), its kernels compiled on the GPU (240 s)
+# The Triton kernels run one config each throughout (HF_SPANATTN_TRITON_TUNE=0: no autotuning).
+# Output to $OUT/gpu_check.txt (runs/gpu_check.txt elsewhere).
 #   bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_SPANATTN_TRITON_TUNE=0
 unset TRITON_INTERPRET
+
+step() {  # step SECONDS COMMAND...: the command under a time limit, with its title and how it ended
+    local limit=$1
+    shift
+    echo "## $*"
+    timeout --kill-after=10 "$limit" "$@"
+    local rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "## stopped after ${limit} s"
+    elif [ "$rc" -ne 0 ]; then
+        echo "## exit status $rc"
+    fi
+}
+
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__)"
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused.py tests/test_compile.py
-    HF_SPANATTN_TRITON_TUNE=0 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_triton.py
-    python3 -m benchmarks.attention --device cuda --dtype bfloat16
-    python3 -m benchmarks.train_step --device cuda
-    python3 -m benchmarks.train_step --device cuda --attn-dropout 0
+    step 150 python3 -m benchmarks.attention --device cuda --dtype bfloat16
+    step 150 python3 -m benchmarks.train_step --device cuda
+    step 150 python3 -m benchmarks.train_step --device cuda --attn-dropout 0
+    step 120 python3 -m benchmarks.profile_attention --device cuda
+    step 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused.py tests/test_compile.py \
+        tests/test_triton.py
+    step 240 python3 -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests/test_triton.py
 } 2>&1 | tee "$OUT/gpu_check.txt"
