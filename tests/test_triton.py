@@ -580,10 +580,6 @@ def test_no_host_synchronisation(label, mask, monkeypatch):
     the kernels' on a GPU, and are left out; the backward pass runs without the caller's mode, so it
     is entered again there). Masks broadcast over the queries, as Transformers' padding masks without
     causality."""
-    from test_fused import HostReads
-
-    from hf_spanattn.ops.triton import kernels
-
     config = SpanAttentionConfig.from_label(label)
     (q, k, v), d_out = make(b=2, h_q=2, h_kv=1, t=12, d=8, dtype=torch.float32)
     kwargs = dict(is_causal=True)
@@ -592,16 +588,7 @@ def test_no_host_synchronisation(label, mask, monkeypatch):
         kwargs = dict(attn_mask=valid if mask == "padding" else torch.zeros(valid.shape).masked_fill(
             ~valid, torch.finfo(torch.float32).min))
     run_triton((q, k, v), d_out, config, **kwargs)  # the first call of a kernel variant checks it once
-    for name in ("forward_kernel", "keys_kernel", "queries_kernel"):
-        monkeypatch.setattr(kernels, name, _Unrecorded(getattr(kernels, name)))
-    mode = HostReads()
-    backward = triton_backend._Attention.backward
-
-    def recorded_backward(ctx, *grads):
-        with mode:
-            return backward(ctx, *grads)
-
-    monkeypatch.setattr(triton_backend._Attention, "backward", staticmethod(recorded_backward))
+    mode = _host_reads_around_the_kernels(monkeypatch)
     leaves = [x.to(DEVICE).requires_grad_(True) for x in (q, k, v)]
     kwargs = {name: x.to(DEVICE) if torch.is_tensor(x) else x for name, x in kwargs.items()}
     with mode:
@@ -617,25 +604,16 @@ def test_under_graph_capture_nothing_reads_the_mask(mask, monkeypatch, fresh_war
     Transformers' padded causal mask (B, 1, T, T) from others needs a host read, so it runs on fused
     with a warning that names the capture, even though the same mask tensor was read before the capture
     (a graph's replays refill it)."""
-    from test_fused import HostReads, graph_capture
+    from test_fused import graph_capture
 
-    from hf_spanattn.ops.triton import kernels, masks
+    from hf_spanattn.ops.triton import masks
 
     config = SpanAttentionConfig.from_label("score:1100")
     (q, k, v), d_out = make(b=2, h_q=2, h_kv=1, t=12, d=8, dtype=torch.float32)
     valid = (torch.arange(12) < torch.tensor([12, 7])[:, None])[:, None, None, :]
     attn_mask = (valid & torch.ones(12, 12, dtype=torch.bool).tril() if mask == "padded_causal" else valid).to(DEVICE)
     expected_out, expected = run_triton((q, k, v), d_out, config, attn_mask=attn_mask)  # kernels checked, mask read
-    for name in ("forward_kernel", "keys_kernel", "queries_kernel"):
-        monkeypatch.setattr(kernels, name, _Unrecorded(getattr(kernels, name)))
-    mode = HostReads()
-    backward = triton_backend._Attention.backward
-
-    def recorded_backward(ctx, *grads):
-        with mode:
-            return backward(ctx, *grads)
-
-    monkeypatch.setattr(triton_backend._Attention, "backward", staticmethod(recorded_backward))
+    mode = _host_reads_around_the_kernels(monkeypatch)
     leaves = [x.to(DEVICE).requires_grad_(True) for x in (q, k, v)]
     with graph_capture(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -665,6 +643,26 @@ def test_kernels_first_called_under_graph_capture_run_on_fused(monkeypatch, fres
     assert len(record) == 1 and "backend='fused'" in str(record[0].message) and triton_backend._checked == {}
     run_triton(inputs, d_out, config, is_causal=True)  # raises on a fallback
     assert list(triton_backend._checked.values()) == [None]
+
+
+def _host_reads_around_the_kernels(monkeypatch):
+    """A HostReads mode for the caller to enter around a call, entered again in the backward pass (which
+    runs without the caller's mode); the kernels' launches run outside it."""
+    from test_fused import HostReads
+
+    from hf_spanattn.ops.triton import kernels
+
+    for name in ("forward_kernel", "keys_kernel", "queries_kernel"):
+        monkeypatch.setattr(kernels, name, _Unrecorded(getattr(kernels, name)))
+    mode = HostReads()
+    backward = triton_backend._Attention.backward
+
+    def recorded_backward(ctx, *grads):
+        with mode:
+            return backward(ctx, *grads)
+
+    monkeypatch.setattr(triton_backend._Attention, "backward", staticmethod(recorded_backward))
+    return mode
 
 
 class _Unrecorded:
