@@ -6,6 +6,7 @@ marked `gpu` need CUDA."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from unittest import mock
 
 import pytest
@@ -216,18 +217,26 @@ def test_cuda_train_step_never_synchronises(label):
             torch.cuda.set_sync_debug_mode("default")
 
 
-def check_matches_float64_reference(device: str, label: str, dtype: torch.dtype, tol: float) -> None:
-    """A left-padded causal batch on `device` in `dtype` against what the package promises: rows that
-    attend something give the float64 reference's output; rows that attend nothing (46 of entry 1's)
-    give stock SDPA's on the same device and dtype (where SDPA gives a result, span_attention gives
-    SDPA's: CUDA's fused kernels give them another value than the CPU's 0); the gradients are the
-    reference's with ∂L/∂O zeroed on the empty rows, so that no convention for them enters."""
-    config = SpanAttentionConfig.from_label(label)
+@functools.cache
+def padded_batch(label: str):
+    """Left-padded causal inputs whose entry 1 has 46 rows that attend no key, ∂L/∂O zeroed on those rows,
+    and the float64 reference (once per label: the slow part)."""
     inputs, d_out = make(b=2, h_q=4, h_kv=2, t=96, d=16)
     mask = padding_mask([96, 50], 96)
     attends = mask.any(-1, keepdim=True).expand(-1, 4, -1, 16)  # (B, H_q, T, D): the rows that attend a key
     d_out = d_out * attends
-    ref_out, ref_grads = reference(*inputs, d_out, config, attn_mask=mask)
+    return inputs, d_out, mask, attends, reference(*inputs, d_out, SpanAttentionConfig.from_label(label),
+                                                   attn_mask=mask)
+
+
+def check_matches_float64_reference(device: str, label: str, dtype: torch.dtype, tol: float) -> None:
+    """`padded_batch` on `device` in `dtype` against what the package promises: rows that attend
+    something give the float64 reference's output; rows that attend nothing give stock SDPA's on the
+    same device and dtype (where SDPA gives a result, span_attention gives SDPA's: CUDA's fused kernels
+    give them another value than the CPU's 0); the gradients are the reference's, ∂L/∂O being zero on
+    the empty rows, so that no convention for them enters."""
+    config = SpanAttentionConfig.from_label(label)
+    inputs, d_out, mask, attends, (ref_out, ref_grads) = padded_batch(label)
     leaves = [x.to(device, dtype).requires_grad_(True) for x in inputs]
     out = span_attention(*leaves, attn_mask=mask.to(device), config=config, backend="fused")
     grads = torch.autograd.grad(out, leaves, d_out.to(device, dtype))
