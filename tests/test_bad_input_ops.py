@@ -53,6 +53,11 @@ def finite_padding(fill: float, dtype: torch.dtype = torch.float64) -> dict:
     return with_(qkv(), attn_mask=left_padding(fill).to(dtype), grads_as=left_padding(None))
 
 
+def nan_at(mask: torch.Tensor, index: tuple) -> torch.Tensor:
+    mask[index] = float("nan")
+    return mask
+
+
 def moved(x: dict, name: str, device: str) -> dict:
     return with_(x, **{name: x[name].to(device)})
 
@@ -70,6 +75,9 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "dead_rows_finfo_min": (lambda: finite_padding(F64_MIN), SDPA),
     "dead_rows_at_threshold": (lambda: finite_padding(MASKED_AT), SDPA),
     "dead_rows_minus_1e9": (lambda: finite_padding(-1e9), SDPA),
+    # a NaN in the mask makes its row NaN, also where the whole row is NaN (no key counts as attended)
+    "nan_row_in_mask": (lambda: with_(qkv(), attn_mask=nan_at(left_padding(0.0), (..., 3, slice(None)))), SDPA),
+    "nan_in_mask": (lambda: with_(qkv(), attn_mask=nan_at(left_padding(float("-inf")), (1, 0, 4, 2))), SDPA),
     "float32_mask_on_float64": (lambda: finite_padding(-1e9, torch.float32), SDPA),
     # broadcasting as SDPA
     "key_value_batch_1": (lambda: with_(qkv(), key=qkv()["key"][:1], value=qkv()["value"][:1]), SDPA),

@@ -87,9 +87,10 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     attend = attend.reshape(*layout, *attend.shape[-2:])
     additive = additive.reshape(*layout, *additive.shape[-2:])
     key_valid = attend.any(dim=-2).any(dim=2, keepdim=True).unsqueeze(-1)
-    # SDPA's rows: a row with no finite entry gives 0; one whose entries are all at or below
-    # MASKED_AT but finite gives the softmax over all of them (uniform for the dtype's minimum)
-    defined = (additive > -math.inf).any(dim=-1, keepdim=True)
+    # SDPA's rows: a row whose entries are all −inf gives 0; one whose entries are all at or below
+    # MASKED_AT but finite gives the softmax over all of them (uniform for the dtype's minimum); a
+    # NaN anywhere in a row makes it NaN
+    defined = ((additive > -math.inf) | additive.isnan()).any(dim=-1, keepdim=True)
     dead_rows, idle_rows = ~defined, defined & ~attend.any(dim=-1, keepdim=True)
     reach = attend | idle_rows
     tiles = row_tiles(reach, t, s, rows) or [(0, t, s)]  # no row attends: one tile of rows that give 0
