@@ -28,4 +28,4 @@ def small_tiles(monkeypatch):
 def recomputed_tiles(monkeypatch):
     """The probabilities recomputed in the backward pass at every length, in tiles of 16 rows."""
     monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
-    monkeypatch.setattr(tile_engine, "_RECOMPUTED_TILE", 1)
+    monkeypatch.setattr(tile_engine, "_RECOMPUTED_ROWS", 0)

@@ -253,23 +253,44 @@ def test_long_sequences_keep_no_probabilities():
 
 
 @pytest.mark.parametrize("label", ["score:1111", "score:1100@per_block"])
-def test_long_sequences_work_one_head_at_a_time(label, monkeypatch):
-    """From _RECOMPUTE_FROM keys on, the backward pass takes one key/value head of one batch entry
-    at a time, so that the rules' O(T·d) temporaries are one head's; below, a few batch entries
-    with all their heads."""
-    monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 16)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_backward_pass_takes_a_quarter_of_the_batch_at_a_time(label, recompute, monkeypatch):
+    """The backward pass takes about 1/_BACKWARD_CHUNKS of the (batch, key/value head) pairs at a
+    time, so that the rules' O(T·d) temporaries are that share of the batch's: whole batch entries
+    where there are as many, else parts of each entry's heads."""
+    if recompute:
+        monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
     real, chunks = tile_engine._backward, []
     monkeypatch.setattr(tile_engine, "_backward",
                         lambda batch, *args: chunks.append(tuple(batch.inputs.q.shape[:3])) or real(batch, *args))
     config = SpanAttentionConfig.from_label(label)
-    for t, expected in [(16, [(1, 1, 2)] * 6), (15, [(1, 3, 2)] * 2)]:
+    cases = [(2, 3, [(1, 2, 2), (1, 1, 2)] * 2), (1, 3, [(1, 1, 2)] * 3), (5, 1, [(2, 1, 2)] * 2 + [(1, 1, 2)])]
+    for b, h_kv, expected in cases:
         chunks.clear()
-        (q, k, v), d_out = make(b=2, h_q=6, h_kv=3, t=t)
+        (q, k, v), d_out = make(b=b, h_q=2 * h_kv, h_kv=h_kv, t=12)
         out, grads = run((q, k, v), d_out, config, is_causal=True)
         assert chunks == expected
         ref_out, ref_grads = reference(q, k, v, d_out, config, is_causal=True)
         for g, r in zip(grads, ref_grads):
             assert rel(g, r) < 1e-9
+
+
+@pytest.mark.parametrize("label", ["score:1000", "score:1111", "simple:10"])
+def test_a_recomputed_backward_forms_each_probability_tile_once(label, monkeypatch, recomputed_tiles):
+    """Where the probabilities are recomputed, the backward pass forms each tile of P once and takes
+    dV, G and every product the rule asks for from it while it is in memory."""
+    calls = []
+    real = tile_engine.masked_softmax
+    monkeypatch.setattr(tile_engine, "masked_softmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    (q, k, v), d_out = make(b=1, h_q=2, h_kv=1, t=64)  # one backward chunk
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = span_attention(*leaves, is_causal=True, config=SpanAttentionConfig.from_label(label))
+    in_forward = len(calls)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    assert in_forward == 4 and len(calls) - in_forward == 4  # 64 rows in tiles of 16
+    ref_out, ref_grads = reference(q, k, v, d_out, SpanAttentionConfig.from_label(label), is_causal=True)
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 1e-9
 
 
 @pytest.mark.parametrize("label", ["score:1111", "score:1000", "reductionistic:1100", "score:1100@per_block"])

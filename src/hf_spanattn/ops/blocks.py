@@ -66,6 +66,7 @@ class TileBlocks:
         gk = [like.new_empty(b, h, g, t, d) if self.rows_covered and any(c) else like.new_zeros(b, h, g, t, d)
               for _, c in sums]
         dk = [like.new_zeros(b, h, 1, t, d) if any(w[delta] for w in k_weights) else None for delta in deltas]
+        plans = []
         for met, members in groups.items():
             operands = [q_blocks[j] for j in members], [k_blocks[delta] for delta in met]
             # Σ_j c_j G_(·, j) K_j: the outputs of the members, by their coefficients over the key blocks met
@@ -75,17 +76,22 @@ class TileBlocks:
                 if block in members and any(coefs):
                     families.setdefault(coefs, []).append((members.index(block), out))
             k_sums = [([k_weights[block][delta] for block in members], dk[delta]) for delta in met]
-            for i, (start, end, cols) in enumerate(self.tiles):
+            plans.append((len(met) * len(members), operands, families, k_sums))
+        for i, (start, end, cols) in enumerate(self.tiles):  # tiles outermost: a recomputed one is formed once
+            d_probs = self.d_probs.parts[i]
+            for blocks, operands, families, k_sums in plans:
                 # rows at a time, so that a stack holds about _STACK_ELEMENTS
-                step = max(1, _STACK_ELEMENTS // (len(met) * len(members) * b * h * g * cols))
+                step = max(1, _STACK_ELEMENTS // (blocks * b * h * g * cols))
                 for first in range(start, end, step):
-                    self._rows(i, (first, min(first + step, end), cols), *operands, families, k_sums)
+                    self._rows(i, (first, min(first + step, end), cols), d_probs, *operands, families, k_sums)
         return rules.BlockProducts(dict(zip(needs.sums, gk)), dk)
 
-    def _rows(self, i: int, rows: Tile, q_blocks: list[torch.Tensor], k_blocks: list[torch.Tensor],
+    def _rows(self, i: int, rows: Tile, tile_d_probs: torch.Tensor, q_blocks: list[torch.Tensor],
+              k_blocks: list[torch.Tensor],
               families: dict[tuple[float, ...], list[tuple[int, torch.Tensor]]],
               k_sums: list[tuple[list[float], torch.Tensor | None]]) -> None:
-        """The rows [start, end) of tile i for the stack of q_blocks against each of k_blocks: writes
+        """The rows [start, end) of tile i, whose scale·∂L/∂P is `tile_d_probs`, for the stack of q_blocks
+        against each of k_blocks: writes
         Σ_j c_j G_(member, j) K_j into out for each (member, out) of families[c], and adds
         Σ_member w G_(member, j)ᵀ Q_member to the j-th of k_sums (w, out)."""
         start, end, cols = rows
@@ -109,7 +115,7 @@ class TileBlocks:
         if dead_rows is not None:
             dead_rows = row_range(dead_rows, first, first + r).unsqueeze(2)
         probs = masked_softmax(scores, dead_rows, out=scores)  # as the forward pass
-        d_probs = self.d_probs.parts[i][..., first:first + r, :]
+        d_probs = tile_d_probs[..., first:first + r, :]
         d_probs = work("d_probs", shape).copy_(d_probs.unsqueeze(2).expand(shape))
         grads = torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, dtype, grad_input=probs)
         grads = grads.view(m, b * h, n * g * r, cols)

@@ -2,8 +2,9 @@
 products) as explicit matrices in row tiles of queries that meet only the keys their rows may
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
 `span_of`; the faster way on a CPU. The probabilities are kept from the forward pass, or, from
-_RECOMPUTE_FROM keys on, recomputed in the backward pass in small tiles, one at a time, while the
-backward pass takes one key/value head at a time (memory O(T·d), as SDPA's). It answers the
+_RECOMPUTE_FROM keys on, recomputed in the backward pass in small tiles, one at a time, each formed
+once for dV, G and all the products the rule asks for (memory O(T·d), as SDPA's). The backward
+pass takes about a quarter of the (batch entry, key/value head) pairs at a time. It answers the
 rules' `Operands` and `Blocks` from them (the contract in `backward.py`).
 """
 
@@ -28,9 +29,9 @@ if TYPE_CHECKING:
 
 _BACKWARD_CHUNKS = 4
 # From this many keys on, the probabilities are not kept from the forward to the backward pass but
-# recomputed there, tile by tile, in tiles of about _RECOMPUTED_TILE elements (at least 16 rows):
-# memory O(T·d) as SDPA's rather than O(T²), for about one more product per product of P or G.
-_RECOMPUTE_FROM, _RECOMPUTED_TILE = 2048, 1 << 20
+# recomputed there, tile by tile, in tiles of _RECOMPUTED_ROWS head dims of query rows (at least 16):
+# memory O(T·d) as SDPA's rather than O(T²), for one more product QKᵀ per tile.
+_RECOMPUTE_FROM, _RECOMPUTED_ROWS = 2048, 2
 
 
 @dataclass
@@ -186,23 +187,24 @@ class SpanAttentionFunction(torch.autograd.Function):
         batch = _Batch(v, keep, d_out.contiguous(), probs, mask, inputs)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         workspace = Workspace()
-        for rows in _backward_chunks(q.shape, ctx.recompute):
+        for rows in _backward_chunks(q.shape):
             chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
         return (*grads, d_mask, None, None, None, None, None, None)
 
 
-def _backward_chunks(shape: torch.Size, recompute: bool) -> list[Rows]:
+def _backward_chunks(shape: torch.Size) -> list[Rows]:
     """The parts of the (B, H_kv, …) batch that the backward pass takes one at a time: batch entries
-    and key/value heads are independent, and a part bounds the rule's O(T·d) temporaries. A few
-    batch entries; where the probabilities are recomputed (long sequences), one head of one entry,
-    so that those temporaries stay those of one head, as SDPA's are of one."""
+    and key/value heads are independent, and a part bounds the rule's O(T·d) temporaries to about
+    1/_BACKWARD_CHUNKS of the batch's. Whole batch entries where there are as many; else the key/value
+    heads of each entry in as many parts as make _BACKWARD_CHUNKS in all (one head each at B = 1)."""
     b, h_kv = shape[:2]
-    if recompute:
-        return [(slice(i, i + 1), slice(j, j + 1)) for i in range(b) for j in range(h_kv)]
-    step = max(1, math.ceil(b / _BACKWARD_CHUNKS))
-    return [slice(start, start + step) for start in range(0, b, step)]
+    if b >= _BACKWARD_CHUNKS:
+        step = math.ceil(b / _BACKWARD_CHUNKS)
+        return [slice(start, start + step) for start in range(0, b, step)]
+    heads = math.ceil(h_kv * b / _BACKWARD_CHUNKS)
+    return [(slice(i, i + 1), slice(j, j + heads)) for i in range(b) for j in range(0, h_kv, heads)]
 
 
 def _mask_free_grads(probs: Tiled, v: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
@@ -244,6 +246,9 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
               workspace: Workspace):
     """One chunk of the batch: (dQ, dK, dV)."""
     v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
+    recomputed = isinstance(probs.parts, Recomputed)
+    if recomputed and not config.rule.per_block:
+        return _backward_in_one_pass(batch, dropout_p, scale, config, probe)
     dv = rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out)
 
     def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
@@ -256,9 +261,13 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
             tile.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
         return tile.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p)) if keep is not None else tile
 
-    recomputed = isinstance(probs.parts, Recomputed)
     scaled_d_out = d_out * scale
-    d_probs = probs.map(tile_d_probs)
+    if recomputed:  # dP needs no P: form it alone
+        tiles = probs.tiles
+        d_probs = Tiled(tiles, Recomputed(lambda i: tile_d_probs(None, *tiles[i]), len(tiles)), probs.t, probs.s,
+                        d_out.dtype)
+    else:
+        d_probs = probs.map(tile_d_probs)
     block_products = TileBlocks(d_probs, scale, mask.tile, workspace)
 
     @functools.cache
@@ -279,6 +288,49 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     return backward.scaled((dq, dk, dv), config.qkv_alphas)
 
 
+def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig,
+                          probe: Probe | None):
+    """`_backward` where the probabilities are recomputed: each tile of P is formed once per call of
+    `products`, and dV, scale·∂L/∂P, G and all the products the rule asks for are taken from it
+    while it is in memory (the first call also gives dV)."""
+    v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
+    scaled_d_out = d_out * scale
+    dv: list[torch.Tensor] = []
+
+    def products(needs: rules.Operands) -> rules.Products:
+        query, key = list(needs.query.values()), list(needs.key.values())
+        x = torch.cat(query, dim=-1) if len(query) > 1 else (query[0] if query else None)
+        y = torch.cat(key, dim=-1) if len(key) > 1 else (key[0] if key else None)
+        gx = None if x is None else x.new_zeros(*d_out.shape[:-1], x.shape[-1])
+        gy = None if y is None else y.new_zeros(*y.shape[:-2], probs.s, y.shape[-1])
+        d_v = None if dv else d_out.new_zeros(*d_out.shape[:-2], probs.s, d_out.shape[-1])
+        for p, (start, end, cols) in zip(probs.parts, probs.tiles):
+            kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
+            if d_v is not None:
+                d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]
+            g = scaled_d_out[..., start:end, :] @ v[..., :cols, :].mT
+            if mask.idle_rows is not None:
+                g.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
+            if keep is not None:
+                g.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p))
+            g = torch.ops.aten._softmax_backward_data.out(g, p, -1, g.dtype, grad_input=g)
+            if gx is not None:
+                gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
+            if gy is not None:
+                gy[..., :cols, :] += rules.matmul(g.mT, y[..., start:end, :])
+        if d_v is not None:
+            dv.append(rules.group_sum(d_v))
+        return rules.Products(
+            dict(zip(needs.query, gx.split([t.shape[-1] for t in query], dim=-1))) if query else {},
+            {name: rules.group_sum(part) for name, part in zip(needs.key, gy.split([t.shape[-1] for t in key], dim=-1))}
+            if key else {})
+
+    dq, dk = backward.rule_grads(config, batch.inputs, products, probe)
+    if not dv:  # the rule asked for no product of G
+        dv.append(rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out))
+    return backward.scaled((dq, dk, dv[0]), config.qkv_alphas)
+
+
 def _side(g, rights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{name: g @ r} for the `rights`, as one product."""
     if not rights:
@@ -297,7 +349,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     detached = attn_mask.detach() if attn_mask is not None else None
     shape = (*q.shape[:-1], k.shape[-2])
     recompute = shape[-1] >= _RECOMPUTE_FROM
-    rows = max(16, _RECOMPUTED_TILE // math.prod((*shape[:3], shape[-1]))) if recompute else None
+    rows = max(16, int(_RECOMPUTED_ROWS * query.shape[-1])) if recompute else None
     mask = _prepare_mask(detached, is_causal, shape, backward.work_dtype(query.dtype), query.device, rows)
     learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
     out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), learnable, mask, dropout_p, scale, config, probe,
