@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import reference
-from test_engine import make, padding_mask, rel
+from test_engine import make, padding_mask, rel, whole_batch
 
 from hf_spanattn import SpanAttentionConfig
 from hf_spanattn.ops import attention, backward, rules, span_of
@@ -90,21 +90,6 @@ def test_a_backend_on_the_contract_matches_the_reference(label, dense):
         assert rel(g, r, std) < 1e-9, f"d{name}: {rel(g, r, std):.2e}"
 
 
-def _whole_batch(parts: list[torch.Tensor], h_kv: int) -> torch.Tensor:
-    """The probe's records of the backward chunks (batch entries, or key/value heads of one entry, in
-    order) as one (B, H_kv, …) tensor."""
-    entries, heads = [], []
-    for part in parts:
-        if part.shape[1] == h_kv:
-            entries.append(part)
-            continue
-        heads.append(part)
-        if sum(x.shape[1] for x in heads) == h_kv:
-            entries.append(torch.cat(heads, dim=1))
-            heads = []
-    return torch.cat(entries)
-
-
 @pytest.mark.parametrize("label", ["score:1100", "score:1100@per_block", "simple:10"])
 def test_the_probe_wraps_any_backend(label, dense):
     """The probe is glue, not a backend's: called from the dense backend, it gives the tiles' record."""
@@ -120,7 +105,7 @@ def test_the_probe_wraps_any_backend(label, dense):
     assert len(records["dense"]) == 1 and len(records["tiles"]) >= 1
     dense_record = records["dense"][0]
     for key in ("dq", "dq_standard", "rank_k", "rank_v"):
-        tiles_value = _whole_batch([r[key] for r in records["tiles"]], h_kv=2)
+        tiles_value = whole_batch([r[key] for r in records["tiles"]], h_kv=2)
         assert rel(dense_record[key], tiles_value) < 1e-12, key
     assert len(dense_record["dq_orders"]) == len(config.alphas)
     assert rel(sum(dense_record["dq_orders"]), dense_record["dq"]) < 1e-12
