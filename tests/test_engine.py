@@ -46,21 +46,6 @@ def run(inputs, d_out, config, **kwargs):
     return out, grads
 
 
-def whole_batch(parts: list[torch.Tensor], h_kv: int) -> torch.Tensor:
-    """The probe's records of the backward chunks (batch entries, or key/value heads of one entry, in
-    order) as one (B, H_kv, …) tensor."""
-    entries, heads = [], []
-    for part in parts:
-        if part.shape[1] == h_kv:
-            entries.append(part)
-            continue
-        heads.append(part)
-        if sum(x.shape[1] for x in heads) == h_kv:
-            entries.append(torch.cat(heads, dim=1))
-            heads = []
-    return torch.cat(entries)
-
-
 def padding_mask(lengths, t):
     """Left padding and causal, as a (B, 1, T, T) bool mask."""
     pos = torch.arange(t)

@@ -187,10 +187,14 @@ class SpanAttentionFunction(torch.autograd.Function):
         batch = _Batch(v, keep, d_out.contiguous(), probs, mask, inputs)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         workspace = Workspace()
+        records: list[tuple[Rows, dict]] = []
         for rows in _backward_chunks(q.shape):
-            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, ctx.probe, workspace)
+            probe = (lambda record, rows=rows: records.append((rows, record))) if ctx.probe is not None else None
+            chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, probe, workspace)
             for grad, part in zip(grads, chunk):
                 grad[rows] = part
+        if records:
+            ctx.probe(_whole_batch(records, q.shape[:2]))
         return (*grads, d_mask, None, None, None, None, None, None)
 
 
@@ -205,6 +209,20 @@ def _backward_chunks(shape: torch.Size) -> list[Rows]:
         return [slice(start, start + step) for start in range(0, b, step)]
     heads = math.ceil(h_kv * b / _BACKWARD_CHUNKS)
     return [(slice(i, i + 1), slice(j, j + heads)) for i in range(b) for j in range(0, h_kv, heads)]
+
+
+def _whole_batch(records: list[tuple[Rows, dict]], batch: torch.Size) -> dict:
+    """The probe's records of the backward chunks (`rows`, record) as one record of the whole
+    (B, H_kv) batch, so that a probe sees every head in its place whatever the chunks."""
+    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+        whole = parts[0].new_empty(*batch, *parts[0].shape[2:])
+        for (rows, _), part in zip(records, parts):
+            whole[rows] = part
+        return whole
+
+    first = records[0][1]
+    return {key: [joined(list(p)) for p in zip(*(r[key] for _, r in records))] if isinstance(first[key], list)
+            else joined([r[key] for _, r in records]) for key in first}
 
 
 def _mask_free_grads(probs: Tiled, v: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
