@@ -270,14 +270,9 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     dv = rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out)
 
     def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
-        """scale·∂L/∂P on a tile: G = ∂L/∂S then carries the factor of S = scale·QKᵀ."""
-        rows = scaled_d_out[..., start:end, :]
         name = "d_probs_tile" if recomputed else f"d_probs{start}"  # recomputed: one tile at a time
-        tile = torch.matmul(rows, v[..., :cols, :].mT,
-                            out=workspace(name, (*rows.shape[:-1], cols), d_out.dtype, d_out.device))
-        if mask.idle_rows is not None:  # rows that attend no key (by MASKED_AT): no gradient into Q and K
-            tile.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
-        return tile.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p)) if keep is not None else tile
+        out = workspace(name, (*scaled_d_out.shape[:-2], end - start, cols), d_out.dtype, d_out.device)
+        return _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols), out)
 
     scaled_d_out = d_out * scale
     if recomputed:  # dP needs no P: form it alone
@@ -306,6 +301,18 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     return backward.scaled((dq, dk, dv), config.qkv_alphas)
 
 
+def _d_probs(scaled_d_out: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, mask: _Mask, dropout_p: float,
+             tile: Tile, out: torch.Tensor | None = None) -> torch.Tensor:
+    """scale·∂L/∂P on a tile (into `out` if given): G = ∂L/∂S then carries the factor of S = scale·QKᵀ."""
+    start, end, cols = tile
+    d_probs = torch.matmul(scaled_d_out[..., start:end, :], v[..., :cols, :].mT, out=out)
+    if mask.idle_rows is not None:  # rows that attend no key (by MASKED_AT): no gradient into Q and K
+        d_probs.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
+    if keep is not None:
+        d_probs.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p))
+    return d_probs
+
+
 def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig,
                           probe: Probe | None):
     """`_backward` where the probabilities are recomputed: each tile of P is formed once per call of
@@ -326,11 +333,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
             kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
             if d_v is not None:
                 d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]
-            g = scaled_d_out[..., start:end, :] @ v[..., :cols, :].mT
-            if mask.idle_rows is not None:
-                g.masked_fill_(row_range(mask.idle_rows, start, end), 0.0)
-            if keep is not None:
-                g.mul_(keep[..., start:end, :cols]).mul_(_keep_scale(dropout_p))
+            g = _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols))
             g = torch.ops.aten._softmax_backward_data.out(g, p, -1, g.dtype, grad_input=g)
             if gx is not None:
                 gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
