@@ -11,10 +11,17 @@
 #      references on CUDA, no host synchronisation over a train step, CUDA graphs, inductor (120 s)
 #   5. the rest of tests/test_triton.py (not slow), its kernels compiled on the GPU (240 s)
 # The Triton kernels run one config each throughout (HF_SPANATTN_TRITON_TUNE=0: no autotuning).
-# Output to $OUT/gpu_check.txt (runs/gpu_check.txt elsewhere).
-#   bash scripts/gpu_check.sh
+# All of it may pass a 10-minute command limit: `figures` runs steps 1-3 (at most 9 min 30 s) and
+# `tests` steps 4-5 (at most 6 min), in two calls. Output to $OUT/gpu_check.txt, or to
+# gpu_check_figures.txt and gpu_check_tests.txt ($OUT: runs unless set).
+#   bash scripts/gpu_check.sh [all|figures|tests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PART="${1:-all}"
+case "$PART" in
+    all|figures|tests) ;;
+    *) echo "gpu_check.sh: unknown part '$PART' (allowed: all, figures, tests)" >&2; exit 2 ;;
+esac
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_SPANATTN_TRITON_TUNE=0
@@ -37,11 +44,15 @@ step() {  # step SECONDS COMMAND...: the command under a time limit, with its ti
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__)"
-    step 150 python3 -m benchmarks.attention --device cuda --dtype bfloat16
-    step 150 python3 -m benchmarks.train_step --device cuda
-    step 150 python3 -m benchmarks.train_step --device cuda --attn-dropout 0
-    step 120 python3 -m benchmarks.profile_attention --device cuda
-    step 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused.py tests/test_compile.py \
-        tests/test_triton.py
-    step 240 python3 -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests/test_triton.py
-} 2>&1 | tee "$OUT/gpu_check.txt"
+    if [ "$PART" != tests ]; then
+        step 150 python3 -m benchmarks.attention --device cuda --dtype bfloat16
+        step 150 python3 -m benchmarks.train_step --device cuda
+        step 150 python3 -m benchmarks.train_step --device cuda --attn-dropout 0
+        step 120 python3 -m benchmarks.profile_attention --device cuda
+    fi
+    if [ "$PART" != figures ]; then
+        step 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused.py tests/test_compile.py \
+            tests/test_triton.py
+        step 240 python3 -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests/test_triton.py
+    fi
+} 2>&1 | tee "$OUT/gpu_check$([ "$PART" = all ] || echo "_$PART").txt"
