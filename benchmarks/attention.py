@@ -60,8 +60,12 @@ def attention_fn(name: str, backend: str):
 
 
 def make_step(name: str, backend: str, seq: int, tokens: int, device: str, dtype: torch.dtype):
+    return step_on(name, backend, (max(1, tokens // seq), HEADS, seq, HEAD_DIM), device, dtype)
+
+
+def step_on(name: str, backend: str, shape: tuple[int, ...], device: str, dtype: torch.dtype):
+    """One forward + backward call of `name` on fixed random (B, H, T, D) inputs of `shape`."""
     gen = torch.Generator().manual_seed(0)
-    shape = (max(1, tokens // seq), HEADS, seq, HEAD_DIM)
     q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True) for _ in range(3))
     weight = torch.randn(shape, generator=gen).to(device, dtype)
     fn = attention_fn(name, backend)

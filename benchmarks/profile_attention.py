@@ -36,20 +36,11 @@ COLUMNS = ["label", "backend", "kernel", "µs per call", "launches per call", "s
 
 def make_step(label: str, backend: str, shape: tuple[int, int, int, int], device: str,
               dtype: torch.dtype) -> Callable[[], None]:
-    """One forward + backward call of causal span_attention on fixed random inputs."""
-    from hf_spanattn import SpanAttentionConfig, span_attention
+    """One forward + backward call of causal span_attention on fixed random inputs (imported here:
+    after TRITON_INTERPRET is set)."""
+    from benchmarks.attention import step_on
 
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True) for _ in range(3))
-    weight = torch.randn(shape, generator=gen).to(device, dtype)
-    config = SpanAttentionConfig.from_label(label)
-
-    def step() -> None:
-        for x in (q, k, v):
-            x.grad = None
-        (span_attention(q, k, v, is_causal=True, config=config, backend=backend) * weight).sum().backward()
-
-    return step
+    return step_on(label, backend, shape, device, dtype)
 
 
 def self_times(step: Callable[[], None], calls: int, device: str) -> dict[str, tuple[float, int]]:

@@ -323,9 +323,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
     dv: list[torch.Tensor] = []
 
     def products(needs: rules.Operands) -> rules.Products:
-        query, key = list(needs.query.values()), list(needs.key.values())
-        x = torch.cat(query, dim=-1) if len(query) > 1 else (query[0] if query else None)
-        y = torch.cat(key, dim=-1) if len(key) > 1 else (key[0] if key else None)
+        x, y = _joined(needs.query), _joined(needs.key)
         gx = None if x is None else x.new_zeros(*d_out.shape[:-1], x.shape[-1])
         gy = None if y is None else y.new_zeros(*y.shape[:-2], probs.s, y.shape[-1])
         d_v = None if dv else d_out.new_zeros(*d_out.shape[:-2], probs.s, d_out.shape[-1])
@@ -341,10 +339,9 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
                 gy[..., :cols, :] += rules.matmul(g.mT, y[..., start:end, :])
         if d_v is not None:
             dv.append(rules.group_sum(d_v))
-        return rules.Products(
-            dict(zip(needs.query, gx.split([t.shape[-1] for t in query], dim=-1))) if query else {},
-            {name: rules.group_sum(part) for name, part in zip(needs.key, gy.split([t.shape[-1] for t in key], dim=-1))}
-            if key else {})
+        return rules.Products(_named(gx, needs.query) if gx is not None else {},
+                              {name: rules.group_sum(part) for name, part in _named(gy, needs.key).items()}
+                              if gy is not None else {})
 
     dq, dk = backward.rule_grads(config, batch.inputs, products, probe)
     if not dv:  # the rule asked for no product of G
@@ -354,12 +351,18 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
 
 def _side(g, rights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{name: g @ r} for the `rights`, as one product."""
-    if not rights:
-        return {}
-    used = list(rights.values())
-    out = rules.matmul(g, torch.cat(used, dim=-1) if len(used) > 1 else used[0]).split(
-        [r.shape[-1] for r in used], dim=-1)
-    return dict(zip(rights, out))
+    return _named(rules.matmul(g, _joined(rights)), rights) if rights else {}
+
+
+def _joined(operands: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The operands side by side (…, n₁ + n₂ + …), so that one product takes them all; None if none."""
+    used = list(operands.values())
+    return torch.cat(used, dim=-1) if len(used) > 1 else (used[0] if used else None)
+
+
+def _named(product: torch.Tensor, operands: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A product with `_joined(operands)` cut back into one part per operand, under its name."""
+    return dict(zip(operands, product.split([x.shape[-1] for x in operands.values()], dim=-1)))
 
 
 def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
