@@ -27,5 +27,12 @@ def small_tiles(monkeypatch):
 @pytest.fixture
 def recomputed_tiles(monkeypatch):
     """The probabilities recomputed in the backward pass at every length, in tiles of 16 rows."""
-    monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
+    monkeypatch.setattr(tile_engine, "_KEPT_ROWS", 0)
     monkeypatch.setattr(tile_engine, "_RECOMPUTED_ROWS", 0)
+
+
+@pytest.fixture
+def partly_kept_tiles(monkeypatch):
+    """Every other probability tile kept by the forward pass, the others recomputed (with `small_tiles`,
+    tiles of 4 rows)."""
+    monkeypatch.setattr(tile_engine, "_kept_tiles", lambda mask, *_: [i % 2 == 0 for i in range(len(mask.tiles))])

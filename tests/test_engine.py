@@ -239,30 +239,62 @@ def test_recomputed_tiles_match_float64_reference(label, case, recomputed_tiles)
     check_against_reference(label, case)
 
 
-def test_long_sequences_keep_no_probabilities():
-    """From _RECOMPUTE_FROM keys on, what the forward pass saves for the backward is O(T·d), not
-    O(T²): here under 1/8 of the T×T/2 probabilities that the tiles keep below it."""
-    t = tile_engine._RECOMPUTE_FROM
-    q, k, v = (torch.randn(1, 1, t, 8, requires_grad=True) for _ in range(3))
+@pytest.mark.parametrize(("t", "s", "rows"), [(12, 12, None), (12, 12, 4), (40, 40, 16), (10, 14, None),
+                                             (14, 10, 4), (9, 3, 2), (5, 1, None)])
+def test_the_causal_mask_from_its_tiles_is_the_mask_of_tril(t, s, rows, small_tiles):
+    """The causal mask is built from its tiles alone, without a T×S matrix; it is the mask that a
+    boolean tril(ones(T, S)) gives, part by part."""
+    tile_engine._CAUSAL_MASKS.clear()
+    built = tile_engine._prepare_mask(None, True, (1, 1, 1, t, s), torch.float64, torch.device("cpu"), rows)
+    tril = torch.ones(t, s, dtype=torch.bool).tril()
+    expected = tile_engine._prepare_mask(tril, False, (1, 1, 1, t, s), torch.float64, torch.device("cpu"), rows)
+    assert built.tiles == expected.tiles and built.first_masked == expected.first_masked
+    for a, b in zip(built.additive, expected.additive, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert (built.key_valid is None and expected.key_valid is None) or torch.equal(built.key_valid, expected.key_valid)
+    assert built.dead_rows is expected.dead_rows is None
+
+
+@pytest.mark.parametrize("label", ["standard:QKV101", "score:1111", "score:0.5,2,0,1.5@per_block"])
+@pytest.mark.parametrize("case", ["causal", "float_mask", "gqa_padded_scale", "first_rows_dead", "t_gg_d"])
+def test_partly_kept_tiles_match_float64_reference(label, case, small_tiles, partly_kept_tiles):
+    check_against_reference(label, case)
+
+
+@pytest.mark.parametrize("t", [64, 512])
+def test_the_forward_pass_keeps_probabilities_within_its_budget(t):
+    """The forward pass keeps at most as many probabilities per query head as _KEPT_ROWS rows of Q
+    hold, tiles from the first on: all of them where they fit (T = 64), else (T = 512, d = 8) the
+    first 23 of 32 tiles of 16 rows (16² · (1 + … + 23) ≤ 9216 · 8), and recomputes the others in
+    the backward pass."""
+    q, k, v = (torch.randn(1, 1, t, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    budget = tile_engine._KEPT_ROWS * 8
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
-        out = span_attention(q, k, v, is_causal=True, config=SpanAttentionConfig.from_label("score:1000"))
-    assert sum(saved) < t * t / 16
-    out.sum().backward()
-    assert torch.isfinite(q.grad).all()
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        out = span_attention(q, k, v, is_causal=True, config=SpanAttentionConfig.from_label("score:1111"))
+    probs = [x for x in saved if x.shape[-1] != 8 and x.dim() == 5]  # the kept tiles (…, rows, columns)
+    kept = sum(x.numel() for x in probs)
+    assert 0 < kept <= budget
+    assert (kept == t * t) == (t == 64) and len(probs) == (1 if t == 64 else 23)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    _, ref_grads = reference(q, k, v, d_out, SpanAttentionConfig.from_label("score:1111"), is_causal=True)
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 1e-9
 
 
 @pytest.mark.parametrize("label", ["score:1111", "score:1100@per_block"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_the_backward_pass_takes_a_quarter_of_the_batch_at_a_time(label, recompute, monkeypatch):
+def test_the_backward_pass_takes_a_part_of_the_batch_at_a_time(label, recompute, monkeypatch):
     """The backward pass takes about 1/_BACKWARD_CHUNKS of the (batch, key/value head) pairs at a
-    time, so that the rules' O(T·d) temporaries are that share of the batch's: whole batch entries
-    where there are as many, else parts of each entry's heads."""
+    time (here a quarter), so that the rules' O(T·d) temporaries, spans included, are that share of
+    the batch's: whole batch entries where there are as many, else parts of each entry's heads."""
+    monkeypatch.setattr(tile_engine, "_BACKWARD_CHUNKS", 4)
     if recompute:
-        monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
+        monkeypatch.setattr(tile_engine, "_KEPT_ROWS", 0)
     real, chunks = tile_engine._backward, []
     monkeypatch.setattr(tile_engine, "_backward",
-                        lambda batch, *args: chunks.append(tuple(batch.inputs.q.shape[:3])) or real(batch, *args))
+                        lambda batch, *args: chunks.append(tuple(batch.q.shape[:3])) or real(batch, *args))
     config = SpanAttentionConfig.from_label(label)
     cases = [(2, 3, [(1, 2, 2), (1, 1, 2)] * 2), (1, 3, [(1, 1, 2)] * 3), (5, 1, [(2, 1, 2)] * 2 + [(1, 1, 2)])]
     for b, h_kv, expected in cases:
@@ -297,7 +329,7 @@ def test_a_recomputed_backward_forms_each_probability_tile_once(label, monkeypat
 @pytest.mark.parametrize("recompute", [False, True])
 def test_dropout_uses_the_forward_mask(label, recompute, small_tiles, monkeypatch):
     if recompute:
-        monkeypatch.setattr(tile_engine, "_RECOMPUTE_FROM", 1)
+        monkeypatch.setattr(tile_engine, "_KEPT_ROWS", 0)
     config = SpanAttentionConfig.from_label(label)
     (q, k, v), d_out = make(h_q=4, h_kv=2)
     p = 0.3

@@ -75,13 +75,6 @@ class RuleInputs:
     v: torch.Tensor | None
     spans: rules.Spans
 
-    def select(self, rows: Rows) -> RuleInputs:
-        """The batch entries (and key/value heads) `rows` (see `pick`)."""
-        span = lambda s: s.select(rows) if s is not None else None  # noqa: E731
-        spans = self.spans
-        return RuleInputs(self.q[rows], self.k[rows], self.v[rows] if self.v is not None else None,
-                          rules.Spans(span(spans.k), span(spans.v), pick(spans.key_valid, rows)))
-
 
 # Part of a (B, H_kv, …) batch: batch entries, or batch entries and key/value heads.
 Rows = slice | tuple[slice, ...]

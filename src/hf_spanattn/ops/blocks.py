@@ -19,6 +19,11 @@ MaskTile = Callable[[int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
 _STACK_ELEMENTS = 1 << 20  # per stacked T×T buffer: about the cache of a CPU core, and small on a GPU
 
 
+def workspace_elements() -> int:
+    """About the most elements that the stacked T×T buffers of `TileBlocks` (scores, ∂L/∂P) hold."""
+    return 2 * _STACK_ELEMENTS
+
+
 class Workspace:
     """Scratch buffers reused by every backward chunk and tile: CPU tensors are not cached by an
     allocator, so every fresh buffer would pay its page faults again."""

@@ -50,10 +50,6 @@ class Span:
         projected = self.project(w)
         return torch.sub(w, projected, out=projected)
 
-    def select(self, rows: slice | tuple[slice, ...]) -> Span:
-        """The span of batch entries (and key/value heads) `rows`."""
-        return Span(self.basis[rows], None if self.coef is None else self.coef[rows])
-
     def pinv_t(self) -> torch.Tensor:
         """(X⁺)ᵀ = X (XᵀX)⁺, shape (…, T, d)."""
         if self.coef is None:

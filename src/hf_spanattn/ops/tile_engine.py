@@ -1,37 +1,41 @@
 """The tile backend of `span_attention`: the T×T work (scores, probabilities, ∂L/∂S and their
 products) as explicit matrices in row tiles of queries that meet only the keys their rows may
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
-`span_of`; the faster way on a CPU. The probabilities are kept from the forward pass, or, from
-_RECOMPUTE_FROM keys on, recomputed in the backward pass in small tiles, one at a time, each formed
-once for dV, G and all the products the rule asks for (memory O(T·d), as SDPA's). The backward
-pass takes about a quarter of the (batch entry, key/value head) pairs at a time. It answers the
-rules' `Operands` and `Blocks` from them (the contract in `backward.py`).
+`span_of`; the faster way on a CPU. The forward pass keeps the probabilities' tiles for the backward
+pass within a budget of O(T·d) elements, from the first tile on; the others are recomputed there,
+one at a time (memory O(T·d), as SDPA's, at any T). The backward pass forms each tile of ∂L/∂P once,
+takes dV, G and all the products the rule asks for from it, and takes about 1/_BACKWARD_CHUNKS of
+the (batch entry, key/value head) pairs at a time, spans included. It answers the rules' `Operands`
+and `Blocks` from them (the contract in `backward.py`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
 
-from hf_spanattn.ops import backward, rules
+from hf_spanattn.ops import backward, blocks, rules
 from hf_spanattn.ops.backward import Probe, Rows, pick
 from hf_spanattn.ops.blocks import TileBlocks, Workspace
 from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import Recomputed, Tile, Tiled, masked_softmax, row_range, row_tiles
+from hf_spanattn.ops.tiles import Recomputed, Tile, Tiled, masked_softmax, reach_tiles, row_range, row_tiles
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
-_BACKWARD_CHUNKS = 4
-# From this many keys on, the probabilities are not kept from the forward to the backward pass but
-# recomputed there, tile by tile, in tiles of _RECOMPUTED_ROWS head dims of query rows (at least 16):
-# memory O(T·d) as SDPA's rather than O(T²), for one more product QKᵀ per tile.
-_RECOMPUTE_FROM, _RECOMPUTED_ROWS = 2048, 2
+_BACKWARD_CHUNKS = 8
+# The forward pass keeps for the backward pass at most as many probabilities per query head as
+# _KEPT_ROWS rows of Q hold numbers (less the per-block rule's stacks): all of them up to 1024 keys
+# under a causal mask at d = 64, where keeping them is faster. The tiles past that are recomputed
+# there, one at a time, for one more product QKᵀ each: what is kept stays O(d) per head at any T,
+# and the peak within 4× SDPA's. Tiles then have at most _RECOMPUTED_ROWS head dims of query rows
+# (at least 16), which bounds the one in memory.
+_KEPT_ROWS, _RECOMPUTED_ROWS = 9216, 2
 
 
 @dataclass
@@ -110,23 +114,32 @@ _CAUSAL_MASKS: dict[tuple, _Mask] = {}  # a dict, not lru_cache: Dynamo traces i
 
 
 def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows: int | None) -> _Mask:
-    """The causal mask, built once per shape (the last few kept). It keeps only the tiles' parts that
-    are not zero, the squares on the diagonal (T × rows per tile numbers rather than T·S); nothing
-    reads them but to add them."""
+    """The causal mask (row i attends keys ≤ i), built once per shape (the last few kept) from the
+    tiles alone: only their parts that are not zero, the squares on the diagonal (T × rows per tile
+    numbers rather than T·S); nothing reads them but to add them."""
     key = (t, s, dtype, device, rows)
     if key not in _CAUSAL_MASKS:
-        attend = torch.ones(t, s, dtype=torch.bool, device=device).tril()
-        mask = _prepare_mask(attend, False, (1, 1, 1, t, s), dtype, device, rows)
+        tiles = reach_tiles([min(i + 1, s) for i in range(t)], rows)
+        first_masked, additive = [], []
+        for start, end, cols in tiles:
+            lo = min(start + 1, cols)  # row `start` attends no key past itself
+            above = torch.arange(lo, cols, device=device) > torch.arange(start, end, device=device)[:, None]
+            first_masked.append(lo)
+            additive.append(torch.zeros(above.shape, dtype=dtype, device=device).masked_fill_(above, -math.inf)
+                            .view(1, 1, 1, *above.shape) if lo < cols else None)
         if len(_CAUSAL_MASKS) >= 4:
             del _CAUSAL_MASKS[next(iter(_CAUSAL_MASKS))]
-        _CAUSAL_MASKS[key] = replace(mask, additive=[a.clone() if a is not None else None for a in mask.additive])
+        key_valid = (torch.arange(s, device=device) < t).view(1, 1, 1, s, 1) if s > t else None  # keys no row reaches
+        _CAUSAL_MASKS[key] = _Mask(tiles, first_masked, additive, key_valid, None)
     return _CAUSAL_MASKS[key]
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, recompute: bool = False) -> Tiled:
-    """softmax(scale·Q Kᵀ + mask) in q's dtype, tile by tile (kept, or `Recomputed` when read);
-    rows with no finite mask entry give 0 (as SDPA). Scores and softmax are in the work dtype:
-    float32 for half inputs, whose scores may pass the half range (65504 in float16), as SDPA's."""
+def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
+           kept: list[torch.Tensor | None] | None = None) -> Tiled:
+    """softmax(scale·Q Kᵀ + mask) in q's dtype, tile by tile: all formed now, or with `kept` the tiles
+    there and the others `Recomputed` when read. Rows with no finite mask entry give 0 (as SDPA).
+    Scores and softmax are in the work dtype: float32 for half inputs, whose scores may pass the half
+    range (65504 in float16), as SDPA's."""
     work = backward.work_dtype(q.dtype)
 
     def tile(i: int) -> torch.Tensor:
@@ -137,10 +150,31 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float, recomput
             scores[..., lo:].add_(additive)
         return masked_softmax(scores, dead_rows).to(q.dtype)
 
-    if recompute:
-        select = lambda rows: _probs(q[rows], k[rows], mask.select(rows), scale, True).parts  # noqa: E731
-        return Tiled(mask.tiles, Recomputed(tile, len(mask.tiles), select), q.shape[-2], k.shape[-2], q.dtype)
-    return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])
+    if kept is None:
+        return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])
+
+    def select(rows: Rows) -> Recomputed:
+        return _probs(q[rows], k[rows], mask.select(rows), scale, [p if p is None else p[rows] for p in kept]).parts
+
+    part = lambda i: kept[i] if kept[i] is not None else tile(i)  # noqa: E731
+    return Tiled(mask.tiles, Recomputed(part, len(mask.tiles), select), q.shape[-2], k.shape[-2], q.dtype)
+
+
+def _kept_tiles(mask: _Mask, shape: tuple[int, ...], budget: int) -> list[bool]:
+    """Which tiles of P the forward pass keeps, from the first, within `budget` elements; `shape`:
+    (B, H_kv, g, T, S)."""
+    per_row, kept, total = math.prod(shape[:3]), [], 0
+    for start, end, cols in mask.tiles:
+        total += per_row * (end - start) * cols
+        kept.append(total <= budget)
+    return kept
+
+
+def _kept(kept: list[torch.Tensor | None], i: int, tile: torch.Tensor, keep: bool) -> torch.Tensor:
+    """Tile i, put in `kept` if `keep`."""
+    if keep:
+        kept[i] = tile
+    return tile
 
 
 def _dropped(probs: Tiled, keep: torch.Tensor | None, dropout_p: float) -> Tiled:
@@ -160,31 +194,36 @@ class SpanAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, mask: _Mask, dropout_p: float, scale: float, config: SpanAttentionConfig,
-                probe: Probe | None, recompute: bool):
-        probs = _probs(q, k, mask, scale, recompute)
+                probe: Probe | None, kept_tiles: list[bool]):
+        if all(kept_tiles):
+            probs = _probs(q, k, mask, scale)
+            kept = probs.parts
+        else:  # each tile formed once, for the output, and kept if marked
+            kept = [None] * len(kept_tiles)
+            formed = _probs(q, k, mask, scale, kept).parts
+            probs = Tiled(mask.tiles, Recomputed(lambda i: _kept(kept, i, formed[i], kept_tiles[i]), len(kept)),
+                          q.shape[-2], k.shape[-2], q.dtype)
         keep = None
         if dropout_p > 0:
             # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
             keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
         out = _dropped(probs, keep, dropout_p) @ v
         learnable = attn_mask if ctx.needs_input_grad[3] else None
-        ctx.save_for_backward(q, k, v, keep, learnable, *([] if recompute else probs.parts))
+        ctx.save_for_backward(q, k, v, keep, learnable, *kept)
         ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
-        ctx.recompute = recompute
         return out
 
     @staticmethod
     @backward.first_order_only
     def backward(ctx, d_out):
-        q, k, v, keep, learnable, *parts = ctx.saved_tensors
+        q, k, v, keep, learnable, *kept = ctx.saved_tensors
         mask = ctx.mask
-        probs = _probs(q, k, mask, ctx.scale, True) if ctx.recompute else Tiled(mask.tiles, parts, q.shape[-2],
-                                                                                   k.shape[-2])
+        probs = (Tiled(mask.tiles, kept, q.shape[-2], k.shape[-2]) if all(p is not None for p in kept)
+                 else _probs(q, k, mask, ctx.scale, kept))
         d_mask = None
         if learnable is not None:
             d_mask = backward.mask_grad(_mask_free_grads(probs, v, keep, ctx.dropout_p, d_out), learnable)
-        inputs = backward.prepare(q, k, v, mask.key_valid, ctx.config.rule, _spans_of, probing=ctx.probe is not None)
-        batch = _Batch(v, keep, d_out.contiguous(), probs, mask, inputs)
+        batch = _Batch(q, k, v, keep, d_out.contiguous(), probs, mask)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         workspace = Workspace()
         records: list[tuple[Rows, dict]] = []
@@ -247,16 +286,21 @@ def _spans_of(k: torch.Tensor, v: torch.Tensor | None, pinv: bool) -> tuple[Span
 class _Batch:
     """What the backward pass reads, for the whole batch or a chunk of it."""
 
+    q: torch.Tensor
+    k: torch.Tensor
     v: torch.Tensor
     keep: torch.Tensor | None
     d_out: torch.Tensor
     probs: Tiled
     mask: _Mask
-    inputs: backward.RuleInputs
+
+    def rule_inputs(self, config: SpanAttentionConfig, probing: bool) -> backward.RuleInputs:
+        """The rule's inputs, spans included: taken per chunk, so that they too are a chunk's size."""
+        return backward.prepare(self.q, self.k, self.v, self.mask.key_valid, config.rule, _spans_of, probing)
 
     def select(self, rows: Rows) -> _Batch:
         """The batch entries (and key/value heads) `rows`."""
-        pick = lambda x: x.select(rows) if isinstance(x, (Tiled, _Mask, backward.RuleInputs)) else x[rows]  # noqa: E731
+        pick = lambda x: x.select(rows) if isinstance(x, (Tiled, _Mask)) else x[rows]  # noqa: E731
         return _Batch(*(None if x is None else pick(x) for x in (getattr(self, f.name) for f in fields(self))))
 
 
@@ -265,30 +309,29 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     """One chunk of the batch: (dQ, dK, dV)."""
     v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
     recomputed = isinstance(probs.parts, Recomputed)
-    if recomputed and not config.rule.per_block:
+    if not config.rule.per_block and (recomputed or probe is None):
         return _backward_in_one_pass(batch, dropout_p, scale, config, probe)
     dv = rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out)
-
-    def tile_d_probs(_, start: int, end: int, cols: int) -> torch.Tensor:
-        name = "d_probs_tile" if recomputed else f"d_probs{start}"  # recomputed: one tile at a time
-        out = workspace(name, (*scaled_d_out.shape[:-2], end - start, cols), d_out.dtype, d_out.device)
-        return _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols), out)
-
     scaled_d_out = d_out * scale
-    if recomputed:  # dP needs no P: form it alone
-        tiles = probs.tiles
-        d_probs = Tiled(tiles, Recomputed(lambda i: tile_d_probs(None, *tiles[i]), len(tiles)), probs.t, probs.s,
+    tiles = probs.tiles
+
+    def tile_d_probs(i: int, name: str) -> torch.Tensor:
+        start, end, cols = tiles[i]
+        out = workspace(name, (*scaled_d_out.shape[:-2], end - start, cols), d_out.dtype, d_out.device)
+        return _d_probs(scaled_d_out, v, keep, mask, dropout_p, tiles[i], out)
+
+    if config.rule.per_block:  # the blocks read each tile of dP once, and not P: one tile at a time
+        d_probs = Tiled(tiles, Recomputed(lambda i: tile_d_probs(i, "d_probs_tile"), len(tiles)), probs.t, probs.s,
                         d_out.dtype)
-    else:
-        d_probs = probs.map(tile_d_probs)
+    else:  # the probe's calls of `products` share G
+        d_probs = Tiled(tiles, [tile_d_probs(i, f"d_probs{i}") for i in range(len(tiles))], probs.t, probs.s)
     block_products = TileBlocks(d_probs, scale, mask.tile, workspace)
 
     @functools.cache
     def softmax_grad() -> Tiled:
-        """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile; in dP's buffers unless blocks read dP."""
-        in_place = not config.rule.per_block
+        """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile, in dP's buffers."""
         return d_probs.combine(probs, lambda dp, p, *_: torch.ops.aten._softmax_backward_data.out(
-            dp, p, -1, dp.dtype, grad_input=dp if in_place else torch.empty_like(dp)))
+            dp, p, -1, dp.dtype, grad_input=dp))
 
     def products(needs: rules.Operands | rules.Blocks) -> rules.Products | rules.BlockProducts:
         if isinstance(needs, rules.Blocks):
@@ -297,7 +340,7 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
         return rules.Products(_side(g, needs.query),
                               {name: rules.group_sum(y) for name, y in _side(g.mT, needs.key).items()})
 
-    dq, dk = backward.rule_grads(config, batch.inputs, products, probe)
+    dq, dk = backward.rule_grads(config, batch.rule_inputs(config, probe is not None), products, probe)
     return backward.scaled((dq, dk, dv), config.qkv_alphas)
 
 
@@ -315,9 +358,9 @@ def _d_probs(scaled_d_out: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | N
 
 def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config: SpanAttentionConfig,
                           probe: Probe | None):
-    """`_backward` where the probabilities are recomputed: each tile of P is formed once per call of
-    `products`, and dV, scale·∂L/∂P, G and all the products the rule asks for are taken from it
-    while it is in memory (the first call also gives dV)."""
+    """`_backward` for the rules that ask for `Operands`: each tile of P is read (or recomputed)
+    once per call of `products`, and dV, scale·∂L/∂P, G and all the products the rule asks for are
+    taken from it while it is in memory (the first call also gives dV): no T×T buffer but one tile."""
     v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
     scaled_d_out = d_out * scale
     dv: list[torch.Tensor] = []
@@ -343,7 +386,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
                               {name: rules.group_sum(part) for name, part in _named(gy, needs.key).items()}
                               if gy is not None else {})
 
-    dq, dk = backward.rule_grads(config, batch.inputs, products, probe)
+    dq, dk = backward.rule_grads(config, batch.rule_inputs(config, probe is not None), products, probe)
     if not dv:  # the rule asked for no product of G
         dv.append(rules.group_sum(_dropped(probs, keep, dropout_p).mT @ d_out))
     return backward.scaled((dq, dk, dv[0]), config.qkv_alphas)
@@ -372,10 +415,17 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     q, k = backward.grouped(query, key)
     detached = attn_mask.detach() if attn_mask is not None else None
     shape = (*q.shape[:-1], k.shape[-2])
-    recompute = shape[-1] >= _RECOMPUTE_FROM
-    rows = max(16, int(_RECOMPUTED_ROWS * query.shape[-1])) if recompute else None
-    mask = _prepare_mask(detached, is_causal, shape, backward.work_dtype(query.dtype), query.device, rows)
+    work = backward.work_dtype(query.dtype)
+    budget = _KEPT_ROWS * math.prod(query.shape[:-2]) * query.shape[-1]
+    budget -= blocks.workspace_elements() if config.rule.per_block else 0
+    mask = _prepare_mask(detached, is_causal, shape, work, query.device)
+    kept_tiles = _kept_tiles(mask, shape, budget)
+    if not all(kept_tiles):  # tiles small enough that the one in memory is O(T·d)
+        rows = max(16, int(_RECOMPUTED_ROWS * query.shape[-1]))
+        if any(end - start > rows for start, end, _ in mask.tiles):
+            mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows)
+            kept_tiles = _kept_tiles(mask, shape, budget)
     learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
     out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), learnable, mask, dropout_p, scale, config, probe,
-                                      recompute)
+                                      kept_tiles)
     return out.reshape(*query.shape[:-1], value.shape[-1])

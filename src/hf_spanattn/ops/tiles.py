@@ -23,13 +23,17 @@ def row_tiles(attend: torch.Tensor | None, t: int, s: int, rows: int | None = No
     """The tiles of T query rows over S keys for a bool mask (…, T, S), True = attend; a tile's
     rows attend only keys < its columns. Neighbouring tiles that reach as far merge (unless `rows`,
     the rows per tile, is given), and rows that attend nothing are in no tile."""
-    fixed = rows is not None
-    rows = rows or max(_TILE_ROWS, -(-t // _MAX_TILES))
     if attend is None:
-        return [(start, min(start + rows, t), s) for start in range(0, t, rows)] if fixed else [(0, t, s)]
+        return [(start, min(start + rows, t), s) for start in range(0, t, rows)] if rows else [(0, t, s)]
     attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0).expand(-1, s)  # a mask may broadcast over the keys
     last = attend.flip(-1).to(torch.uint8).argmax(dim=-1)  # from the end: the last key attended
-    reach = torch.where(attend.any(dim=-1), s - last, 0).expand(t).tolist()
+    return reach_tiles(torch.where(attend.any(dim=-1), s - last, 0).expand(t).tolist(), rows)
+
+
+def reach_tiles(reach: list[int], rows: int | None = None) -> list[Tile]:
+    """`row_tiles` of the query rows whose row i attends only keys < reach[i] (0: none)."""
+    t, fixed = len(reach), rows is not None
+    rows = rows or max(_TILE_ROWS, -(-t // _MAX_TILES))
     tiles: list[Tile] = []
     for start in range(0, t, rows):
         end = min(start + rows, t)
