@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 _BACKWARD_CHUNKS = 8
 # The forward pass keeps for the backward pass at most as many probabilities per query head as
-# _KEPT_ROWS rows of Q hold numbers (less the per-block rule's stacks): all of them up to 1024 keys
+# _KEPT_ROWS rows of Q hold numbers (less twice the per-block rule's stacks): all of them up to 1024 keys
 # under a causal mask at d = 64, where keeping them is faster. The tiles past that are recomputed
 # there, one at a time, for one more product QKᵀ each: what is kept stays O(d) per head at any T,
 # and the peak within 4× SDPA's. Tiles then have at most _RECOMPUTED_ROWS head dims of query rows
@@ -417,7 +417,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     shape = (*q.shape[:-1], k.shape[-2])
     work = backward.work_dtype(query.dtype)
     budget = _KEPT_ROWS * math.prod(query.shape[:-2]) * query.shape[-1]
-    budget -= blocks.workspace_elements() if config.rule.per_block else 0
+    budget -= 2 * blocks.workspace_elements() if config.rule.per_block else 0  # its stacks, and their products
     mask = _prepare_mask(detached, is_causal, shape, work, query.device)
     kept_tiles = _kept_tiles(mask, shape, budget)
     if not all(kept_tiles):  # tiles small enough that the one in memory is O(T·d)
