@@ -2,8 +2,8 @@
 products) as explicit matrices in row tiles of queries that meet only the keys their rows may
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
 `span_of`; the faster way on a CPU. The forward pass keeps the probabilities' tiles for the backward
-pass within a budget of O(T·d) elements, from the first tile on; the others are recomputed there,
-one at a time (memory O(T·d), as SDPA's, at any T). The backward pass forms each tile of ∂L/∂P once,
+pass within a budget of O(d) elements per query head, from the first tile on; the others are
+recomputed there, one at a time (memory O(T·d), as SDPA's, at any T). The backward pass forms each tile of ∂L/∂P once,
 takes dV, G and all the products the rule asks for from it, and takes about 1/_BACKWARD_CHUNKS of
 the (batch entry, key/value head) pairs at a time, spans included. It answers the rules' `Operands`
 and `Blocks` from them (the contract in `backward.py`).
@@ -135,9 +135,10 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows:
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
-           kept: list[torch.Tensor | None] | None = None) -> Tiled:
+           kept: list[torch.Tensor | None] | None = None, keep: list[bool] | None = None) -> Tiled:
     """softmax(scale·Q Kᵀ + mask) in q's dtype, tile by tile: all formed now, or with `kept` the tiles
-    there and the others `Recomputed` when read. Rows with no finite mask entry give 0 (as SDPA).
+    there and the others `Recomputed` when read (and put in `kept` where `keep` marks them). Rows
+    with no finite mask entry give 0 (as SDPA).
     Scores and softmax are in the work dtype: float32 for half inputs, whose scores may pass the half
     range (65504 in float16), as SDPA's."""
     work = backward.work_dtype(q.dtype)
@@ -156,7 +157,14 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
     def select(rows: Rows) -> Recomputed:
         return _probs(q[rows], k[rows], mask.select(rows), scale, [p if p is None else p[rows] for p in kept]).parts
 
-    part = lambda i: kept[i] if kept[i] is not None else tile(i)  # noqa: E731
+    def part(i: int) -> torch.Tensor:
+        if kept[i] is None:
+            formed = tile(i)
+            if keep is not None and keep[i]:
+                kept[i] = formed
+            return formed
+        return kept[i]
+
     return Tiled(mask.tiles, Recomputed(part, len(mask.tiles), select), q.shape[-2], k.shape[-2], q.dtype)
 
 
@@ -168,13 +176,6 @@ def _kept_tiles(mask: _Mask, shape: tuple[int, ...], budget: int) -> list[bool]:
         total += per_row * (end - start) * cols
         kept.append(total <= budget)
     return kept
-
-
-def _kept(kept: list[torch.Tensor | None], i: int, tile: torch.Tensor, keep: bool) -> torch.Tensor:
-    """Tile i, put in `kept` if `keep`."""
-    if keep:
-        kept[i] = tile
-    return tile
 
 
 def _dropped(probs: Tiled, keep: torch.Tensor | None, dropout_p: float) -> Tiled:
@@ -200,9 +201,7 @@ class SpanAttentionFunction(torch.autograd.Function):
             kept = probs.parts
         else:  # each tile formed once, for the output, and kept if marked
             kept = [None] * len(kept_tiles)
-            formed = _probs(q, k, mask, scale, kept).parts
-            probs = Tiled(mask.tiles, Recomputed(lambda i: _kept(kept, i, formed[i], kept_tiles[i]), len(kept)),
-                          q.shape[-2], k.shape[-2], q.dtype)
+            probs = _probs(q, k, mask, scale, kept, kept_tiles)
         keep = None
         if dropout_p > 0:
             # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
