@@ -261,24 +261,25 @@ def test_partly_kept_tiles_match_float64_reference(label, case, small_tiles, par
     check_against_reference(label, case)
 
 
-@pytest.mark.parametrize("t", [64, 512])
-def test_the_forward_pass_keeps_probabilities_within_its_budget(t):
-    """The forward pass keeps at most as many probabilities per query head as _KEPT_ROWS rows of Q
-    hold, tiles from the first on: all of them where they fit (T = 64), else (T = 512, d = 8) the
-    first 23 of 32 tiles of 16 rows (16² · (1 + … + 23) ≤ 9216 · 8), and recomputes the others in
-    the backward pass."""
+@pytest.mark.parametrize(("t", "is_causal", "kept_tiles"),
+                         [(64, True, 1), (512, True, 16), (64, False, 1), (80, False, 4)])
+def test_the_forward_pass_keeps_probabilities_within_its_budget(t, is_causal, kept_tiles):
+    """The forward pass keeps at most as many probabilities per query head as min(_KEPT_ROWS,
+    _KEPT_PER_ROW·T) rows of Q hold, tiles from the first on, and recomputes the others in the
+    backward pass. At d = 8: all of them where they fit (T = 64: 4096 ≤ 9·64·8); under a causal mask at
+    T = 512 the first 16 of 32 tiles of 16 rows (16² · (1 + … + 16) ≤ 9·512·8 = 36864); without a mask
+    at T = 80, 4 of 5 tiles of 16 × 80 (5120 ≤ 5760 < 6400)."""
     q, k, v = (torch.randn(1, 1, t, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    budget = tile_engine._KEPT_ROWS * 8
+    budget = min(tile_engine._KEPT_ROWS, tile_engine._KEPT_PER_ROW * t) * 8
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
-        out = span_attention(q, k, v, is_causal=True, config=SpanAttentionConfig.from_label("score:1111"))
+        out = span_attention(q, k, v, is_causal=is_causal, config=SpanAttentionConfig.from_label("score:1111"))
     probs = [x for x in saved if x.shape[-1] != 8 and x.dim() == 5]  # the kept tiles (…, rows, columns)
     kept = sum(x.numel() for x in probs)
-    assert 0 < kept <= budget
-    assert (kept == t * t) == (t == 64) and len(probs) == (1 if t == 64 else 23)
+    assert 0 < kept <= budget and len(probs) == kept_tiles
     d_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
-    _, ref_grads = reference(q, k, v, d_out, SpanAttentionConfig.from_label("score:1111"), is_causal=True)
+    _, ref_grads = reference(q, k, v, d_out, SpanAttentionConfig.from_label("score:1111"), is_causal=is_causal)
     for g, r in zip(grads, ref_grads):
         assert rel(g, r) < 1e-9
 
@@ -290,6 +291,7 @@ def test_the_backward_pass_takes_a_part_of_the_batch_at_a_time(label, recompute,
     time (here a quarter), so that the rules' O(T·d) temporaries, spans included, are that share of
     the batch's: whole batch entries where there are as many, else parts of each entry's heads."""
     monkeypatch.setattr(tile_engine, "_BACKWARD_CHUNKS", 4)
+    monkeypatch.setattr(tile_engine, "_FEW_KEPT", 0)  # parts: _BACKWARD_CHUNKS (see the next test)
     if recompute:
         monkeypatch.setattr(tile_engine, "_KEPT_ROWS", 0)
     real, chunks = tile_engine._backward, []
@@ -305,6 +307,32 @@ def test_the_backward_pass_takes_a_part_of_the_batch_at_a_time(label, recompute,
         ref_out, ref_grads = reference(q, k, v, d_out, config, is_causal=True)
         for g, r in zip(grads, ref_grads):
             assert rel(g, r) < 1e-9
+
+
+@pytest.mark.parametrize(("label", "t", "is_causal", "kept_rows", "parts"), [
+    ("score:1111", 24, True, None, 4),  # one tile of 24² = 576 probabilities per head ≤ 5·T·d = 600
+    ("score:1111", 28, True, None, 8),  # 784 > 700
+    ("score:1000", 24, False, None, 4),
+    ("score:1000", 28, False, None, 8),
+    ("score:1100@per_block", 24, True, None, 8),  # the per-block rule's stacks are larger: always eight
+    ("score:1111", 24, True, 0, 8),  # the probabilities recomputed
+])
+def test_the_backward_pass_takes_larger_parts_where_few_probabilities_are_kept(label, t, is_causal, kept_rows,
+                                                                              parts, monkeypatch):
+    """Where the kept probabilities are at most _FEW_KEPT·T·d per query head (T ≤ 512 under a causal mask
+    at d = 64), the backward pass takes the batch in half as many parts: the rule's temporaries, not
+    P, then bound the memory, and larger parts run faster."""
+    if kept_rows is not None:
+        monkeypatch.setattr(tile_engine, "_KEPT_ROWS", kept_rows)
+    real, chunks = tile_engine._backward, []
+    monkeypatch.setattr(tile_engine, "_backward", lambda batch, *args: chunks.append(1) or real(batch, *args))
+    config = SpanAttentionConfig.from_label(label)
+    (q, k, v), d_out = make(b=8, h_q=2, h_kv=1, t=t)
+    out, grads = run((q, k, v), d_out, config, is_causal=is_causal)
+    assert len(chunks) == parts
+    ref_out, ref_grads = reference(q, k, v, d_out, config, is_causal=is_causal)
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 1e-9
 
 
 @pytest.mark.parametrize("label", ["score:1000", "score:1111", "simple:10"])

@@ -4,7 +4,7 @@ attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank
 `span_of`; the faster way on a CPU. The forward pass keeps the probabilities' tiles for the backward
 pass within a budget of O(d) elements per query head, from the first tile on; the others are
 recomputed there, one at a time (memory O(T·d), as SDPA's, at any T). The backward pass forms each tile of ∂L/∂P once,
-takes dV, G and all the products the rule asks for from it, and takes about 1/_BACKWARD_CHUNKS of
+takes dV, G and all the products the rule asks for from it, and takes an eighth or a quarter of
 the (batch entry, key/value head) pairs at a time, spans included. It answers the rules' `Operands`
 and `Blocks` from them (the contract in `backward.py`).
 """
@@ -28,14 +28,20 @@ from hf_spanattn.ops.tiles import Recomputed, Tile, Tiled, masked_softmax, reach
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
-_BACKWARD_CHUNKS = 8
+# The backward pass takes the batch in _BACKWARD_CHUNKS parts, which bounds the rules' O(T·d)
+# temporaries to that share of the batch's; in half as many where the kept probabilities are few
+# beside them (at most _FEW_KEPT·T·d per query head: T ≤ 512 under a causal mask at d = 64, whose
+# tiles hold 4.5·T·d, and T ≤ 320 without) and the rule is not per-block, whose stacks are larger:
+# fewer, larger products run faster on a few cores.
+_BACKWARD_CHUNKS, _FEW_KEPT = 8, 5
 # The forward pass keeps for the backward pass at most as many probabilities per query head as
-# _KEPT_ROWS rows of Q hold numbers (less twice the per-block rule's stacks): all of them up to 1024 keys
-# under a causal mask at d = 64, where keeping them is faster. The tiles past that are recomputed
-# there, one at a time, for one more product QKᵀ each: what is kept stays O(d) per head at any T,
-# and the peak within 4× SDPA's. Tiles then have at most _RECOMPUTED_ROWS head dims of query rows
-# (at least 16), which bounds the one in memory.
-_KEPT_ROWS, _RECOMPUTED_ROWS = 9216, 2
+# min(_KEPT_ROWS, _KEPT_PER_ROW·T) rows of Q hold numbers (less twice the per-block rule's stacks): all
+# of them up to 1024 keys under a causal mask at d = 64 (9·T·d there), where keeping them is faster,
+# and up to 576 keys without one. The tiles past that are recomputed there, one at a time, for one
+# more product QKᵀ each: what is kept stays O(d) per head at any T, at most 9 times Q, and the peak
+# within 4× SDPA's. Tiles then have at most _RECOMPUTED_ROWS head dims of query rows (at least 16),
+# which bounds the one in memory.
+_KEPT_ROWS, _KEPT_PER_ROW, _RECOMPUTED_ROWS = 9216, 9, 2
 
 
 @dataclass
@@ -226,7 +232,7 @@ class SpanAttentionFunction(torch.autograd.Function):
         grads = [torch.empty_like(x) for x in (q, k, v)]
         workspace = Workspace()
         records: list[tuple[Rows, dict]] = []
-        for rows in _backward_chunks(q.shape):
+        for rows in _backward_chunks(q.shape, _backward_parts(q.shape, kept, ctx.config.rule.per_block)):
             probe = (lambda record, rows=rows: records.append((rows, record))) if ctx.probe is not None else None
             chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, probe, workspace)
             for grad, part in zip(grads, chunk):
@@ -236,16 +242,24 @@ class SpanAttentionFunction(torch.autograd.Function):
         return (*grads, d_mask, None, None, None, None, None, None)
 
 
-def _backward_chunks(shape: torch.Size) -> list[Rows]:
-    """The parts of the (B, H_kv, …) batch that the backward pass takes one at a time: batch entries
+def _backward_parts(shape: torch.Size, kept: list[torch.Tensor | None], per_block: bool) -> int:
+    """How many parts the backward pass takes the batch of q (B, H_kv, g, T, d) in, given the
+    probabilities' tiles kept (None where recomputed; see _BACKWARD_CHUNKS)."""
+    few = (not per_block and all(p is not None for p in kept)
+           and sum(p.shape[-2] * p.shape[-1] for p in kept) <= _FEW_KEPT * shape[-2] * shape[-1])
+    return _BACKWARD_CHUNKS // 2 if few else _BACKWARD_CHUNKS
+
+
+def _backward_chunks(shape: torch.Size, parts: int) -> list[Rows]:
+    """The `parts` of the (B, H_kv, …) batch that the backward pass takes one at a time: batch entries
     and key/value heads are independent, and a part bounds the rule's O(T·d) temporaries to about
-    1/_BACKWARD_CHUNKS of the batch's. Whole batch entries where there are as many; else the key/value
-    heads of each entry in as many parts as make _BACKWARD_CHUNKS in all (one head each at B = 1)."""
+    1/parts of the batch's. Whole batch entries where there are as many; else the key/value heads of
+    each entry in as many parts as make `parts` in all (one head each at B = 1)."""
     b, h_kv = shape[:2]
-    if b >= _BACKWARD_CHUNKS:
-        step = math.ceil(b / _BACKWARD_CHUNKS)
+    if b >= parts:
+        step = math.ceil(b / parts)
         return [slice(start, start + step) for start in range(0, b, step)]
-    heads = math.ceil(h_kv * b / _BACKWARD_CHUNKS)
+    heads = math.ceil(h_kv * b / parts)
     return [(slice(i, i + 1), slice(j, j + heads)) for i in range(b) for j in range(0, h_kv, heads)]
 
 
@@ -415,7 +429,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     detached = attn_mask.detach() if attn_mask is not None else None
     shape = (*q.shape[:-1], k.shape[-2])
     work = backward.work_dtype(query.dtype)
-    budget = _KEPT_ROWS * math.prod(query.shape[:-2]) * query.shape[-1]
+    budget = min(_KEPT_ROWS, _KEPT_PER_ROW * query.shape[-2]) * math.prod(query.shape[:-2]) * query.shape[-1]
     budget -= 2 * blocks.workspace_elements() if config.rule.per_block else 0  # its stacks, and their products
     mask = _prepare_mask(detached, is_causal, shape, work, query.device)
     kept_tiles = _kept_tiles(mask, shape, budget)
