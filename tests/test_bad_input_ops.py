@@ -116,6 +116,23 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "scale_numpy_int": (lambda: with_(qkv(), scale=np.int64(2)), SDPA),
     "scale_0d_tensor": (lambda: with_(qkv(), scale=torch.tensor(0.3, dtype=torch.float64)), SDPA),
     "scale_0d_int_tensor": (lambda: with_(qkv(), scale=torch.tensor(1)), SDPA),
+    # bools as SDPA takes them (0 and 1)
+    "scale_a_bool": (lambda: with_(qkv(), scale=True), SDPA),
+    "scale_false": (lambda: with_(qkv(), scale=False, is_causal=True), SDPA),
+    "scale_numpy_bool": (lambda: with_(qkv(), scale=np.bool_(True)), SDPA),
+    "scale_0d_bool_tensor": (lambda: with_(qkv(), scale=torch.tensor(True)), SDPA),
+    "dropout_a_bool": (lambda: with_(qkv(), dropout_p=True), SDPA),
+    "dropout_false": (lambda: with_(qkv(), dropout_p=False), SDPA),
+    "dropout_numpy_bool": (lambda: with_(qkv(), dropout_p=np.bool_(False)), SDPA),
+    "dropout_0d_bool_tensor": (lambda: with_(qkv(), dropout_p=torch.tensor(False)), SDPA),
+    # scales that are not positive, or not finite: SDPA's math kernel (the CPU's flash kernel has NaN
+    # rows under is_causal with a scale ≤ 0)
+    "scale_zero_causal": (lambda: with_(qkv(), scale=0.0, is_causal=True), SDPA),
+    "scale_minus_zero_causal": (lambda: with_(qkv(), scale=-0.0, is_causal=True), SDPA),
+    "scale_negative_causal": (lambda: with_(qkv(), scale=-0.7, is_causal=True), SDPA),
+    "scale_negative_padding": (lambda: with_(qkv(), scale=-0.7, attn_mask=left_padding(None)), SDPA),
+    "scale_inf": (lambda: with_(qkv(), scale=float("inf")), SDPA),
+    "scale_minus_inf_causal": (lambda: with_(qkv(), scale=float("-inf"), is_causal=True), SDPA),
     # clear errors
     "key_on_meta": (lambda: moved(qkv(), "key", "meta"), (ValueError, "one device")),
     "query_on_meta": (lambda: moved(qkv(), "query", "meta"), (ValueError, "one device")),
@@ -141,11 +158,16 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "batches_do_not_broadcast": (lambda: with_(qkv(), key=qkv(b=3)["key"], value=qkv(b=3)["value"]),
                                  (ValueError, "broadcast")),
     "scale_not_a_number": (lambda: with_(qkv(), scale="0.5"), (TypeError, "scale")),
-    "scale_a_bool": (lambda: with_(qkv(), scale=True), (TypeError, "scale must be a float.*not a bool")),
     "scale_needs_grad": (lambda: with_(qkv(), scale=torch.tensor(0.5, requires_grad=True)),
                          (TypeError, "scale must be a float.*0-d tensor that needs no gradient")),
     "scale_1d_tensor": (lambda: with_(qkv(), scale=torch.tensor([0.5])), (TypeError, "scale must be a float")),
-    "dropout_a_bool": (lambda: with_(qkv(), dropout_p=True), (TypeError, r"dropout_p must be a float.*True \(bool\)")),
+    "scale_nan": (lambda: with_(qkv(), scale=float("nan")), (ValueError, "scale must be a number or None.*NaN")),
+    "scale_numpy_nan": (lambda: with_(qkv(), scale=np.float32("nan"), is_causal=True), (ValueError, "scale.*NaN")),
+    "scale_0d_nan_tensor": (lambda: with_(qkv(), scale=torch.tensor(float("nan"))), (ValueError, "scale.*NaN")),
+    "scale_too_large_an_int": (lambda: with_(qkv(), scale=10**400),
+                               (TypeError, r"scale must be a float.*range.*\(int\)")),
+    "scale_0d_numpy_array": (lambda: with_(qkv(), scale=np.array(0.5)), (TypeError, r"scale must be a float.*ndarray")),
+    "dropout_too_large_an_int": (lambda: with_(qkv(), dropout_p=10**400), (TypeError, r"dropout_p must be a float")),
     "dropout_a_string": (lambda: with_(qkv(), dropout_p="0.1"), (TypeError, "dropout_p must be a float")),
     "dropout_numpy_above_one": (lambda: with_(qkv(), dropout_p=np.float32(1.5)), (ValueError, r"dropout_p.*\[0, 1\]")),
     "is_causal_an_int": (lambda: with_(qkv(), is_causal=1), (TypeError, r"is_causal must be True or False.*1 \(int\)")),
@@ -350,3 +372,33 @@ def test_second_derivative_says_it_is_not_supported(label, backend):
         torch.testing.assert_close(g, p, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match=r"span_attention: a second derivative.*standard:QKV111.*MATH"):
         sum(g.square().sum() for g in grads).backward()
+
+
+SCALES = {"zero": 0.0, "minus_zero": -0.0, "negative": -0.7, "inf": float("inf"), "minus_inf": float("-inf"),
+          "true": True, "false": False, "numpy_bool": np.bool_(True), "bool_tensor": torch.tensor(False),
+          "half_tensor": torch.tensor(0.3, dtype=torch.float16), "int": 3, "numpy_float": np.float64(0.4),
+          "tiny": 1e-30}
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("name", list(SCALES))
+def test_every_scale_sdpa_takes_gives_sdpas_result(name, is_causal, backend):
+    """On each CPU backend, with and without autograd: SDPA's math kernel's output and (at score:1111)
+    gradients, NaN in the same (batch, head) blocks where they are NaN."""
+    scale = SCALES[name]
+    inputs = list(qkv(dtype=torch.float32).values())
+    d_out = torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(7))
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale)
+    expected_grads = torch.autograd.grad(expected, leaves, d_out)
+    with torch.no_grad():
+        plain = span_attention(*inputs, is_causal=is_causal, scale=scale, config=EXACT, backend=backend)
+    out = span_attention(*leaves, is_causal=is_causal, scale=scale, config=EXACT, backend=backend)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    for got, want in ((plain, expected), (out, expected), *zip(grads, expected_grads)):
+        bad = blocks_not_finite(want)
+        assert torch.equal(blocks_not_finite(got), bad)
+        keep = (~bad)[..., None, None]
+        torch.testing.assert_close(torch.where(keep, got, 0), torch.where(keep, want, 0), rtol=1e-4, atol=1e-5)

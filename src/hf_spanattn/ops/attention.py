@@ -88,6 +88,11 @@ def span_attention(
                         f"got {type(probe).__name__}")
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     dropout_p, scale = layout.dropout_p, layout.scale
+    if is_causal and scale is not None and not scale > 0:
+        # SDPA's CPU flash kernel gives NaN rows for is_causal under a scale ≤ 0; its math kernel, and every
+        # kernel with the causal mask given explicitly, the softmax of the scaled scores
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        is_causal = False
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     query, key, value, attn_mask = broadcast_inputs(layout, query, key, value, attn_mask)
     b, h_q, t, d = query.shape
