@@ -47,8 +47,9 @@ def span_attention(
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` whose backward pass applies
     `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's. `config` is a
     SpanAttentionConfig or a label such as `"score:1000"`, as `patch_model` takes it; None takes the
-    default (`score:1000`). `dropout_p` and `scale` take what SDPA takes: Python and NumPy numbers,
-    and 0-d tensors that need no gradient.
+    default (`score:1000`). `dropout_p` and `scale` take what SDPA takes: Python and NumPy numbers
+    and bools (0 and 1), and 0-d tensors that need no gradient; a scale must be finite (SDPA's
+    kernels disagree on NaN and ±inf), and one ≤ 0 gives SDPA's math kernel's result.
 
     query (B, H_q, T, D); key, value (B, H_kv, S, D) with H_q a multiple of H_kv (grouped-query
     attention always works; `enable_gqa` is accepted for SDPA compatibility). As in SDPA, inputs

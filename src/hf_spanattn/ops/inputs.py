@@ -125,9 +125,9 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     if scale is not None:
         if scale_f is None:
             raise TypeError(f"span_attention: scale must be a float ({numbers_as}) or None, got {_kind(scale)}")
-        if math.isnan(scale_f):  # the CPU's flash kernel gives output 0 and its math kernel NaN, both NaN gradients
-            raise ValueError("span_attention: scale must be a number or None (1/√head dim), got NaN: SDPA's kernels "
-                             "give different outputs for it and NaN gradients")
+        if not math.isfinite(scale_f):  # rows of 0 on the CPU's flash kernel, NaN on the math kernel; NaN gradients
+            raise ValueError(f"span_attention: scale must be a finite number or None (1/√head dim), got {scale_f}: "
+                             f"SDPA's kernels give different outputs for it and NaN gradients")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):
             raise TypeError(f"span_attention: {name} must be True or False (as in SDPA), got {_kind(flag)}")
