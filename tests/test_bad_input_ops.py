@@ -105,6 +105,8 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "no_queries": (lambda: with_(qkv(), query=qkv()["query"][:, :, :0]), SDPA),
     "no_keys": (lambda: with_(qkv(), key=qkv()["key"][:, :, :0], value=qkv()["value"][:, :, :0]), SDPA),
     "no_queries_no_keys": (lambda: qkv(t=0), SDPA),
+    "no_value_columns": (lambda: qkv(d_v=0), SDPA),
+    "no_value_columns_causal": (lambda: with_(qkv(d_v=0), is_causal=True), SDPA),
     "empty_batch": (lambda: qkv(b=0), SDPA),
     "all_on_meta": (lambda: {k: x.to("meta") for k, x in qkv().items()}, SDPA),
     "dropout_one": (lambda: with_(qkv(), dropout_p=1.0), SDPA),
@@ -403,3 +405,12 @@ def test_every_scale_sdpa_takes_gives_sdpas_result(name, is_causal, backend):
         assert torch.equal(blocks_not_finite(got), bad)
         keep = (~bad)[..., None, None]
         torch.testing.assert_close(torch.where(keep, got, 0), torch.where(keep, want, 0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["TILES", "math", None, ["tiles"], "fused"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_bad_backend_is_refused_with_or_without_autograd(backend, grad):
+    """As in evaluation as in training: a name that is not a backend, and fused for float64."""
+    x = [t.requires_grad_(grad) for t in qkv().values()]  # float64
+    with pytest.raises(ValueError, match=r"backend=.*allowed values are auto, tiles, fused|backend=.fused. runs"):
+        span_attention(*x, is_causal=True, backend=backend)
