@@ -169,7 +169,7 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "scale_minus_inf_causal": (lambda: with_(qkv(), scale=-float("inf"), is_causal=True), (ValueError, "scale.*-inf")),
     "scale_too_large_an_int": (lambda: with_(qkv(), scale=10**400),
                                (TypeError, r"scale must be a float.*range.*\(int\)")),
-    "scale_0d_numpy_array": (lambda: with_(qkv(), scale=np.array(0.5)), (TypeError, r"scale must be a float.*ndarray")),
+    "scale_1d_numpy_array": (lambda: with_(qkv(), scale=np.array([0.5])), (TypeError, "scale must.*ndarray")),
     "dropout_too_large_an_int": (lambda: with_(qkv(), dropout_p=10**400), (TypeError, r"dropout_p must be a float")),
     "dropout_a_string": (lambda: with_(qkv(), dropout_p="0.1"), (TypeError, "dropout_p must be a float")),
     "dropout_numpy_above_one": (lambda: with_(qkv(), dropout_p=np.float32(1.5)), (ValueError, r"dropout_p.*\[0, 1\]")),
@@ -414,3 +414,21 @@ def test_a_bad_backend_is_refused_with_or_without_autograd(backend, grad):
     x = [t.requires_grad_(grad) for t in qkv().values()]  # float64
     with pytest.raises(ValueError, match=r"backend=.*allowed values are auto, tiles, fused|backend=.fused. runs"):
         span_attention(*x, is_causal=True, backend=backend)
+
+
+def test_numpy_numbers_under_torch_compile_are_taken_as_sdpa_takes_them():
+    """torch.compile passes a NumPy number as a 0-d array: scale and dropout_p take it (SDPA's result)."""
+    torch._dynamo.reset()
+    inputs = [x.float() for x in qkv().values()]
+    call = dict(is_causal=True, scale=np.float32(0.3), dropout_p=np.bool_(False))
+    fn = torch.compile(lambda *x: span_attention(*x, **call, config=EXACT), backend="eager")
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    expected_leaves = [x.clone().requires_grad_(True) for x in inputs]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*expected_leaves, **call)
+    for got, want in ((out, expected), *zip(grads, torch.autograd.grad(expected.sum(), expected_leaves))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(span_attention(*inputs, scale=np.array(0.3), config=EXACT),
+                               span_attention(*inputs, scale=0.3, config=EXACT), rtol=0, atol=0)

@@ -59,12 +59,15 @@ def attended(attn_mask: torch.Tensor) -> torch.Tensor:
 
 def as_float(value: Any, bools: bool = False) -> float | None:
     """A real number as SDPA's float arguments take it (Python, NumPy, or a 0-d tensor that needs no
-    gradient), as a Python float; None for anything else, for an int too large for a float, and for
-    bools unless `bools` (SDPA takes Python, NumPy and 0-d tensor bools as 0 and 1 for dropout_p and scale)."""
+    gradient; a 0-d NumPy array too), as a Python float; None for anything else, for an int too large
+    for a float, and for bools unless `bools` (SDPA takes Python, NumPy and 0-d tensor bools as 0 and 1
+    for dropout_p and scale)."""
     if isinstance(value, torch.Tensor):
         ok = value.dim() == 0 and not value.requires_grad and not value.is_complex() and value.device.type != "meta"
         return float(value) if ok and (bools or value.dtype != torch.bool) else None
     numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+        value = value.item()  # a 0-d array; also how torch.compile passes a NumPy number
     if numpy is not None and isinstance(value, numpy.bool_):
         value = bool(value)
     if not isinstance(value, numbers.Real) or (isinstance(value, bool) and not bools):
