@@ -432,3 +432,23 @@ def test_numpy_numbers_under_torch_compile_are_taken_as_sdpa_takes_them():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(span_attention(*inputs, scale=np.array(0.3), config=EXACT),
                                span_attention(*inputs, scale=0.3, config=EXACT), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's vmap of SDPA's CPU kernel
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_of_grad"])
+def test_torch_func_transforms_say_span_gradients_need_autograd(transform):
+    """torch.func's grad, vjp and a vmapped grad: an error that names span_attention and what to use instead;
+    with the standard rule (SDPA itself) and without gradients (vmap alone), SDPA's result."""
+    import torch.func as tf
+
+    q, k, v = (x.float() for x in qkv().values())
+    transforms = {"grad": lambda f: tf.grad(lambda q: f(q).sum())(q),
+                  "vjp": lambda f: tf.vjp(f, q)[1](torch.ones(2, 2, 6, 4))[0],
+                  "vmap_of_grad": lambda f: tf.vmap(tf.grad(lambda q: f(q[None]).sum()))(q)}
+    run_ = transforms[transform]
+    with pytest.raises(RuntimeError, match=r"span_attention: span gradients do not run under torch\.func.*autograd"):
+        run_(lambda q: span_attention(q, k, v, is_causal=True))
+    standard = run_(lambda q: span_attention(q, k, v, is_causal=True, config="standard:QKV111"))
+    torch.testing.assert_close(standard, run_(lambda q: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+    torch.testing.assert_close(tf.vmap(lambda q: span_attention(q, k[0], v[0], is_causal=True))(q),
+                               F.scaled_dot_product_attention(q, k[0], v[0], is_causal=True))

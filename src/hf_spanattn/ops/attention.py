@@ -109,6 +109,10 @@ def span_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
         return out.reshape(layout.out_shape)
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # its wrapped tensors meet our autograd.Functions
+        raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
+                           "gradient, jacrev, …); take them with torch.autograd (loss.backward(), "
+                           "torch.autograd.grad), or use config='standard:QKV111', which is SDPA itself")
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
                          f"as keys, got {t} queries and {s} keys")
