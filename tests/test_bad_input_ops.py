@@ -452,3 +452,29 @@ def test_torch_func_transforms_say_span_gradients_need_autograd(transform):
     torch.testing.assert_close(standard, run_(lambda q: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
     torch.testing.assert_close(tf.vmap(lambda q: span_attention(q, k[0], v[0], is_causal=True))(q),
                                F.scaled_dot_product_attention(q, k[0], v[0], is_causal=True))
+
+
+@pytest.mark.parametrize("scale", [3e4, -1e5, 1e6])
+@pytest.mark.parametrize("label", ["score:1111", "score:1000", "score:1100@per_block", "standard:QKV101"])
+def test_float16_with_a_scale_past_the_half_range_is_sdpas_on_the_tiles(label, scale):
+    """scale·∂L/∂P passes 65504 while the scores stay O(1): output and gradients finite, and as close to
+    the rule's float64 ones on the same inputs as SDPA's float16 math kernel is to its float64 one."""
+    config = SpanAttentionConfig.from_label(label)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3))
+    inputs = [(q * 2 / abs(scale) ** 0.5).half(), (k / abs(scale) ** 0.5).half(), v.half()]
+    d_out = (4 * torch.randn(2, 2, 16, 8, generator=gen)).half()
+
+    def math_sdpa(*x, **kwargs):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(*x, **kwargs)
+
+    results = [_run(xs, d_out.to(xs[0].dtype), fn, is_causal=True, scale=scale, **kwargs)
+               for xs in (inputs, [x.double() for x in inputs])
+               for fn, kwargs in ((span_attention, dict(config=config, backend="tiles")), (math_sdpa, {}))]
+    (out, grads), (sdpa_out, sdpa_grads), (wide_out, wide_grads), (wide_sdpa_out, wide_sdpa_grads) = results
+    tol = 4 * torch.finfo(torch.float16).eps
+    for got, sdpa_got, wide, wide_sdpa in ((out, sdpa_out, wide_out, wide_sdpa_out),
+                                           *zip(grads, sdpa_grads, wide_grads, wide_sdpa_grads)):
+        assert torch.isfinite(got).all()
+        assert rel(got, wide) < max(2 * rel(sdpa_got, wide_sdpa), tol)
