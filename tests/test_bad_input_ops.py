@@ -478,3 +478,24 @@ def test_float16_with_a_scale_past_the_half_range_is_sdpas_on_the_tiles(label, s
                                            *zip(grads, sdpa_grads, wide_grads, wide_sdpa_grads)):
         assert torch.isfinite(got).all()
         assert rel(got, wide) < max(2 * rel(sdpa_got, wide_sdpa), tol)
+
+
+@pytest.mark.parametrize("d_v", [1, 9])
+@pytest.mark.parametrize("label", ["score:1111", "score:1000", "score:0,1,1,0", "score:1100@per_block", "simple:10",
+                                   "reductionistic:1100"])
+def test_a_value_head_dim_unlike_the_query_s_runs_on_the_fused_kernels(label, d_v):
+    """Π_K and Π_V of different widths (the fused backend stacked them): the float64 reference's
+    output and gradients, as on the tiles."""
+    from reference import reference
+
+    config = SpanAttentionConfig.from_label(label)
+    inputs = list(qkv(d_v=d_v, seed=3).values())
+    d_out = torch.randn(2, 2, 6, d_v, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ref_out, ref_grads = reference(*inputs, d_out, config, is_causal=True)
+    _, std_grads = reference(*inputs, d_out, SpanAttentionConfig(method="standard"), is_causal=True)
+    out, grads = _run([x.float() for x in inputs], d_out.float(), span_attention, is_causal=True, config=config,
+                      backend="fused")
+    assert rel(out, ref_out) < 1e-5
+    for g, r, std in zip(grads, ref_grads, std_grads):
+        assert g.shape == r.shape  # relative to the larger of the rule's and the standard gradient
+        assert (g.double() - r).norm() / max(r.norm(), std.norm()) < 1e-5
