@@ -105,6 +105,8 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "no_queries": (lambda: with_(qkv(), query=qkv()["query"][:, :, :0]), SDPA),
     "no_keys": (lambda: with_(qkv(), key=qkv()["key"][:, :, :0], value=qkv()["value"][:, :, :0]), SDPA),
     "no_queries_no_keys": (lambda: qkv(t=0), SDPA),
+    "no_value_columns": (lambda: qkv(d_v=0), SDPA),
+    "no_value_columns_causal": (lambda: with_(qkv(d_v=0), is_causal=True), SDPA),
     "empty_batch": (lambda: qkv(b=0), SDPA),
     "all_on_meta": (lambda: {k: x.to("meta") for k, x in qkv().items()}, SDPA),
     "dropout_one": (lambda: with_(qkv(), dropout_p=1.0), SDPA),
@@ -116,6 +118,21 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "scale_numpy_int": (lambda: with_(qkv(), scale=np.int64(2)), SDPA),
     "scale_0d_tensor": (lambda: with_(qkv(), scale=torch.tensor(0.3, dtype=torch.float64)), SDPA),
     "scale_0d_int_tensor": (lambda: with_(qkv(), scale=torch.tensor(1)), SDPA),
+    # bools as SDPA takes them (0 and 1)
+    "scale_a_bool": (lambda: with_(qkv(), scale=True), SDPA),
+    "scale_false": (lambda: with_(qkv(), scale=False, is_causal=True), SDPA),
+    "scale_numpy_bool": (lambda: with_(qkv(), scale=np.bool_(True)), SDPA),
+    "scale_0d_bool_tensor": (lambda: with_(qkv(), scale=torch.tensor(True)), SDPA),
+    "dropout_a_bool": (lambda: with_(qkv(), dropout_p=True), SDPA),
+    "dropout_false": (lambda: with_(qkv(), dropout_p=False), SDPA),
+    "dropout_numpy_bool": (lambda: with_(qkv(), dropout_p=np.bool_(False)), SDPA),
+    "dropout_0d_bool_tensor": (lambda: with_(qkv(), dropout_p=torch.tensor(False)), SDPA),
+    # scales that are not positive: SDPA's math kernel (the CPU's flash kernel has NaN rows under
+    # is_causal with a scale ≤ 0)
+    "scale_zero_causal": (lambda: with_(qkv(), scale=0.0, is_causal=True), SDPA),
+    "scale_minus_zero_causal": (lambda: with_(qkv(), scale=-0.0, is_causal=True), SDPA),
+    "scale_negative_causal": (lambda: with_(qkv(), scale=-0.7, is_causal=True), SDPA),
+    "scale_negative_padding": (lambda: with_(qkv(), scale=-0.7, attn_mask=left_padding(None)), SDPA),
     # clear errors
     "key_on_meta": (lambda: moved(qkv(), "key", "meta"), (ValueError, "one device")),
     "query_on_meta": (lambda: moved(qkv(), "query", "meta"), (ValueError, "one device")),
@@ -141,11 +158,19 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "batches_do_not_broadcast": (lambda: with_(qkv(), key=qkv(b=3)["key"], value=qkv(b=3)["value"]),
                                  (ValueError, "broadcast")),
     "scale_not_a_number": (lambda: with_(qkv(), scale="0.5"), (TypeError, "scale")),
-    "scale_a_bool": (lambda: with_(qkv(), scale=True), (TypeError, "scale must be a float.*not a bool")),
     "scale_needs_grad": (lambda: with_(qkv(), scale=torch.tensor(0.5, requires_grad=True)),
                          (TypeError, "scale must be a float.*0-d tensor that needs no gradient")),
     "scale_1d_tensor": (lambda: with_(qkv(), scale=torch.tensor([0.5])), (TypeError, "scale must be a float")),
-    "dropout_a_bool": (lambda: with_(qkv(), dropout_p=True), (TypeError, r"dropout_p must be a float.*True \(bool\)")),
+    # scales SDPA's kernels disagree on (rows of 0 on the CPU's flash kernel, NaN on the math kernel)
+    "scale_nan": (lambda: with_(qkv(), scale=float("nan")), (ValueError, "scale must be a finite number or None.*nan")),
+    "scale_numpy_nan": (lambda: with_(qkv(), scale=np.float32("nan"), is_causal=True), (ValueError, "scale.*finite")),
+    "scale_0d_nan_tensor": (lambda: with_(qkv(), scale=torch.tensor(float("nan"))), (ValueError, "scale.*finite")),
+    "scale_inf": (lambda: with_(qkv(), scale=float("inf")), (ValueError, "scale must be a finite number.*inf")),
+    "scale_minus_inf_causal": (lambda: with_(qkv(), scale=-float("inf"), is_causal=True), (ValueError, "scale.*-inf")),
+    "scale_too_large_an_int": (lambda: with_(qkv(), scale=10**400),
+                               (TypeError, r"scale must be a float.*range.*\(int\)")),
+    "scale_1d_numpy_array": (lambda: with_(qkv(), scale=np.array([0.5])), (TypeError, "scale must.*ndarray")),
+    "dropout_too_large_an_int": (lambda: with_(qkv(), dropout_p=10**400), (TypeError, r"dropout_p must be a float")),
     "dropout_a_string": (lambda: with_(qkv(), dropout_p="0.1"), (TypeError, "dropout_p must be a float")),
     "dropout_numpy_above_one": (lambda: with_(qkv(), dropout_p=np.float32(1.5)), (ValueError, r"dropout_p.*\[0, 1\]")),
     "is_causal_an_int": (lambda: with_(qkv(), is_causal=1), (TypeError, r"is_causal must be True or False.*1 \(int\)")),
@@ -350,3 +375,127 @@ def test_second_derivative_says_it_is_not_supported(label, backend):
         torch.testing.assert_close(g, p, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match=r"span_attention: a second derivative.*standard:QKV111.*MATH"):
         sum(g.square().sum() for g in grads).backward()
+
+
+SCALES = {"zero": 0.0, "minus_zero": -0.0, "negative": -0.7, "large": 1e20,
+          "true": True, "false": False, "numpy_bool": np.bool_(True), "bool_tensor": torch.tensor(False),
+          "half_tensor": torch.tensor(0.3, dtype=torch.float16), "int": 3, "numpy_float": np.float64(0.4),
+          "tiny": 1e-30}
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("name", list(SCALES))
+def test_every_scale_sdpa_takes_gives_sdpas_result(name, is_causal, backend):
+    """On each CPU backend, with and without autograd: SDPA's math kernel's output and (at score:1111)
+    gradients, NaN in the same (batch, head) blocks where they are NaN."""
+    scale = SCALES[name]
+    inputs = list(qkv(dtype=torch.float32).values())
+    d_out = torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(7))
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale)
+    expected_grads = torch.autograd.grad(expected, leaves, d_out)
+    with torch.no_grad():
+        plain = span_attention(*inputs, is_causal=is_causal, scale=scale, config=EXACT, backend=backend)
+    out = span_attention(*leaves, is_causal=is_causal, scale=scale, config=EXACT, backend=backend)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    for got, want in ((plain, expected), (out, expected), *zip(grads, expected_grads)):
+        bad = blocks_not_finite(want)
+        assert torch.equal(blocks_not_finite(got), bad)
+        keep = (~bad)[..., None, None]
+        torch.testing.assert_close(torch.where(keep, got, 0), torch.where(keep, want, 0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["TILES", "math", None, ["tiles"], "fused"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_bad_backend_is_refused_with_or_without_autograd(backend, grad):
+    """As in evaluation as in training: a name that is not a backend, and fused for float64."""
+    x = [t.requires_grad_(grad) for t in qkv().values()]  # float64
+    with pytest.raises(ValueError, match=r"backend=.*allowed values are auto, tiles, fused|backend=.fused. runs"):
+        span_attention(*x, is_causal=True, backend=backend)
+
+
+def test_numpy_numbers_under_torch_compile_are_taken_as_sdpa_takes_them():
+    """torch.compile passes a NumPy number as a 0-d array: scale and dropout_p take it (SDPA's result)."""
+    torch._dynamo.reset()
+    inputs = [x.float() for x in qkv().values()]
+    call = dict(is_causal=True, scale=np.float32(0.3), dropout_p=np.bool_(False))
+    fn = torch.compile(lambda *x: span_attention(*x, **call, config=EXACT), backend="eager")
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    expected_leaves = [x.clone().requires_grad_(True) for x in inputs]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*expected_leaves, **call)
+    for got, want in ((out, expected), *zip(grads, torch.autograd.grad(expected.sum(), expected_leaves))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(span_attention(*inputs, scale=np.array(0.3), config=EXACT),
+                               span_attention(*inputs, scale=0.3, config=EXACT), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's vmap of SDPA's CPU kernel
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_of_grad"])
+def test_torch_func_transforms_say_span_gradients_need_autograd(transform):
+    """torch.func's grad, vjp and a vmapped grad: an error that names span_attention and what to use instead;
+    with the standard rule (SDPA itself) and without gradients (vmap alone), SDPA's result."""
+    import torch.func as tf
+
+    q, k, v = (x.float() for x in qkv().values())
+    transforms = {"grad": lambda f: tf.grad(lambda q: f(q).sum())(q),
+                  "vjp": lambda f: tf.vjp(f, q)[1](torch.ones(2, 2, 6, 4))[0],
+                  "vmap_of_grad": lambda f: tf.vmap(tf.grad(lambda q: f(q[None]).sum()))(q)}
+    run_ = transforms[transform]
+    with pytest.raises(RuntimeError, match=r"span_attention: span gradients do not run under torch\.func.*autograd"):
+        run_(lambda q: span_attention(q, k, v, is_causal=True))
+    standard = run_(lambda q: span_attention(q, k, v, is_causal=True, config="standard:QKV111"))
+    torch.testing.assert_close(standard, run_(lambda q: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+    torch.testing.assert_close(tf.vmap(lambda q: span_attention(q, k[0], v[0], is_causal=True))(q),
+                               F.scaled_dot_product_attention(q, k[0], v[0], is_causal=True))
+
+
+@pytest.mark.parametrize("scale", [3e4, -1e5, 1e6])
+@pytest.mark.parametrize("label", ["score:1111", "score:1000", "score:1100@per_block", "standard:QKV101"])
+def test_float16_with_a_scale_past_the_half_range_is_sdpas_on_the_tiles(label, scale):
+    """scale·∂L/∂P passes 65504 while the scores stay O(1): output and gradients finite, and as close to
+    the rule's float64 ones on the same inputs as SDPA's float16 math kernel is to its float64 one."""
+    config = SpanAttentionConfig.from_label(label)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3))
+    inputs = [(q * 2 / abs(scale) ** 0.5).half(), (k / abs(scale) ** 0.5).half(), v.half()]
+    d_out = (4 * torch.randn(2, 2, 16, 8, generator=gen)).half()
+
+    def math_sdpa(*x, **kwargs):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(*x, **kwargs)
+
+    results = [_run(xs, d_out.to(xs[0].dtype), fn, is_causal=True, scale=scale, **kwargs)
+               for xs in (inputs, [x.double() for x in inputs])
+               for fn, kwargs in ((span_attention, dict(config=config, backend="tiles")), (math_sdpa, {}))]
+    (out, grads), (sdpa_out, sdpa_grads), (wide_out, wide_grads), (wide_sdpa_out, wide_sdpa_grads) = results
+    tol = 4 * torch.finfo(torch.float16).eps
+    for got, sdpa_got, wide, wide_sdpa in ((out, sdpa_out, wide_out, wide_sdpa_out),
+                                           *zip(grads, sdpa_grads, wide_grads, wide_sdpa_grads)):
+        assert torch.isfinite(got).all()
+        assert rel(got, wide) < max(2 * rel(sdpa_got, wide_sdpa), tol)
+
+
+@pytest.mark.parametrize("d_v", [1, 9])
+@pytest.mark.parametrize("label", ["score:1111", "score:1000", "score:0,1,1,0", "score:1100@per_block", "simple:10",
+                                   "reductionistic:1100"])
+def test_a_value_head_dim_unlike_the_query_s_runs_on_the_fused_kernels(label, d_v):
+    """Π_K and Π_V of different widths (the fused backend stacked them): the float64 reference's
+    output and gradients, as on the tiles."""
+    from reference import reference
+
+    config = SpanAttentionConfig.from_label(label)
+    inputs = list(qkv(d_v=d_v, seed=3).values())
+    d_out = torch.randn(2, 2, 6, d_v, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ref_out, ref_grads = reference(*inputs, d_out, config, is_causal=True)
+    _, std_grads = reference(*inputs, d_out, SpanAttentionConfig(method="standard"), is_causal=True)
+    out, grads = _run([x.float() for x in inputs], d_out.float(), span_attention, is_causal=True, config=config,
+                      backend="fused")
+    assert rel(out, ref_out) < 1e-5
+    for g, r, std in zip(grads, ref_grads, std_grads):
+        assert g.shape == r.shape  # relative to the larger of the rule's and the standard gradient
+        assert (g.double() - r).norm() / max(r.norm(), std.norm()) < 1e-5

@@ -5,6 +5,8 @@ config or in a file, give a valid config or an error that names the field (or th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +122,57 @@ def test_every_rule_matches_the_float64_reference(problem, dtype, config):
     assert rel(out, ref_out) < TOLERANCE[dtype]
     for name, g, r, std in zip("qkv", grads, ref_grads, std_grads):
         assert rel(g, r, std) < TOLERANCE[dtype], name
+
+
+def as_scale_types(value: float):
+    """`value` as each type SDPA takes for scale: Python float, int or bool, NumPy float or bool, 0-d tensors."""
+    import numpy as np
+
+    kinds = [st.just(value), st.just(np.float32(value)), st.just(np.float64(value)),
+             st.sampled_from([torch.float32, torch.float64, torch.float16]).map(lambda d: torch.tensor(value, dtype=d))]
+    if value in (0.0, 1.0):
+        kinds += [st.just(bool(value)), st.just(np.bool_(value)), st.just(torch.tensor(bool(value)))]
+    if float(value).is_integer() and math.isfinite(value):
+        kinds += [st.just(int(value)), st.just(np.int64(value)), st.just(torch.tensor(int(value)))]
+    return st.one_of(kinds)
+
+
+SCALES = st.one_of(st.none(), st.sampled_from([0.0, -0.0, 1.0, 2.0, -1.0]).flatmap(as_scale_types),
+                   st.floats(-4, 4, allow_nan=False).flatmap(as_scale_types))
+
+
+@FAST
+@given(problems(), st.sampled_from([(torch.float64, "tiles"), (torch.float32, "tiles"), (torch.float32, "fused")]),
+       SCALES, st.booleans())
+def test_any_scale_sdpa_takes_gives_sdpas_result(problem, dtype_backend, scale, grad):
+    """Negative, zero and signed-zero scales, in every type SDPA takes, with any mask: the forward pass
+    (with and without autograd) and the gradients at alphas 1111 are SDPA's math kernel's."""
+    (dtype, backend), (inputs, d_out, kind, attend) = dtype_backend, problem
+    kwargs = dict(mask_kwargs(kind, attend, dtype), scale=scale)
+    inputs, d_out = [x.to(dtype) for x in inputs], (d_out * live_rows(attend)).to(dtype)
+    leaves = [x.clone().requires_grad_(grad) for x in inputs]
+    out = span_attention(*leaves, config=SpanAttentionConfig.from_label("score:1111"), backend=backend, **kwargs)
+    expected_leaves = [x.clone().requires_grad_(True) for x in inputs]
+    expected = sdpa(expected_leaves, **kwargs)
+    tol = TOLERANCE[dtype] / 10
+    close = lambda a, e: (a - e).abs().max() <= tol * max(1.0, e.abs().max())  # noqa: E731
+    assert close(out, expected)
+    if grad:
+        grads = torch.autograd.grad(out, leaves, d_out)
+        for g, e in zip(grads, torch.autograd.grad(expected, expected_leaves, d_out)):
+            assert close(g, e)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.sampled_from([math.nan, math.inf, -math.inf]).flatmap(as_scale_types), st.sampled_from(MASKS[:3]),
+       st.sampled_from(["tiles", "fused"]), st.booleans())
+def test_a_scale_that_is_not_finite_is_refused_naming_scale(scale, kind, backend, grad):
+    """NaN and ±inf in any type: SDPA's kernels disagree (rows of 0 on the CPU's flash kernel, NaN on the math one)."""
+    gen = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1, 2, 4, 3, generator=gen).requires_grad_(grad) for _ in range(3)]
+    kwargs = mask_kwargs(kind, torch.ones(4, 4, dtype=torch.bool).tril()[None, None], torch.float32)
+    with pytest.raises(ValueError, match="span_attention: scale must be a finite number or None"):
+        span_attention(*leaves, scale=scale, backend=backend, **kwargs)
 
 
 @pytest.mark.parametrize("kind", MASKS)

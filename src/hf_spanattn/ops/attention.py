@@ -47,8 +47,9 @@ def span_attention(
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` whose backward pass applies
     `config`'s rule to dQ and dK (and α_V to dV). The forward output is SDPA's. `config` is a
     SpanAttentionConfig or a label such as `"score:1000"`, as `patch_model` takes it; None takes the
-    default (`score:1000`). `dropout_p` and `scale` take what SDPA takes: Python and NumPy numbers,
-    and 0-d tensors that need no gradient.
+    default (`score:1000`). `dropout_p` and `scale` take what SDPA takes: Python and NumPy numbers
+    and bools (0 and 1), and 0-d tensors that need no gradient; a scale must be finite (SDPA's
+    kernels disagree on NaN and ±inf), and one ≤ 0 gives SDPA's math kernel's result.
 
     query (B, H_q, T, D); key, value (B, H_kv, S, D) with H_q a multiple of H_kv (grouped-query
     attention always works; `enable_gqa` is accepted for SDPA compatibility). As in SDPA, inputs
@@ -87,29 +88,38 @@ def span_attention(
         raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, "
                         f"got {type(probe).__name__}")
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    device = query.device.type
+    autocast = device != "meta" and torch.is_autocast_enabled(device)  # as SDPA under autocast: its dtype
+    dtype = torch.get_autocast_dtype(device) if autocast else query.dtype
+    backend = _backend(backend, dtype, device, probe)  # checked with or without autograd
     dropout_p, scale = layout.dropout_p, layout.scale
+    if is_causal and scale is not None and not scale > 0:
+        # SDPA's CPU flash kernel gives NaN rows for is_causal under a scale ≤ 0; its math kernel, and every
+        # kernel with the causal mask given explicitly, the softmax of the scaled scores
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        is_causal = False
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     query, key, value, attn_mask = broadcast_inputs(layout, query, key, value, attn_mask)
     b, h_q, t, d = query.shape
     h_kv, s = key.shape[1], key.shape[2]
     plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None
     # nothing to take spans of: no data (the meta device) or an empty dimension
-    shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d)
+    shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d, value.shape[-1])
     if not needs_grad or plain or shape_only:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
         return out.reshape(layout.out_shape)
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # its wrapped tensors meet our autograd.Functions
+        raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
+                           "gradient, jacrev, …); take them with torch.autograd (loss.backward(), "
+                           "torch.autograd.grad), or use config='standard:QKV111', which is SDPA itself")
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
                          f"as keys, got {t} queries and {s} keys")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA under autocast: run in the autocast dtype
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (x.to(dtype) for x in (query, key, value))
+    query, key, value = (x.to(dtype) for x in (query, key, value))
     with torch.autocast(device, enabled=False):
-        out = BACKENDS[_backend(backend, query, probe)](query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                         config, probe)
+        out = BACKENDS[backend](query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe)
     return out.reshape(layout.out_shape)
 
 
@@ -121,17 +131,17 @@ def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
     return as_config(config, "span_attention", "the default, score:1000") or SpanAttentionConfig()
 
 
-def _backend(name: str, query: torch.Tensor, probe: Probe | None) -> str:
-    """The backend that runs this call: see `span_attention`."""
+def _backend(name: str, dtype: torch.dtype, device: str, probe: Probe | None) -> str:
+    """The backend that runs a call in `dtype` on `device`: see `span_attention`."""
     if name == "auto":
         name = os.environ.get("HF_SPANATTN_BACKEND", "auto")
-    if name != "auto" and name not in BACKENDS:
+    if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
         raise ValueError(f"backend={name!r}: allowed values are auto, {', '.join(BACKENDS)} "
                          "(also for the environment variable HF_SPANATTN_BACKEND)")
-    if name == "fused" and query.dtype == torch.float64:
+    if name == "fused" and dtype == torch.float64:
         raise ValueError("backend='fused' runs float32 and half inputs; float64 runs on backend='tiles'")
     if probe is not None:
         return "tiles"
     if name == "auto":
-        return "tiles" if query.device.type == "cpu" or query.dtype == torch.float64 else "fused"
+        return "tiles" if device == "cpu" or dtype == torch.float64 else "fused"
     return name

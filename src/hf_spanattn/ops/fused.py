@@ -113,9 +113,12 @@ class _Operands(torch.autograd.Function):
 
 
 def _spans(k: torch.Tensor, v: torch.Tensor | None, pinv: bool, padded: bool) -> tuple[Span, Span | None]:
-    """Π_K, and Π_V where v is given, from one `span_without_sync` on K and V stacked."""
+    """Π_K, and Π_V where v is given, from one `span_without_sync` on K and V stacked (two where
+    their head dims differ)."""
     if v is None:
         return span_without_sync(k, pinv, padded), None
+    if v.shape != k.shape:
+        return span_without_sync(k, pinv, padded), Span(span_without_sync(v, False, padded).basis, None)
     both = span_without_sync(torch.stack([k, v]), pinv, padded)
     return Span(both.basis[0], both.coef[0] if pinv else None), Span(both.basis[1], None)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,13 +57,25 @@ def attended(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT
 
 
-def as_float(value: Any) -> float | None:
+def as_float(value: Any, bools: bool = False) -> float | None:
     """A real number as SDPA's float arguments take it (Python, NumPy, or a 0-d tensor that needs no
-    gradient), as a Python float; None for anything else, bools included."""
+    gradient; a 0-d NumPy array too), as a Python float; None for anything else, for an int too large
+    for a float, and for bools unless `bools` (SDPA takes Python, NumPy and 0-d tensor bools as 0 and 1
+    for dropout_p and scale)."""
     if isinstance(value, torch.Tensor):
-        ok = value.dim() == 0 and not value.requires_grad and value.dtype != torch.bool and not value.is_complex()
-        return float(value) if ok and value.device.type != "meta" else None
-    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+        ok = value.dim() == 0 and not value.requires_grad and not value.is_complex() and value.device.type != "meta"
+        return float(value) if ok and (bools or value.dtype != torch.bool) else None
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+        value = value.item()  # a 0-d array; also how torch.compile passes a NumPy number
+    if numpy is not None and isinstance(value, numpy.bool_):
+        value = bool(value)
+    if not isinstance(value, numbers.Real) or (isinstance(value, bool) and not bools):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -105,14 +118,19 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(f"span_attention: key and value must have the same sequence length (dimension −2), "
                          f"got {key.shape[-2]} and {value.shape[-2]}")
-    numbers_as = "a Python or NumPy number, or a 0-d tensor that needs no gradient; not a bool"
-    p = as_float(dropout_p)
+    numbers_as = "a Python or NumPy number within a float's range or bool, or a 0-d tensor that needs no gradient"
+    p = as_float(dropout_p, bools=True)
     if p is None:
         raise TypeError(f"span_attention: dropout_p must be a float ({numbers_as}), got {_kind(dropout_p)}")
     if not 0 <= p <= 1:
         raise ValueError(f"span_attention: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
-    if scale is not None and as_float(scale) is None:
-        raise TypeError(f"span_attention: scale must be a float ({numbers_as}) or None, got {_kind(scale)}")
+    scale_f = None if scale is None else as_float(scale, bools=True)
+    if scale is not None:
+        if scale_f is None:
+            raise TypeError(f"span_attention: scale must be a float ({numbers_as}) or None, got {_kind(scale)}")
+        if not math.isfinite(scale_f):  # rows of 0 on the CPU's flash kernel, NaN on the math kernel; NaN gradients
+            raise ValueError(f"span_attention: scale must be a finite number or None (1/√head dim), got {scale_f}: "
+                             f"SDPA's kernels give different outputs for it and NaN gradients")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):
             raise TypeError(f"span_attention: {name} must be True or False (as in SDPA), got {_kind(flag)}")
@@ -151,13 +169,14 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
         if attn_mask.dim() < 2 or not _broadcasts_to(tuple(attn_mask.shape), full):
             raise ValueError(f"span_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(batch…, heads, T, S) = {full}")
-    return Layout(batch, h_q, h_kv, out_shape, p, None if scale is None else as_float(scale))
+    return Layout(batch, h_q, h_kv, out_shape, p, scale_f)
 
 
 def _kind(value: Any) -> str:
     kind = type(value)
     name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
-    return f"{value!r} ({name})"
+    text = repr(value)
+    return f"{text if len(text) <= 60 else text[:50] + '…'} ({name})"
 
 
 def _broadcasts_to(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:

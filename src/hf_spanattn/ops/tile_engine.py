@@ -443,6 +443,11 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    dropout_p: float, is_causal: bool, scale: float, config: SpanAttentionConfig,
                    probe: Probe | None = None) -> torch.Tensor:
     """`span_attention` on the tiles; (B, H, T, D) inputs as checked and broadcast by it."""
+    if query.dtype == torch.float16 and abs(scale) > 1:
+        # the backward forms G = scale·∂L/∂S in float16, where a scale past 1 can take it out of range
+        # (scale ≥ 65504 always): fold √|scale| into Q and K as SDPA's math kernel does; autograd takes it to dQ, dK
+        root = math.sqrt(abs(scale))
+        query, key, scale = query * (scale / root), key * root, 1.0
     q, k = backward.grouped(query, key)
     detached = attn_mask.detach() if attn_mask is not None else None
     shape = (*q.shape[:-1], k.shape[-2])
