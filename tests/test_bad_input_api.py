@@ -351,3 +351,61 @@ def test_numpy_and_path_arguments_of_the_callback_save_as_json():
     assert json.loads(json.dumps(callback.state()))["args"] == {
         "schedule": [{"at": 5, "span": "score:1000", "ramp": False}], "diagnostics_every": 2,
         "diagnostics_per_head": False, "diagnostics_file": "d.jsonl"}
+
+
+def train_step(model) -> None:
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+
+
+def set_on_patched(model, settings):
+    patch_model(model, "score:1000")
+    model.config.span_attention = settings
+    train_step(model)
+
+
+def set_in_config(model, settings):
+    config = model.config.to_dict()
+    config["span_attention"] = settings
+    model = AutoModelForCausalLM.from_config(GPT2Config(**{**config, "attn_implementation": "span_attention"}))
+    train_step(model)
+    return model
+
+
+@pytest.mark.parametrize("how", [
+    lambda model, settings: [setattr(model.config, "span_attention", settings), patch_model(model)][1],
+    lambda model, settings: [model.config.update({"span_attention": settings}), patch_model(model)][1],
+    lambda model, settings: [set_on_patched(model, settings), model][1],
+    set_in_config,
+], ids=["set, then patch_model", "config.update, then patch_model", "set on a patched model, a training step",
+        "GPT2Config(span_attention=...), attn_implementation, a training step"])
+def test_a_settings_object_put_on_the_model_config_saves_as_its_dict(how, tmp_path):
+    """A SpanAttentionConfig put on model.config by hand is stored as the dict patch_model writes as soon as the
+    package reads it, so that save_pretrained writes it (Transformers' JSON takes JSON types only) and it reloads
+    equal."""
+    settings = SpanAttentionConfig.from_label("score:1100", layers=[1])
+    model = how(tiny("gpt2"), settings)
+    assert model.config.span_attention == settings.to_dict()
+    model.save_pretrained(tmp_path / "model")
+    saved = json.loads((tmp_path / "model" / "config.json").read_text())["span_attention"]
+    assert saved == settings.to_dict()
+    assert config_of(load_pretrained(tmp_path / "model").config) == settings
+
+
+@pytest.mark.parametrize("run", [
+    lambda model, ids: model.eval()(ids),
+    lambda model, ids: torch.no_grad()(model)(ids),
+    lambda model, ids: model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0),
+], ids=["eval", "no_grad", "generate"])
+def test_bad_saved_settings_fail_at_the_first_forward_not_only_the_first_training_step(run, tmp_path):
+    """A plain from_pretrained with attn_implementation="span_attention" reads nothing of ours until the first forward
+    (Transformers has no hook for a config field); evaluation and generation, which run SDPA, still read the
+    settings once and name the file and the field."""
+    folder = saved_model(tmp_path, alphas=[1, 0])
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="span_attention")
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=f"{folder}/config.json, field 'span_attention': alphas=\\[1, 0\\]: expected "
+                                         "4 values"):
+        run(model, ids)
+    model.config.span_attention = SpanAttentionConfig().to_dict()  # mended: evaluation runs
+    run(model, ids)
