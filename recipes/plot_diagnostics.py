@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -18,6 +20,53 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ORDER_NAMES = {2: ["∥ (Π_K)", "⊥ (Π_K^⊥)"], 4: ["order 0", "order 1", "order 2", "order 3"]}
+
+
+def record_problems(record: Any) -> list[str]:
+    """What keeps a line of span_diagnostics.jsonl (as SpanAttentionCallback writes it) out of the plot."""
+    if not isinstance(record, dict):
+        return [f"expected a JSON object, got {type(record).__name__}"]
+    problems = []
+    for key in ("step", "layer"):
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append(f"{key}={value!r}: expected an integer >= 0")
+    if not isinstance(record.get("span"), str):
+        problems.append(f"span={record.get('span')!r}: expected a span label")
+    for key in ("dq_share", "dk_share"):
+        value = record.get(key)
+        if not isinstance(value, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                  for x in value):
+            problems.append(f"{key}={value!r}: expected a list of numbers")
+    for key in ("cos_q", "cos_k"):
+        if isinstance(record.get(key), bool) or not isinstance(record.get(key), (int, float)):
+            problems.append(f"{key}={record.get(key)!r}: expected a number")
+    return problems
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a diagnostics file. A line cut short (a run stopped while writing it) or one that is not a
+    whole record (a hand edit) is left out and named, as the callback itself leaves it out on resuming."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SystemExit(f"{path}: cannot read the diagnostics file ({type(err).__name__}: {err})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            print(f"{path}:{number}: left out: not a whole JSON record (a line cut short when the run was stopped?)",
+                  file=sys.stderr)
+            continue
+        problems = record_problems(record)
+        if problems:
+            print(f"{path}:{number}: left out: {'; '.join(problems)}", file=sys.stderr)
+            continue
+        records.append(record)
+    return records
 
 
 def plot(records: list[dict], out: Path) -> Path:
@@ -61,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("jsonl", type=Path)
     parser.add_argument("-o", "--output", type=Path, help="PNG path (default: next to the JSONL)")
     args = parser.parse_args(argv)
-    records = [json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]
+    records = read_records(args.jsonl)
     if not records:
         raise SystemExit(f"{args.jsonl}: no diagnostics records")
     print(plot(records, args.output or args.jsonl.with_suffix(".png")))

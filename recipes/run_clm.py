@@ -277,16 +277,18 @@ class SpanArguments:
         if self.span_schedule is not None:
             if self.span_schedule.endswith((".yaml", ".yml", ".json")) and not os.path.isfile(self.span_schedule):
                 raise ValueError(f"--span_schedule {self.span_schedule}: no such file")
-            text = Path(self.span_schedule).read_text() if os.path.isfile(self.span_schedule) else self.span_schedule
+            is_file = os.path.isfile(self.span_schedule)
             try:
-                keyframes = yaml.safe_load(text)
-            except yaml.YAMLError as err:
-                raise ValueError(f"--span_schedule: not valid YAML/JSON ({err})") from None
+                keyframes = yaml.safe_load(Path(self.span_schedule).read_text() if is_file else self.span_schedule)
+            except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as err:
+                where = f" {self.span_schedule}" if is_file else ""
+                raise ValueError(f"--span_schedule{where}: not valid YAML/JSON ({type(err).__name__}: {err})") from None
             if not isinstance(keyframes, list):
                 raise ValueError(f"--span_schedule {self.span_schedule!r}: expected a list of keyframes")
             schedule = Schedule(keyframes)
-            for keyframe in schedule.keyframes:  # labels and tables checked now; steps when training starts
+            for keyframe in schedule.keyframes:  # checked now (the steps of a run of 10^6); again when training starts
                 keyframe.settings(n_layers=10**6)
+                keyframe.step(max_steps=10**6, steps_per_epoch=1)
         return SpanAttentionCallback(schedule, self.span_diagnostics_every, self.span_diagnostics_per_head)
 
     def config(self) -> SpanAttentionConfig:

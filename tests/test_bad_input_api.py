@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -65,6 +66,17 @@ def saved_model(tmp: Path, **fields) -> Path:
     config["span_attention"].update(fields)
     (tmp / "model" / "config.json").write_text(json.dumps(config))
     return tmp / "model"
+
+
+def adapter(tmp: Path, **fields) -> Path:
+    """A LoRA adapter of a patched tiny GPT-2 saved to `tmp/adapter`, its adapter_config.json then edited by hand."""
+    from peft import LoraConfig, get_peft_model
+
+    model = patch_model(AutoModelForCausalLM.from_pretrained(saved_model(tmp)), "score:1100")
+    get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"])).save_pretrained(tmp / "adapter")
+    config = json.loads((tmp / "adapter" / "adapter_config.json").read_text())
+    (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+    return tmp / "adapter"
 
 
 def train_step_after_from_pretrained(folder: Path) -> None:
@@ -191,6 +203,21 @@ CASES = [
      "unpatch_model needs a transformers PreTrainedModel"),
     ("load_pretrained model_class a string", lambda t: load_pretrained(str(saved_model(t)), model_class="gpt2"),
      TypeError, "load_pretrained: model_class='gpt2': expected a Transformers model class with from_pretrained"),
+    ("save_pretrained into a file", lambda t: SpanAttentionConfig().save_pretrained(write(t / "c.json", "{}")),
+     FileExistsError, "save_directory='{tmp}/c.json' is a file; expected a folder"),
+    ("save_pretrained of ''", lambda t: SpanAttentionConfig().save_pretrained(""), TypeError,
+     "SpanAttentionConfig.save_pretrained: save_directory='': expected a folder"),
+    ("save_pretrained of None", lambda t: SpanAttentionConfig().save_pretrained(None), TypeError,
+     "save_directory=None: expected a folder"),
+    ("load_pretrained is_trainable a string", lambda t: load_pretrained(saved_model(t), is_trainable="no"), TypeError,
+     "load_pretrained: is_trainable='no': expected True or False"),
+    ("adapter of a base model that moved",
+     lambda t: load_pretrained(adapter(t, base_model_name_or_path=str(t / "gone"))), FileNotFoundError,
+     "{tmp}/adapter/adapter_config.json, field 'base_model_name_or_path' = '{tmp}/gone': no such folder"),
+    ("adapter without a base model", lambda t: load_pretrained(adapter(t, base_model_name_or_path=None)), ValueError,
+     "{tmp}/adapter/adapter_config.json, field 'base_model_name_or_path' = None: expected the base model's folder"),
+    ("adapter of a base model ''", lambda t: load_pretrained(adapter(t, base_model_name_or_path="")), ValueError,
+     "field 'base_model_name_or_path' = '': expected"),
     ("from_pretrained of None", lambda t: SpanAttentionConfig.from_pretrained(None), TypeError,
      "SpanAttentionConfig.from_pretrained: name_or_path=None: expected a folder"),
     ("from_pretrained of ''", lambda t: SpanAttentionConfig.from_pretrained(""), TypeError, "name_or_path=''"),
@@ -257,6 +284,18 @@ CASES = [
      "schedule keyframe ['at', 'span']: expected keys 'at', 'span'"),
     ("callback schedule a label", lambda t: SpanAttentionCallback(schedule="score:1000"), ValueError,
      "schedule='score:1000': expected a Schedule or a list of keyframes"),
+    ("layer range reversed", lambda t: Keyframe(0, {"1-0": "score:1000"}).settings(2), ValueError,
+     "layer spec '1-0': expected '*', 'a-b' with a <= b, or 'a,b,c'"),
+    ("layer range left open", lambda t: Keyframe(0, {"0-": "score:1000"}).settings(2), ValueError,
+     "layer spec '0-': expected"),
+    ("keyframe at a share above 100%", lambda t: Keyframe("120%", "score:1000").step(10, None), ValueError,
+     "keyframe at='120%': a share of training is at most '100%'"),
+    ("callback diagnostics_file '.'", lambda t: SpanAttentionCallback(diagnostics_file="."), ValueError,
+     "diagnostics_file='.': expected a file name"),
+    ("callback diagnostics_file a folder path", lambda t: SpanAttentionCallback(diagnostics_file=Path("logs") / ".."),
+     ValueError, "diagnostics_file=PosixPath('logs/..'): expected a file name"),
+    ("callback diagnostics_file ending in /", lambda t: SpanAttentionCallback(diagnostics_file="logs/"), ValueError,
+     "diagnostics_file='logs/': expected a file name"),
     # sweep.py
     ("sweep empty YAML", lambda t: sweep.main([str(sweep_file(t, None))]), ValueError, "got an empty file"),
     ("sweep YAML a list", lambda t: sweep.main([str(sweep_file(t, ["score:1000"]))]), ValueError,
@@ -351,3 +390,90 @@ def test_numpy_and_path_arguments_of_the_callback_save_as_json():
     assert json.loads(json.dumps(callback.state()))["args"] == {
         "schedule": [{"at": 5, "span": "score:1000", "ramp": False}], "diagnostics_every": 2,
         "diagnostics_per_head": False, "diagnostics_file": "d.jsonl"}
+
+
+def train_step(model) -> None:
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+
+
+def set_on_patched(model, settings):
+    patch_model(model, "score:1000")
+    model.config.span_attention = settings
+    train_step(model)
+
+
+def set_in_config(model, settings):
+    config = model.config.to_dict()
+    config["span_attention"] = settings
+    model = AutoModelForCausalLM.from_config(GPT2Config(**{**config, "attn_implementation": "span_attention"}))
+    train_step(model)
+    return model
+
+
+@pytest.mark.parametrize("how", [
+    lambda model, settings: [setattr(model.config, "span_attention", settings), patch_model(model)][1],
+    lambda model, settings: [model.config.update({"span_attention": settings}), patch_model(model)][1],
+    lambda model, settings: [set_on_patched(model, settings), model][1],
+    set_in_config,
+], ids=["set, then patch_model", "config.update, then patch_model", "set on a patched model, a training step",
+        "GPT2Config(span_attention=...), attn_implementation, a training step"])
+def test_a_settings_object_put_on_the_model_config_saves_as_its_dict(how, tmp_path):
+    """A SpanAttentionConfig put on model.config by hand is stored as the dict patch_model writes as soon as the
+    package reads it, so that save_pretrained writes it (Transformers' JSON takes JSON types only) and it reloads
+    equal."""
+    settings = SpanAttentionConfig.from_label("score:1100", layers=[1])
+    model = how(tiny("gpt2"), settings)
+    assert model.config.span_attention == settings.to_dict()
+    model.save_pretrained(tmp_path / "model")
+    saved = json.loads((tmp_path / "model" / "config.json").read_text())["span_attention"]
+    assert saved == settings.to_dict()
+    assert config_of(load_pretrained(tmp_path / "model").config) == settings
+
+
+@pytest.mark.parametrize("run", [
+    lambda model, ids: model.eval()(ids),
+    lambda model, ids: torch.no_grad()(model)(ids),
+    lambda model, ids: model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0),
+], ids=["eval", "no_grad", "generate"])
+def test_bad_saved_settings_fail_at_the_first_forward_not_only_the_first_training_step(run, tmp_path):
+    """A plain from_pretrained with attn_implementation="span_attention" reads nothing of ours until the first forward
+    (Transformers has no hook for a config field); evaluation and generation, which run SDPA, still read the
+    settings once and name the file and the field."""
+    folder = saved_model(tmp_path, alphas=[1, 0])
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="span_attention")
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=f"{folder}/config.json, field 'span_attention': alphas=\\[1, 0\\]: expected "
+                                         "4 values"):
+        run(model, ids)
+    model.config.span_attention = SpanAttentionConfig().to_dict()  # mended: evaluation runs
+    run(model, ids)
+
+
+def test_a_diagnostics_file_that_names_a_folder_fails_when_training_starts(tmp_path):
+    """Not at the first diagnostics step, after training has run."""
+    from transformers import Trainer, TrainingArguments
+
+    (tmp_path / "logs").mkdir()
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1000"), train_dataset=[{"input_ids": i, "labels": i}
+                                                                                     for i in ids],
+                      args=TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                                             use_cpu=True, save_strategy="no", disable_tqdm=True),
+                      callbacks=[SpanAttentionCallback(diagnostics_every=1, diagnostics_file="logs")])
+    with pytest.raises(ValueError, match=f"diagnostics_file='logs': {tmp_path}/logs is a folder; expected the name "
+                                         "of the JSONL file"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
+    """`layers=` is patch_model's argument; load_pretrained passes it on (to a model's or an adapter's base model)
+    rather than to the model class, which refused it."""
+    folder = saved_model(tmp_path)
+    assert config_of(load_pretrained(folder, layers=[1]).config) == SpanAttentionConfig(layers=[1])
+    assert config_of(load_pretrained(folder, "score:1100", layers=(0,)).config).label == "score:1100"
+    peft_model = load_pretrained(adapter(tmp_path), layers=[np.int64(1)])
+    assert config_of(peft_model.get_base_model().config) == SpanAttentionConfig.from_label("score:1100", layers=[1])
+    with pytest.raises(ValueError, match=r"layers=\[5\]: GPT2LMHeadModel has layers 0..1"):
+        load_pretrained(folder, layers=[5])

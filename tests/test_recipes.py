@@ -265,9 +265,17 @@ def test_schedule_and_diagnostics_flags_write_the_jsonl_and_the_plot(tmp_path):
     ('[{"at": 0, "span": "score:12"}]', "4 values"),
     ('{"at": 0}', "expected a list of keyframes"),
     ('[{"at": 0, "span": {"0-x": "score:1000"}}]', "layer spec"),
+    ('[{"at": 0.5, "span": "score:1000"}]', r"keyframe at=0.5: expected a step \(int\), a share"),
+    ('[{"at": "150%", "span": "score:1000"}]', "keyframe at='150%': a share of training is at most '100%'"),
+    ('[{"at": "-1ep", "span": "score:1000"}]', "keyframe at='-1ep': must be finite and not negative"),
+    ("[" * 10_000 + "]" * 10_000, r"^--span_schedule: not valid YAML/JSON \(RecursionError"),
+    ("binary.yaml", r"--span_schedule .*binary.yaml: not valid YAML/JSON \(UnicodeDecodeError"),
 ])
 def test_bad_schedules_fail_before_any_data_is_read(schedule, message, monkeypatch, tmp_path):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    if schedule.endswith(".yaml"):
+        schedule = str(tmp_path / schedule)
+        Path(schedule).write_bytes(b"\xff\xfe- at: 0\n")
     with pytest.raises(ValueError, match=message):
         run_clm.main(["--span_schedule", schedule, "--output_dir", str(tmp_path)])
 

@@ -403,3 +403,50 @@ def test_unusual_command_line_values_are_named(call, message, tmp_path, capsys):
         call(tmp_path)
     assert message.replace("{tmp}", str(tmp_path)) in str(err.value) + capsys.readouterr().err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+# plot_diagnostics.py: a diagnostics file of a stopped run, or edited by hand
+DIAGNOSTIC = {"step": 2, "epoch": 0.5, "layer": 0, "span": "score:1000", "dq_share": [0.7, 0.2, 0.1, 0.0],
+              "dk_share": [1.0, 0.0, 0.0, 0.0], "cos_q": 0.9, "cos_k": float("nan"), "rank_k": 4.0, "rank_v": 4.0}
+
+
+@pytest.mark.parametrize("line,message", [
+    (json.dumps(DIAGNOSTIC)[:40], "{file}:3: left out: not a whole JSON record (a line cut short"),
+    ('["step", 4]', "{file}:3: left out: expected a JSON object, got list"),
+    (json.dumps({**DIAGNOSTIC, "layer": "1"}), "{file}:3: left out: layer='1': expected an integer >= 0"),
+    (json.dumps({**DIAGNOSTIC, "dq_share": "0.7"}), "{file}:3: left out: dq_share='0.7': expected a list of numbers"),
+    (json.dumps({k: v for k, v in DIAGNOSTIC.items() if k != "cos_q"}), "{file}:3: left out: cos_q=None: expected"),
+])
+def test_plot_diagnostics_leaves_out_a_line_it_cannot_use_and_names_it(line, message, tmp_path, capsys):
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    whole = [json.dumps({**DIAGNOSTIC, "layer": layer}) for layer in (0, 1)]
+    file.write_text("\n".join([*whole, line]) + "\n")
+    assert [r["layer"] for r in plot_diagnostics.read_records(file)] == [0, 1]
+    assert message.format(file=file) in capsys.readouterr().err
+
+
+def test_plot_diagnostics_draws_the_records_of_a_run_stopped_while_writing(tmp_path, capsys):
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    file.write_text(json.dumps(DIAGNOSTIC) + "\n" + json.dumps({**DIAGNOSTIC, "step": 4})[:30])
+    plot_diagnostics.main([str(file)])
+    assert f"{file}:2: left out" in capsys.readouterr().err
+    assert (tmp_path / "span_diagnostics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("missing.jsonl", None, "{path}: cannot read the diagnostics file (FileNotFoundError"),
+    ("", None, "{path}: cannot read the diagnostics file (IsADirectoryError"),
+    ("cut.jsonl", '{"step": 2, "lay', "{path}: no diagnostics records"),
+])
+def test_plot_diagnostics_without_records_names_the_file(name, text, message, tmp_path):
+    import plot_diagnostics
+
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit, match=message.format(path=path).replace("(", r"\(")):
+        plot_diagnostics.main([str(path)])

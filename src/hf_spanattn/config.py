@@ -254,6 +254,12 @@ class SpanAttentionConfig:
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs: Any) -> str:
         """Write `span_attention_config.json` into `save_directory` (and push it if asked)."""
+        if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory):
+            raise TypeError(f"SpanAttentionConfig.save_pretrained: save_directory={save_directory!r}: expected a "
+                            f"folder (created if missing; {CONFIG_NAME} is written into it)")
+        if os.path.isfile(save_directory):
+            raise FileExistsError(f"SpanAttentionConfig.save_pretrained: save_directory={os.fspath(save_directory)!r} "
+                                  f"is a file; expected a folder ({CONFIG_NAME} is written into it)")
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
         with open(path, "w") as f:

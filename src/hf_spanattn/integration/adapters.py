@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig
+from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local
 from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -82,16 +82,29 @@ def _patched(base: torch.nn.Module) -> bool:
         "_attn" in module.__dict__ for module in base.modules())  # GPT-Neo's adapter
 
 
+def _base_model_of(folder: str | os.PathLike, peft_config: Any) -> str:
+    """The adapter's base model (`base_model_name_or_path`): a folder that exists here, or a Hub id."""
+    name = peft_config.base_model_name_or_path
+    source = f"{os.path.join(folder, ADAPTER_CONFIG)}, field 'base_model_name_or_path' = {name!r}"
+    by_hand = ("; or load the base model yourself, patch it and add the adapter: patch_model(base, "
+               "SpanAttentionConfig.from_pretrained(folder)); PeftModel.from_pretrained(base, folder)")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{source}: expected the base model's folder or Hub repository id{by_hand}")
+    if _looks_local(name) and not os.path.exists(name):
+        raise FileNotFoundError(f"{source}: no such folder (was the base model moved? edit the field{by_hand})")
+    return name
+
+
 def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | None, model_class: Any,
-                 is_trainable: bool, **kwargs: Any) -> torch.nn.Module:
+                 is_trainable: bool, layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module:
     """Base model (from the adapter's `base_model_name_or_path`) + adapter, patched with `config`, else
     the settings saved with the adapter, else those on the base model's config."""
     from peft import PeftConfig, PeftModel
 
     from hf_spanattn.integration.patch import patch_model
 
-    base = model_class.from_pretrained(PeftConfig.from_pretrained(folder).base_model_name_or_path, **kwargs)
+    base = model_class.from_pretrained(_base_model_of(folder, PeftConfig.from_pretrained(folder)), **kwargs)
     if config is None and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
         config = SpanAttentionConfig.from_pretrained(folder)
-    patch_model(base, config)
+    patch_model(base, config, layers)
     return PeftModel.from_pretrained(base, folder, is_trainable=is_trainable)

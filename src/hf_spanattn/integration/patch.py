@@ -159,18 +159,21 @@ def _neo_attn(self, query, key, value, attention_mask=None):
 
 def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
                     model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
-                    **kwargs: Any) -> torch.nn.Module:
-    """Load a model and patch it: with `config` if given, else with the settings saved in its config.
-    Saved settings that are bad fail here, naming the config.json and the field.
+                    layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module:
+    """Load a model and patch it: with `config` if given, else with the settings saved in its config;
+    `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
+    and the field.
 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
     (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
     patched with the settings saved beside the adapter (else those of the base model's config)."""
     config = as_config(config, "load_pretrained", "the settings saved with the model")
+    if not isinstance(is_trainable, bool):
+        raise TypeError(f"load_pretrained: is_trainable={is_trainable!r}: expected True or False")
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={model_class!r}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
     if adapters.is_adapter_folder(name_or_path):
-        return adapters.load_adapter(name_or_path, config, model_class, is_trainable, **kwargs)
+        return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)
-    return patch_model(model, config)
+    return patch_model(model, config, layers)

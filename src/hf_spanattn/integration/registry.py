@@ -49,14 +49,24 @@ def config_of(model_config: Any) -> SpanAttentionConfig | None:
     """The settings stored on a PretrainedConfig, or None. Parsed once per distinct dict; a bad one raises
     an error that names the config.json it was loaded from (where it was) and the field."""
     data = getattr(model_config, CONFIG_KEY, None)
-    if data is None or isinstance(data, SpanAttentionConfig):
-        return data
+    if data is None:
+        return None
+    if isinstance(data, SpanAttentionConfig):
+        return _store(model_config, data)
     key = repr(data)
     config = _PARSED.get(key)
     if config is None:
         if len(_PARSED) >= 64:
             _PARSED.clear()
         config = _PARSED[key] = _parse(data, model_config)
+    return config
+
+
+@torch.compiler.disable  # once, outside any graph
+def _store(model_config: Any, config: SpanAttentionConfig) -> SpanAttentionConfig:
+    """Settings set on the model config by hand as a SpanAttentionConfig, stored as the dict patch_model
+    writes, so that the config saves as JSON (Transformers' `to_json_string` takes JSON types only)."""
+    setattr(model_config, CONFIG_KEY, config.to_dict())
     return config
 
 
@@ -76,6 +86,24 @@ def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
                       f"{outside} do not exist and get no span gradients"
                       + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=4)
     return config
+
+
+# id(model config) → the section last read from it by `check_once`.
+_CHECKED: dict[int, Any] = {}
+
+
+def check_once(model_config: Any) -> None:
+    """Read the stored settings once per section where the forward pass does not need them (evaluation and
+    generation run SDPA), so that bad ones fail at the first forward, naming the file and the field, rather
+    than at the first training step. A compiled forward leaves it to the training step."""
+    if torch.compiler.is_compiling():
+        return
+    data = getattr(model_config, CONFIG_KEY, None)
+    if data is not None and _CHECKED.get(id(model_config)) is not data:
+        config_of(model_config)
+        if len(_CHECKED) >= 64:
+            _CHECKED.clear()
+        _CHECKED[id(model_config)] = getattr(model_config, CONFIG_KEY)
 
 
 def stored_source(model_config: Any) -> str:
@@ -155,6 +183,8 @@ def span_attention_forward(
     that keeps stock gradients, this is Transformers' SDPA attention itself."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     config = settings_for(module) if needs_grad else None  # evaluation and generation: SDPA itself
+    if not needs_grad:
+        check_once(module.config)
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

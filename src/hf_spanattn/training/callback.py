@@ -80,7 +80,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             raise ValueError(f"diagnostics_every={diagnostics_every!r}: expected an integer >= 0 (0 = off)")
         if not isinstance(diagnostics_per_head, bool):
             raise ValueError(f"diagnostics_per_head={diagnostics_per_head!r}: expected True or False")
-        if diagnostics_file is not None and not isinstance(diagnostics_file, (str, os.PathLike)):
+        if diagnostics_file is not None and (not isinstance(diagnostics_file, (str, os.PathLike)) or (
+                os.fspath(diagnostics_file) and _names_a_folder(os.fspath(diagnostics_file)))):
             raise ValueError(f"diagnostics_file={diagnostics_file!r}: expected a file name (a path relative to the "
                              "Trainer's output_dir) or None")
         self.schedule = schedule
@@ -122,6 +123,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
         self._path = _inside(args.output_dir, self.diagnostics_file or DIAGNOSTICS_FILE)
+        if self.diagnostics_every and os.path.isdir(self._path):
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
+                             "folder; expected the name of the JSONL file to write")
         if self.diagnostics_every and state.is_world_process_zero:
             _drop_records_after(self._path, state.global_step)
         self._apply(state.global_step)
@@ -244,6 +248,11 @@ def _calling_handler_callbacks(callback: SpanAttentionCallback) -> list | None:
             return owner.callbacks
         frame = frame.f_back
     return None
+
+
+def _names_a_folder(path: str) -> bool:
+    """Whether a file name can only be a folder: '.', '..', or one that ends with a separator."""
+    return path.endswith(("/", os.sep)) or os.path.basename(path) in ("", ".", "..")
 
 
 def _inside(output_dir: str, path: str) -> str:

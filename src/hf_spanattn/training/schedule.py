@@ -64,6 +64,8 @@ class Keyframe:
             value *= steps_per_epoch
         if not 0 <= value < math.inf:
             raise ValueError(f"keyframe at={at!r}: must be finite and not negative")
+        if isinstance(at, str) and at.endswith("%") and value > max_steps:  # training would end first
+            raise ValueError(f"keyframe at={at!r}: a share of training is at most '100%'")
         return round(value)
 
     def settings(self, n_layers: int) -> LayerSettings:
@@ -86,10 +88,13 @@ def _layer_list(spec: str, n_layers: int) -> list[int]:
     indices = []
     try:
         for part in spec.split(","):
-            lo, _, hi = part.partition("-")
-            indices += range(int(lo), int(hi or lo) + 1)
+            lo, dash, hi = part.partition("-")
+            first, last = int(lo), int(hi) if dash else int(lo)
+            if last < first:
+                raise ValueError
+            indices += range(first, last + 1)
     except ValueError:
-        raise ValueError(f"layer spec {spec!r}: expected '*', 'a-b' or 'a,b,c'") from None
+        raise ValueError(f"layer spec {spec!r}: expected '*', 'a-b' with a <= b, or 'a,b,c'") from None
     bad = [i for i in indices if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"layer spec {spec!r}: layers {bad} are outside 0..{n_layers - 1}")
