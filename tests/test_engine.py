@@ -261,16 +261,17 @@ def test_partly_kept_tiles_match_float64_reference(label, case, small_tiles, par
     check_against_reference(label, case)
 
 
-def test_the_scores_of_a_tile_are_formed_a_few_rows_at_a_time(monkeypatch):
-    """Without a mask every row reaches every key and the rows make one tile; its scores are formed
-    tile_rows(T) rows at a time (64 of 256), so that they are never a second copy of the whole P."""
-    formed = []
+def test_the_probabilities_take_the_place_of_their_scores(monkeypatch):
+    """The forward pass takes each tile's softmax in place: without a mask the rows make one tile
+    that holds all of P, and its scores beside it would double the peak."""
+    in_place = []
     real = tile_engine.masked_softmax
-    monkeypatch.setattr(tile_engine, "masked_softmax", lambda x, *a: formed.append(x.shape) or real(x, *a))
+    monkeypatch.setattr(tile_engine, "masked_softmax", lambda x, dead, out=None: in_place.append(out is x)
+                        or real(x, dead, out))
     (q, k, v), d_out = make(b=1, h_q=2, h_kv=1, t=256, d=64)  # all of P kept: 256² ≤ 9·256·64
     config = SpanAttentionConfig.from_label("score:1111")
     out, grads = run((q, k, v), d_out, config)
-    assert [shape[-2:] for shape in formed] == [(64, 256)] * 4
+    assert in_place == [True]
     ref_out, ref_grads = reference(q, k, v, d_out, config)
     for x, r in zip((out, *grads), (ref_out, *ref_grads)):
         assert rel(x, r) < 1e-9

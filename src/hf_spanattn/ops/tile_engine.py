@@ -23,16 +23,7 @@ from hf_spanattn.ops.backward import Probe, Rows, pick
 from hf_spanattn.ops.blocks import TileBlocks, Workspace
 from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import (
-    Recomputed,
-    Tile,
-    Tiled,
-    masked_softmax,
-    reach_tiles,
-    row_range,
-    row_tiles,
-    tile_rows,
-)
+from hf_spanattn.ops.tiles import Recomputed, Tile, Tiled, masked_softmax, reach_tiles, row_range, row_tiles
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
@@ -156,24 +147,16 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
     with no finite mask entry give 0 (as SDPA).
     Scores and softmax are in the work dtype: float32 for half inputs, whose scores may pass the half
     range (65504 in float16), as SDPA's."""
-    work, piece = backward.work_dtype(q.dtype), tile_rows(q.shape[-2])
+    work = backward.work_dtype(q.dtype)
 
     def tile(i: int) -> torch.Tensor:
-        """Tile i, its scores formed `piece` rows at a time: a tile whose neighbours reached as far
-        (all rows without a mask) holds every row, and its scores would be a second copy of it."""
         start, end, cols = mask.tiles[i]
         additive, lo, dead_rows = mask.tile(i)
-        probs = q.new_empty(*q.shape[:-2], end - start, cols) if end - start > piece else None
-        for first in range(0, end - start, piece):
-            last = min(first + piece, end - start)
-            scores = (q[..., start + first:start + last, :].to(work) * scale) @ k[..., :cols, :].to(work).mT
-            if additive is not None:
-                scores[..., lo:].add_(row_range(additive, first, last))
-            part = masked_softmax(scores, row_range(dead_rows, first, last))
-            if probs is None:
-                return part.to(q.dtype)
-            probs[..., first:last, :] = part  # not out=: _softmax.out writes a strided out as if contiguous
-        return probs
+        scores = (q[..., start:end, :].to(work) * scale) @ k[..., :cols, :].to(work).mT
+        if additive is not None:
+            scores[..., lo:].add_(additive)
+        # in place: a tile whose neighbours reach as far (every row without a mask) holds all of P
+        return masked_softmax(scores, dead_rows, out=scores).to(q.dtype)
 
     if kept is None:
         return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])

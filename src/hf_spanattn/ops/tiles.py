@@ -33,7 +33,7 @@ def row_tiles(attend: torch.Tensor | None, t: int, s: int, rows: int | None = No
 def reach_tiles(reach: list[int], rows: int | None = None) -> list[Tile]:
     """`row_tiles` of the query rows whose row i attends only keys < reach[i] (0: none)."""
     t, fixed = len(reach), rows is not None
-    rows = rows or tile_rows(t)
+    rows = rows or max(_TILE_ROWS, -(-t // _MAX_TILES))
     tiles: list[Tile] = []
     for start in range(0, t, rows):
         end = min(start + rows, t)
@@ -45,11 +45,6 @@ def reach_tiles(reach: list[int], rows: int | None = None) -> list[Tile]:
     return tiles
 
 
-def tile_rows(t: int) -> int:
-    """The rows per tile of T query rows: at least _TILE_ROWS, and at most _MAX_TILES tiles."""
-    return max(_TILE_ROWS, -(-t // _MAX_TILES))
-
-
 def row_range(x: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
     """Rows [start, end) of a mask field (…, T, ·), which may broadcast over the rows."""
     return x[..., start:end, :] if x is not None and x.shape[-2] > 1 else x
@@ -57,8 +52,9 @@ def row_range(x: torch.Tensor | None, start: int, end: int) -> torch.Tensor | No
 
 def masked_softmax(scores: torch.Tensor, dead_rows: torch.Tensor | None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax over the keys of masked scores, into `out` (contiguous) if given: in float32 for half inputs,
-    probabilities in the scores' dtype; rows with nothing to attend give 0 (as SDPA)."""
+    """softmax over the keys of masked scores, into `out` if given (contiguous; it may be `scores`): in
+    float32 for half inputs, probabilities in the scores' dtype; rows with nothing to attend give 0
+    (as SDPA)."""
     if scores.dtype in HALF:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         probs = probs if out is None else out.copy_(probs)
