@@ -253,12 +253,13 @@ def _backward_parts(shape: torch.Size, kept: list[torch.Tensor | None], per_bloc
 
 def _backward_chunks(shape: torch.Size, parts: int) -> list[Rows]:
     """The `parts` of the (B, H_kv, …) batch that the backward pass takes one at a time: batch entries
-    and key/value heads are independent, and a part bounds the rule's O(T·d) temporaries to about
-    1/parts of the batch's. Whole batch entries where there are as many; else the key/value heads of
-    each entry in as many parts as make `parts` in all (one head each at B = 1)."""
+    and key/value heads are independent, and a part bounds the rule's O(T·d) temporaries to at most
+    1/parts of the batch's. Whole batch entries where there are as many (B // parts each, so that
+    at B = 10 it takes 10 parts of one entry, not 5 of two); else the key/value heads of each entry
+    in as many parts as make `parts` in all (one head each at B = 1)."""
     b, h_kv = shape[:2]
     if b >= parts:
-        step = math.ceil(b / parts)
+        step = b // parts
         return [slice(start, start + step) for start in range(0, b, step)]
     heads = math.ceil(h_kv * b / parts)
     return [(slice(i, i + 1), slice(j, j + heads)) for i in range(b) for j in range(0, h_kv, heads)]
@@ -394,6 +395,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
                 gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
             if gy is not None:
                 gy[..., :cols, :] += rules.matmul(g.mT, y[..., start:end, :])
+            del p, kept, g  # before the next tile is recomputed: one in memory, not two
         if d_v is not None:
             dv.append(rules.group_sum(d_v))
         return rules.Products(_named(gx, needs.query) if gx is not None else {},

@@ -139,6 +139,7 @@ class Tiled:
             product = part @ x[..., :cols, :]
             pieces += [_zero_rows(product, start - written), product]
             written = end
+            del part  # before the next tile is recomputed: one in memory, not two
         pieces.append(_zero_rows(pieces[-1], self.t - written))
         pieces = [p for p in pieces if p.shape[-2]]
         return torch.cat(pieces, dim=-2) if len(pieces) > 1 else pieces[0]
