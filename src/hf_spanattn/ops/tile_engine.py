@@ -3,10 +3,10 @@ products) as explicit matrices in row tiles of queries that meet only the keys t
 attend (`tiles.py`; the per-block rule's blocks in `blocks.py`). Any dtype, rank-safe spans from
 `span_of`; the faster way on a CPU. The forward pass keeps the probabilities' tiles for the backward
 pass within a budget of O(d) elements per query head, from the first tile on; the others are
-recomputed there, one at a time (memory O(T·d), as SDPA's, at any T). The backward pass forms each tile of ∂L/∂P once,
-takes dV, G and all the products the rule asks for from it, and takes an eighth or a quarter of
-the (batch entry, key/value head) pairs at a time, spans included. It answers the rules' `Operands`
-and `Blocks` from them (the contract in `backward.py`).
+recomputed there, one at a time (memory O(T·d), as SDPA's, at any T). The backward pass forms each
+tile of ∂L/∂P once, takes dV, G and all the products the rule asks for from it, and takes at most
+an eighth or a quarter of the (batch entry, key/value head) pairs at a time, spans included. It
+answers the rules' `Operands` and `Blocks` from them (the contract in `backward.py`).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class SpanAttentionFunction(torch.autograd.Function):
         grads = [torch.empty_like(x) for x in (q, k, v)]
         workspace = Workspace()
         records: list[tuple[Rows, dict]] = []
-        for rows in _backward_chunks(q.shape, _backward_parts(q.shape, kept, ctx.config.rule.per_block)):
+        for rows in _backward_chunks(q.shape, _backward_parts(q.shape, probs, ctx.config.rule.per_block)):
             probe = (lambda record, rows=rows: records.append((rows, record))) if ctx.probe is not None else None
             chunk = _backward(batch.select(rows), ctx.dropout_p, ctx.scale, ctx.config, probe, workspace)
             for grad, part in zip(grads, chunk):
@@ -243,11 +243,11 @@ class SpanAttentionFunction(torch.autograd.Function):
         return (*grads, d_mask, None, None, None, None, None, None)
 
 
-def _backward_parts(shape: torch.Size, kept: list[torch.Tensor | None], per_block: bool) -> int:
+def _backward_parts(shape: torch.Size, probs: Tiled, per_block: bool) -> int:
     """How many parts the backward pass takes the batch of q (B, H_kv, g, T, d) in, given the
-    probabilities' tiles kept (None where recomputed; see _BACKWARD_CHUNKS)."""
-    few = (not per_block and all(p is not None for p in kept)
-           and sum(p.shape[-2] * p.shape[-1] for p in kept) <= _FEW_KEPT * shape[-2] * shape[-1])
+    probabilities (all kept, or partly recomputed; see _BACKWARD_CHUNKS)."""
+    few = (not per_block and not isinstance(probs.parts, Recomputed)
+           and sum(p.shape[-2] * p.shape[-1] for p in probs.parts) <= _FEW_KEPT * shape[-2] * shape[-1])
     return _BACKWARD_CHUNKS // 2 if few else _BACKWARD_CHUNKS
 
 
