@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -218,6 +219,14 @@ def test_merge_writes_the_table_from_all_commands(tmp_path, fake):
     assert json.loads(tree.read_text())["name"] == "H2xL1__score-1000__seed2"
     runs = pack.plan_runs(pack.load_sweeps(tmp_path / "sweep.yaml"), {})
     assert pack.finished_names(runs, None, None) == {r.name for r in runs}  # a new command would skip them all
+
+
+def test_the_merged_runs_of_the_paper_sweep_are_not_ignored_by_git():
+    """pack.py skips a run whose metrics.json is in the sweep's tree: that tree must be committed."""
+    sweep = yaml.safe_load_all((ROOT / "recipes/configs/paper_gpu.yaml").read_text())
+    tree = ROOT / next(sweep)["output_dir"] / "H4xL6" / "score-1000" / "seed0" / "metrics.json"
+    check = subprocess.run(["git", "check-ignore", "-v", str(tree)], cwd=ROOT, capture_output=True, text=True)
+    assert check.returncode == 1, check.stdout  # 0: ignored, by the rule it prints
 
 
 def test_merge_keeps_what_is_there_and_refuses_a_different_result(tmp_path, fake):

@@ -400,3 +400,30 @@ def test_a_clear_difference_is_called_beyond_the_spread(tmp_path):
     rows = report.table(report.load_runs(runs)["H1xL2"])
     assert report.delta_limit(rows) > max(rows[1]["val_delta_paired"])
     assert "beyond twice its seed spread over 2 seeds" in report.verdict("H1xL2", report.load_runs(runs)["H1xL2"], rows)
+
+
+def test_runs_with_the_papers_training_are_set_beside_its_result(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, (base, other) in enumerate([(6.40, 6.30), (6.50, 6.41)]):
+        fake_run(runs, "standard:QKV111", seed, [base])
+        fake_run(runs, "score:1000", seed, [other])
+
+    def verdict() -> str:
+        spans = report.load_runs(runs)["H1xL2"]
+        return report.verdict("H1xL2", spans, report.table(spans))
+
+    small = verdict()
+    assert "neither confirm nor refute" in small and "a hint at this size, not a result" in small
+    for path in runs.glob("*/*/seed*/metrics.json"):
+        metrics = json.loads(path.read_text())
+        metrics["config"]["model"] = {"n_embd": 256, "n_layer": 6, "n_head": 4}
+        metrics["config"]["data"]["block_size"] = 512
+        metrics["config"]["training"].update(per_device_train_batch_size=64, gradient_accumulation_steps=2,
+                                             num_train_epochs=50.0)
+        path.write_text(json.dumps(metrics))
+    full = verdict()
+    assert "These runs have the paper's training" in full and "beyond twice its seed spread over 2 seeds)" in full
+    assert "neither confirm" not in full and "a hint at this size" not in full
+    metrics["config"]["training"]["num_train_epochs"] = 5.0  # one run with a shorter schedule
+    path.write_text(json.dumps(metrics))
+    assert "neither confirm nor refute" in verdict()
