@@ -438,7 +438,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     shape = (*q.shape[:-1], k.shape[-2])
     work = backward.work_dtype(query.dtype)
     budget = min(_KEPT_ROWS, _KEPT_PER_ROW * query.shape[-2]) * math.prod(query.shape[:-2]) * query.shape[-1]
-    budget -= 2 * blocks.workspace_elements() if config.rule.per_block else 0  # its stacks, and their products
+    budget -= 2 * blocks.workspace_elements(q.numel()) if config.rule.per_block else 0  # stacks, their products
     mask = _prepare_mask(detached, is_causal, shape, work, query.device)
     kept_tiles = _kept_tiles(mask, shape, budget)
     if not all(kept_tiles):  # tiles small enough that the one in memory is O(T·d)
