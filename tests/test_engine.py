@@ -333,7 +333,7 @@ def test_the_backward_pass_takes_a_part_of_the_batch_at_a_time(label, recompute,
     monkeypatch.setattr(tile_engine, "_backward",
                         lambda batch, *args: chunks.append(tuple(batch.q.shape[:3])) or real(batch, *args))
     config = SpanAttentionConfig.from_label(label)
-    cases = [(2, 3, [(1, 2, 2), (1, 1, 2)] * 2), (1, 3, [(1, 1, 2)] * 3),
+    cases = [(2, 3, [(1, 1, 2)] * 6), (1, 3, [(1, 1, 2)] * 3), (3, 4, [(1, 3, 2), (1, 1, 2)] * 3),
              (5, 1, [(1, 1, 2)] * 5), (8, 1, [(2, 1, 2)] * 4)]  # at most a quarter each: 5 entries in 5 parts
     for b, h_kv, expected in cases:
         chunks.clear()
