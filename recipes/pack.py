@@ -134,7 +134,7 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     for where, piece in pieces:
         try:
             value = json.loads(piece)
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:  # numbers or nesting past Python's limits too
             cut = path.suffix == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and not text.endswith("\n")
             problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
                                                                   "writing it" if cut else ""))
@@ -207,8 +207,8 @@ def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, sa
                 continue
             try:
                 problems = check(json.loads(path.read_text()))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-                problems = [f"not valid JSON ({err})"]
+            except (OSError, ValueError, RecursionError) as err:
+                problems = [f"not valid JSON ({type(err).__name__}: {str(err)[:200]})"]
             if problems:
                 say(f"{path}: not a finished run's result ({'; '.join(problems)}); the run is redone", flush=True)
             else:

@@ -41,6 +41,8 @@ def read_json(path: Path) -> Any:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err}); was the run stopped while writing it?") from None
+    except (ValueError, RecursionError) as err:  # not UTF-8, a number or a nesting past Python's limits
+        raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -72,6 +72,68 @@ def test_merge_never_writes_outside_out(field, value, message, tmp_path, fake):
     assert {p for p in tmp_path.rglob("*")} == before  # nothing written anywhere
 
 
+METRICS = {"span": "score:1000", "span_config": {}, "final_train_loss": 5.0, "min_val_loss": 4.0, "best_epoch": 2.0,
+           "val_perplexity": 54.6, "val_accuracy": 0.1, "train_runtime_s": 4.0, "device": "cpu (x86_64)",
+           "train_history": [{"epoch": 1.0, "step": 5, "loss": 5.5}, {"epoch": 2.0, "step": 10, "loss": 5.0}],
+           "eval_history": [{"epoch": 1.0, "step": 5, "loss": 4.5}, {"epoch": 2.0, "step": 10, "loss": 4.0}],
+           "early_stopping": {"patience": 1, "threshold": 0.0, "stopped_early": True, "stopped_at_epoch": 2.0,
+                              "num_train_epochs": 3.0},
+           "config": {"model": {}, "data": {}, "span": {}, "training": {"seed": 0}, "hf_spanattn": "0",
+                      "transformers": "0", "torch": "0"}}
+
+
+def a_record(**changes) -> dict:
+    """pack.py's record of a finished run (H2xL1, score:1000, seed 0), with `changes`."""
+    run = pack.Run("H2xL1__score-1000__seed0", Path("tree/H2xL1/score-1000/seed0"), {"seed": "0"})
+    return {**pack.result_record(run, METRICS, 5.0, 1), **changes}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"best_epoch": "2"}, "best_epoch is '2': expected a finite number"),
+    ({"best_epoch": None}, "best_epoch is missing: expected a finite number"),
+    ({"early_stopping": {"stopped_early": True}}, "early_stopping.patience=None: expected an integer >= 1"),
+    ({"early_stopping": {**METRICS["early_stopping"], "num_train_epochs": None}},
+     "early_stopping.num_train_epochs is missing: expected a finite number"),
+    ({"early_stopping": {**METRICS["early_stopping"], "stopped_at_epoch": "2"}},
+     "early_stopping.stopped_at_epoch is '2': expected a finite number"),
+    ({"early_stopping": {**METRICS["early_stopping"], "stopped_early": "yes"}},
+     "early_stopping.stopped_early='yes': expected true or false"),
+    ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
+    ({"device": 5}, "device=5: expected the device's name or null"),
+    ({"seed": 2**32}, "seed=4294967296: expected an integer from 0 to 4294967295"),
+    ({"seed": 10**300}, "expected an integer from 0 to 4294967295"),
+    ({"seed": 1}, "seed=1: config.training.seed is 0, the seed the run was made with"),
+    ({"span": "score:1100"},
+     "name='H2xL1__score-1000__seed0': the shape, span and seed make 'H2xL1__score-1100__seed0'"),
+    ({"shape": "H4xL6"}, "the shape, span and seed make 'H4xL6__score-1000__seed0'"),
+])
+def test_merge_refuses_a_record_whose_fields_disagree_or_that_it_cannot_report(changes, message, tmp_path):
+    """Each would be written into the tree and then stop the report (a field it formats as a number), or go into
+    the tree where its name does not say (pack.py counts the named run finished, the report another)."""
+    assert pack.record_problems(a_record()) == []  # the unchanged record is whole
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record(**changes)))
+    with pytest.raises(SystemExit) as err:
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert f"merge: {path}: not a result of recipes/pack.py: " in str(err.value) and message in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record(train_runtime_s=0.0)))
+    merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert "| cpu (x86_64) | 1 | 1 | 0.0 | – |" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("text", ["", "[]", "\n\n"])
+def test_merge_of_inputs_without_records_says_so(text, tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=f"merge: no results in {path}, and none under {tmp_path / 'out' / 'runs'}"):
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+
+
 def test_merge_puts_a_partial_result_in_the_tree_aside_and_skips_a_cut_line(tmp_path, fake, capsys):
     record = one_record(tmp_path, fake)
     out = tmp_path / "out"
@@ -173,6 +235,15 @@ def metrics_file(runs: Path, label: str, seed: int, val: float, **changes) -> Pa
     ({"span": 7}, "span=7: not a span label"),
     ({"eval_history": [{"step": 10}]}, "eval_history[0].loss is missing"),
     ({"train_history": {"step": 1}}, "train_history: expected a list"),
+    ({"min_val_loss": 10**400}, "min_val_loss is 1000000000000000000000000000000000000000: expected a finite number"),
+    ({"config": {"training": {"seed": 0}, "data": "wikitext"}}, "config.data is str: expected an object"),
+    ({"config": {"training": {"seed": 0}, "model": [256]}}, "config.model is list: expected an object"),
+    ({"config": {"training": {"seed": 0, "per_device_train_batch_size": "4"}}},
+     "config.training.per_device_train_batch_size is '4': expected a finite number"),
+    ({"config": {"training": {"seed": 0}, "data": {"block_size": "128"}}},
+     "config.data.block_size is '128': expected a finite number"),
+    ({"unigram_val_loss": "low"}, "unigram_val_loss is 'low': expected a finite number"),
+    ({"world_size": "2"}, "world_size is '2': expected a finite number"),
 ])
 def test_report_leaves_out_a_metrics_json_it_cannot_use_and_names_it(changes, message, tmp_path, capsys):
     runs = tmp_path / "runs"
@@ -193,6 +264,43 @@ def test_report_on_a_baseline_loss_of_zero_gives_no_percentage(tmp_path, capsys)
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| score:1000 | 1 | 0.6000 | -500.000 | 0.5000 | – |" in text  # train Δ against 0.1, val against 0
     assert "validation loss is 0, so score:1000 has no Δ %" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"span": "score:1000", "min_val_loss": ' + "9" * 5000 + "}", "not valid JSON (ValueError: Exceeds the limit"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON (RecursionError"),
+    (b"\xff\xfe{}", "not valid JSON (UnicodeDecodeError"),
+])
+def test_a_metrics_json_past_pythons_limits_is_named(content, message, tmp_path, capsys):
+    """Digits past int's limit, nesting past the recursion limit, bytes that are not UTF-8: report.py and sweep.py
+    (read_json), pack.py (a record) and merge.py (a result in the tree) name the file."""
+    path = metrics_file(tmp_path / "runs", "score:1000", 0, 5.9)
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    with pytest.raises(SystemExit) as err:
+        report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert f"report: {path}: {message}" in str(err.value)
+    copy = tmp_path / "record.json"
+    copy.write_bytes(path.read_bytes())
+    assert pack.read_records(copy)[1][0].startswith(f"{copy}: not valid JSON")
+    run = pack.Run("H1xL1__score-1000__seed0", path.parent, {})
+    said = []
+    assert pack.finished_names([run], None, None, say=lambda text, **_: said.append(text)) == set()
+    assert said[0].startswith(f"{path}: not a finished run's result (not valid JSON (")
+
+
+def test_report_draws_the_diagnostics_of_a_run_with_a_line_cut_short(tmp_path, capsys):
+    """A run stopped while writing span_diagnostics.jsonl and resumed leaves the cut line inside the file."""
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, 6.0)
+    folder = metrics_file(runs, "score:1000", 0, 5.9).parent
+    lines = [json.dumps({**DIAGNOSTIC, "step": 2}), json.dumps(DIAGNOSTIC)[:30], json.dumps({**DIAGNOSTIC, "step": 4}),
+             json.dumps({**DIAGNOSTIC, "step": 6, "dq_share": []})]
+    (folder / "span_diagnostics.jsonl").write_text("\n".join(lines) + "\n")
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    said = capsys.readouterr().err
+    assert f"{folder / 'span_diagnostics.jsonl'}:2: left out: not a whole JSON record" in said
+    assert f"{folder / 'span_diagnostics.jsonl'}:4: left out: dq_share=[]: expected a list of numbers" in said
+    assert (tmp_path / "out" / "diagnostics_H1xL1_score-1000.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -416,6 +524,7 @@ DIAGNOSTIC = {"step": 2, "epoch": 0.5, "layer": 0, "span": "score:1000", "dq_sha
     (json.dumps({**DIAGNOSTIC, "layer": "1"}), "{file}:3: left out: layer='1': expected an integer >= 0"),
     (json.dumps({**DIAGNOSTIC, "dq_share": "0.7"}), "{file}:3: left out: dq_share='0.7': expected a list of numbers"),
     (json.dumps({k: v for k, v in DIAGNOSTIC.items() if k != "cos_q"}), "{file}:3: left out: cos_q=None: expected"),
+    (json.dumps({**DIAGNOSTIC, "dk_share": []}), "{file}:3: left out: dk_share=[]: expected a list of numbers"),
 ])
 def test_plot_diagnostics_leaves_out_a_line_it_cannot_use_and_names_it(line, message, tmp_path, capsys):
     import plot_diagnostics
@@ -425,6 +534,23 @@ def test_plot_diagnostics_leaves_out_a_line_it_cannot_use_and_names_it(line, mes
     file.write_text("\n".join([*whole, line]) + "\n")
     assert [r["layer"] for r in plot_diagnostics.read_records(file)] == [0, 1]
     assert message.format(file=file) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("output,message", [
+    ("", "-o {tmp}: expected the path of the figure, ending in .png"),  # a folder
+    ("figure", "-o {tmp}/figure: expected the path of the figure, ending in .png"),  # matplotlib would add .png
+])
+def test_plot_diagnostics_output_that_is_not_a_figure_path_is_refused(output, message, tmp_path, capsys):
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    file.write_text(json.dumps(DIAGNOSTIC) + "\n")
+    with pytest.raises(SystemExit):
+        plot_diagnostics.main([str(file), "-o", str(tmp_path / output)])
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["span_diagnostics.jsonl"]
+    plot_diagnostics.main([str(file), "-o", str(tmp_path / "new" / "d.png")])  # a new folder is made
+    assert (tmp_path / "new" / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_diagnostics_draws_the_records_of_a_run_stopped_while_writing(tmp_path, capsys):
