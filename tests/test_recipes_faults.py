@@ -396,6 +396,70 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkey
     assert "taking over the lock of a run that ended" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name,content,message", [
+    ("latin1.txt", "café crème\n".encode("latin-1"), "could not be read as text (the file must be UTF-8) "
+                                                       "(UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"),
+    ("bad.jsonl", '{"text": "a"}\n{oops\n', "could not be read as json (ValueError: "),
+    ("table.csv", "id,body\n1,a b c\n", "no 'text' column, and its first, 'id', holds Value('int64'), not text"),
+])
+def test_a_data_file_that_cannot_be_read_says_why(name, content, message, tmp_path):
+    """The loaders' own message was "An error occurred while generating the dataset"."""
+    path = tmp_path / name
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    with pytest.raises(ValueError) as err:
+        run_clm.load_file(str(path), "--train_file")
+    assert f"--train_file {path}: {message}" in str(err.value)
+    assert "An error occurred while generating the dataset" not in str(err.value)
+
+
+def test_jsonl_rows_without_text_are_counted_aloud(tmp_path, caplog):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": "the cat"} if i % 3 else {"title": "x"}) + "\n" for i in range(9)))
+    assert run_clm.load_file(str(path), "--train_file")["text"] == ["", "the cat", "the cat"] * 3
+    assert f"--train_file {path}: 3 of its 9 rows have no 'text'; they count as empty texts" in caplog.text
+
+
+def tiny_run(tmp_path: Path, **changes) -> dict:
+    """A run of a few steps of a 1-layer GPT-2 with d = 16 on a few hundred tokens of text."""
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "train.txt").write_text(" the cat sat on the mat" * 40)
+    (tmp_path / "data" / "validation.txt").write_text(" the dog ran" * 30)
+    args = {"data_dir": tmp_path / "data", "tokenizer_name": DATA / "gpt2-tokenizer", "n_embd": 16, "n_head": 1,
+            "n_layer": 1, "block_size": 16, "overlap": 0, "per_device_train_batch_size": 4, "disable_tqdm": True,
+            "output_dir": tmp_path / "out", "save_strategy": "no", "load_best_model_at_end": False, **changes}
+    return run_clm.main([f"--{k}={v}" for k, v in args.items()])
+
+
+@needs_data
+def test_a_start_that_failed_does_not_block_the_corrected_command(tmp_path, capsys):
+    """A start that fails after recording its settings (here: a layer the model does not have) leaves only
+    run_config.json; the corrected command ran into "holds a run made with other settings"."""
+    with pytest.raises(ValueError, match=r"--span_layers: layers=\[3\]: GPT2LMHeadModel has layers 0..0"):
+        tiny_run(tmp_path, span="score:1000", span_layers=3)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["run_config.json"]
+    metrics = tiny_run(tmp_path, span="score:1000", span_layers=0, max_steps=2)
+    assert metrics["span_config"]["layers"] == [0] and metrics["resumed_from"] is None
+    assert "a start with other settings that made no checkpoint; this run starts afresh" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "run_config.json").read_text())["span"]["span_layers"] == "0"
+    with pytest.raises(ValueError, match="holds a run made with other settings"):  # a finished run is kept
+        tiny_run(tmp_path, span="score:1000", span_layers=0, max_steps=3)
+
+
+@needs_data
+def test_a_rerun_after_a_kill_before_any_checkpoint_writes_its_own_diagnostics(tmp_path, caplog):
+    """The callback appended the new run's records to those of the stopped start: every step twice, and the
+    plot drawn over both."""
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = "".join(json.dumps({**DIAGNOSTIC, "step": step}) + "\n" for step in (1, 2, 3)) + '{"step": 4, "la'
+    (out / "span_diagnostics.jsonl").write_text(stale)
+    tiny_run(tmp_path, span="score:1000", span_diagnostics_every=1, max_steps=2)
+    steps = [json.loads(line)["step"] for line in (out / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # one record per step and layer, of this run only
+    assert (out / "span_diagnostics.jsonl.replaced-1").read_text() == stale  # kept
+    assert "left by an earlier start of this run" in caplog.text
+
+
 # hand-edited run_clm.py and sweep files
 
 
@@ -423,6 +487,16 @@ def test_a_bad_run_clm_config_file_is_named(text, message, tmp_path, monkeypatch
     ({"args": {**TINY, "no_such_argument": 1}}, "not used by the HfArgumentParser: ['--no_such_argument=1']"),
     ({"args": {**TINY, "train_file": "missing.txt"}}, "missing.txt: no such file"),
     ({"shapes": [{"n_head": 3}]}, "--n_embd 32 must be a multiple of --n_head 3"),
+    # set in args or a shape, these were overridden by spans, seeds and output_dir without a word
+    ({"args": {**TINY, "span": "score:1100"}}, "args sets span, which the sweep gives each run"),
+    ({"args": {**TINY, "seed": 5}}, "args sets seed, which the sweep gives each run"),
+    ({"args": {**TINY, "output_dir": "elsewhere"}}, "args sets output_dir, which the sweep gives each run"),
+    ({"shapes": [{"n_head": 2, "n_layer": 1, "span": "score:1100"}]}, "shapes[0] sets span"),
+    # a folder name of several parts: the run went deeper than <shape>/<span>/seed<k>, where report.py never looks
+    ({"shapes": [{"n_head": 2, "n_layer": 1, "tokenizer_name": str(DATA / "gpt2-tokenizer")}]},
+     "is not one folder name (letters, digits and '._=+-'); give such values in args"),
+    ({"seeds": [-1]}, "seeds: -1: allowed seeds are 0 to 4294967295"),
+    ({"seeds": [2**32]}, "seeds: 4294967296: allowed seeds are 0 to 4294967295"),
 ])
 def test_a_bad_sweep_file_fails_before_any_run(change, message, tmp_path):
     config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
@@ -432,6 +506,44 @@ def test_a_bad_sweep_file_fails_before_any_run(change, message, tmp_path):
         sweep.main([str(tmp_path / "s.yaml"), "--launcher", "false"])
     assert message in str(err.value)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("recipe", ["sweep", "pack", "run_clm", "span_schedule"])
+def test_a_key_given_twice_in_a_yaml_file_is_named(recipe, tmp_path):
+    """Plain YAML keeps the last of two equal keys without a word: the first setting was lost."""
+    path = tmp_path / "config.yaml"
+    if recipe == "span_schedule":
+        path.write_text("- {at: 0, span: score:1000, at: 5}\n")
+        call = lambda: run_clm.parse_args(["--span_schedule", str(path), "--output_dir", str(tmp_path / "o")])  # noqa: E731
+    elif recipe == "run_clm":
+        path.write_text(f"span: score:1000\noutput_dir: {tmp_path / 'o'}\nspan: standard:QKV111\n")
+        call = lambda: run_clm.parse_args([str(path)])  # noqa: E731
+    else:
+        path.write_text(f"output_dir: {tmp_path / 'runs'}\nspans: [score:1000]\nseeds: [0]\nargs:\n  n_embd: 32\n"
+                        "spans: [standard:QKV111]\n")
+        call = (lambda: sweep.main([str(path), "--dry_run"])) if recipe == "sweep" else \
+            (lambda: pack.main([str(path), "--results", str(tmp_path / "r"), "--dry_run"]))
+    with pytest.raises((ValueError, SystemExit)) as err:
+        call()
+    key, lines = {"span_schedule": ("at", "1 and 1"), "run_clm": ("span", "1 and 3")}.get(recipe, ("spans", "2 and 6"))
+    assert str(path) in str(err.value) and f"the key '{key}' is given twice (lines {lines})" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("spans: [score:1000]\n---\nspans: [score:1100]\n", "2 YAML documents; sweep.py runs one (recipes/pack.py runs"),
+    (b"\xff\xfespans: []", "not valid YAML (UnicodeDecodeError"),
+    (None, "{path}: not a file"),
+])
+def test_a_sweep_file_sweep_py_cannot_read_is_named(content, message, tmp_path):
+    path = tmp_path / "sweep.yaml"
+    if content is None:
+        path.mkdir()
+    else:
+        (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    with pytest.raises(ValueError) as err:
+        sweep.main([str(path), "--dry_run"])
+    assert f"{path}: " in str(err.value) and message.format(path=path) in str(err.value)
 
 
 def test_sweep_redoes_a_run_whose_metrics_json_was_cut_short(tmp_path, capsys):
@@ -466,6 +578,8 @@ def test_sweep_stops_at_a_folder_another_run_holds(tmp_path, capsys):
     ("save_strategy: no\n", "{file}: save_strategy=False: expected text (YAML reads a bare yes/no/on/off"),
     ("token_subset: all\n", "{file}: token_subset='all': allowed values are first, spread"),
     ("do_train: maybe\n", "{file}: do_train='maybe': expected true or false"),
+    ("span_layers: {0: 1}\n", "{file}: span_layers={0: 1}: expected text, got dict"),
+    ("config_overrides: {n_embd: 64}\n", "{file}: config_overrides={'n_embd': 64}: expected text, got dict"),
 ])
 def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
@@ -480,10 +594,12 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     """YAML 1.1 reads 1e-3 as text; a list serves a comma-separated argument; "64" is a number."""
     file = tmp_path / "run.yaml"
     file.write_text(f"learning_rate: 1e-3\nspan_layers: [0, 2]\nblock_size: '64'\nspan: score:1000\n"
-                    f"tokenizer_name: {DATA / 'gpt2-tokenizer'}\noutput_dir: {tmp_path / 'out'}\n")
+                    f"tokenizer_name: {DATA / 'gpt2-tokenizer'}\noutput_dir: {tmp_path / 'out'}\n"
+                    "span_schedule:\n  - {at: 0, span: standard:QKV111}\n  - {at: '50%', span: score:1000}\n")
     model, data, span, training, *_ = run_clm.parse_args([str(file)])
     assert training.learning_rate == 0.001 and data.block_size == 64
     assert span.config().layers == (0, 2)
+    assert [k.span for k in span.callback().schedule.keyframes] == ["standard:QKV111", "score:1000"]
 
 
 @pytest.mark.parametrize("call,message", [
@@ -501,6 +617,39 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     (lambda t: run_clm.main(["--output_dir", " "]), "--output_dir is empty"),
     (lambda t: run_clm.main(["--span_schedule", str(t / "typo.yaml"), "--output_dir", str(t / "o")]),
      "--span_schedule {tmp}/typo.yaml: no such file"),
+    # a result lost after its run (the record is written to a folder), or a traceback before any
+    (lambda t: pack.main([str(t / "s.yaml"), "--jsonl", str(t)]), "--jsonl {tmp}: is a folder; expected the path of"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--jsonl", str(t / "file" / "r.jsonl")]),
+     "--jsonl {tmp}/file/r.jsonl: {tmp}/file is a file, so it cannot be made"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "file" / "r")]),
+     "--results {tmp}/file/r: {tmp}/file is a file"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--tmp_dir", str(t / "typo")]),
+     "--tmp_dir {tmp}/typo: no such folder"),
+    (lambda t: sweep.main([str(t / "s.yaml"), "--launcher", "no-such-launcher --nproc 2"]),
+     "--launcher 'no-such-launcher --nproc 2': no command 'no-such-launcher' here"),
+    # run_clm.py: numbers the Trainer, NumPy or PyTorch refuse only later, without the flag's name, or not at all
+    (lambda t: run_clm.main(["--seed", "-1", "--output_dir", str(t / "o")]), "--seed -1: allowed values are 0 to"),
+    (lambda t: run_clm.main(["--data_seed", str(2**32), "--output_dir", str(t / "o")]),
+     "--data_seed 4294967296: allowed values are 0 to 4294967295"),
+    (lambda t: run_clm.main(["--gradient_accumulation_steps", "0", "--output_dir", str(t / "o")]),
+     "--gradient_accumulation_steps 0: allowed values are >= 1"),
+    (lambda t: run_clm.main(["--per_device_train_batch_size", "0", "--output_dir", str(t / "o")]),
+     "--per_device_train_batch_size 0: allowed values are >= 1"),
+    (lambda t: run_clm.main(["--num_train_epochs", "0", "--output_dir", str(t / "o")]),  # trained nothing, "loss 0.0"
+     "--num_train_epochs 0.0: expected a number > 0 (or --max_steps N)"),
+    (lambda t: run_clm.main(["--num_train_epochs", "nan", "--output_dir", str(t / "o")]),
+     "--num_train_epochs nan: expected a number > 0"),
+    (lambda t: run_clm.main(["--learning_rate", "nan", "--output_dir", str(t / "o")]),
+     "--learning_rate nan: expected a finite number >= 0"),
+    # empty values (an unset shell variable): a model from scratch without a word, a Hub lookup of ''
+    (lambda t: run_clm.main(["--model_name_or_path", "", "--output_dir", str(t / "o")]),
+     "--model_name_or_path is empty: give a Hub id or a local folder, or leave the flag out"),
+    (lambda t: run_clm.main(["--config_name", " ", "--output_dir", str(t / "o")]), "--config_name is empty"),
+    (lambda t: run_clm.main(["--tokenizer_name", "", "--output_dir", str(t / "o")]), "--tokenizer_name is empty"),
+    (lambda t: run_clm.main(["--span_layers", "", "--output_dir", str(t / "o")]),  # was: all layers
+     "--span_layers '': expected comma-separated integers (leave it unset for all layers)"),
+    (lambda t: run_clm.main(["--config_overrides", "n_embd=64,n_embd=32", "--output_dir", str(t / "o")]),
+     "--config_overrides 'n_embd=64,n_embd=32': n_embd is given twice"),
 ])
 def test_unusual_command_line_values_are_named(call, message, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
