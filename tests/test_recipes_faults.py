@@ -725,3 +725,17 @@ def test_plot_diagnostics_without_records_names_the_file(name, text, message, tm
         path.write_text(text)
     with pytest.raises(SystemExit, match=message.format(path=path).replace("(", r"\(")):
         plot_diagnostics.main([str(path)])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--accum", "0"], "--accum 0: expected an integer >= 1"),  # was: bash's "division by 0", then on
+    (["--accum", "abc"], "--accum abc: expected an integer >= 1"),  # was: "abc: unbound variable"
+    (["--parallel", "-1"], "--parallel -1: expected an integer >= 1"),
+    (["--budget"], "--budget needs a value"),  # was: "$2: unbound variable"
+    (["--accum", "3"], "--accum 3 must divide 128"),
+])
+def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message, tmp_path):
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_sweep.sh"), *argv], capture_output=True, text=True,
+                            env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert result.returncode == 2 and f"gpu_sweep.sh: {message}" in result.stderr
+    assert not (tmp_path / "out").exists()
