@@ -55,8 +55,8 @@ def one_record(tmp_path: Path, fake) -> dict:
     ("shape", "{tmp}/abs", "shape='{tmp}/abs': expected a folder name"),  # absolute, in the test's folder
     ("shape", "..", "shape='..': expected a folder name"),
     ("span", "score:1000/../../../escape", "span='score:1000/../../../escape': not a span label"),
-    ("seed", "0/../../escape", "seed='0/../../escape': expected an integer >= 0"),
-    ("seed", -1, "seed=-1: expected an integer >= 0"),
+    ("seed", "0/../../escape", "seed='0/../../escape': expected an integer from 0 to 4294967295"),
+    ("seed", -1, "seed=-1: expected an integer from 0 to 4294967295"),
     ("name", "../x", "name='../x': expected a folder name"),
 ])
 def test_merge_never_writes_outside_out(field, value, message, tmp_path, fake):
