@@ -46,6 +46,11 @@ def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
         return LlamaForCausalLM(LlamaConfig(**kwargs))
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    if family == "gpt_oss":  # attention sinks: not SDPA's attention, so not supported
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        return GptOssForCausalLM(GptOssConfig(**{**kwargs, "intermediate_size": 32}, head_dim=8, num_local_experts=2,
+                                              num_experts_per_tok=1, layer_types=["full_attention"] * layers))
     raise ValueError(family)
 
 

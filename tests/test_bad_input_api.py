@@ -137,6 +137,27 @@ def resume_with_saved(tmp: Path, saved: dict | None, wanted: dict, checkpoint: b
     return run_identity.resume_point(str(out), wanted, None, overwrite=False)
 
 
+def trainer_with(tmp: Path, *callbacks):
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    return Trainer(model=patch_model(tiny("gpt2"), "score:1000"), train_dataset=[{"input_ids": i, "labels": i}
+                                                                               for i in ids],
+                   args=TrainingArguments(str(tmp), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                                          use_cpu=True, save_strategy="no", disable_tqdm=True),
+                   callbacks=list(callbacks))
+
+
+def sinks_forward() -> None:
+    """GPT-OSS set to span_attention without patch_model (as from_pretrained(attn_implementation=...) does)."""
+    from hf_spanattn.integration import register
+
+    register()
+    model = tiny("gpt_oss").eval()
+    model.config._attn_implementation = "span_attention"
+    model(torch.zeros(1, 4, dtype=torch.long))
+
+
 RUN = {"model": {"n_embd": 32}, "data": {"block_size": 32}, "span": {"span": "standard:QKV111"},
        "training": {"seed": 0, "learning_rate": 1e-3, "output_dir": "a"}}
 
@@ -296,6 +317,21 @@ CASES = [
      ValueError, "diagnostics_file=PosixPath('logs/..'): expected a file name"),
     ("callback diagnostics_file ending in /", lambda t: SpanAttentionCallback(diagnostics_file="logs/"), ValueError,
      "diagnostics_file='logs/': expected a file name"),
+    ("keyframe table names a layer twice",
+     lambda t: Keyframe(0, {"0-1": "score:1000", "1": "standard:QKV111"}).settings(2), ValueError,
+     "keyframe span={'0-1': 'score:1000', '1': 'standard:QKV111'}: layer 1 is named by both '0-1' and '1'"),
+    ("callback diagnostics_file with a NUL", lambda t: SpanAttentionCallback(diagnostics_file="a\0b"), ValueError,
+     "diagnostics_file='a\\x00b': expected a file name"),
+    ("callback add_to a model", lambda t: SpanAttentionCallback().add_to(tiny("gpt2")), TypeError,
+     "SpanAttentionCallback.add_to: trainer=GPT2LMHeadModel: expected a transformers Trainer"),
+    ("two span callbacks in one trainer", lambda t: trainer_with(t, SpanAttentionCallback([Keyframe(0, "score:1000")]),
+                                                                 SpanAttentionCallback()).train(), ValueError,
+     "SpanAttentionCallback: the trainer holds 2 of them; their schedules and diagnostics would overwrite each other"),
+    # models whose attention is not SDPA's
+    ("patch_model of a model with attention sinks", lambda t: patch_model(tiny("gpt_oss")), ValueError,
+     "GptOssForCausalLM does not support SDPA attention in Transformers (its attention has parts SDPA lacks"),
+    ("attention sinks under attn_implementation='span_attention'", lambda t: sinks_forward(), NotImplementedError,
+     "span_attention does not support attention sinks ('s_aux', attention of GptOssAttention)"),
     # sweep.py
     ("sweep empty YAML", lambda t: sweep.main([str(sweep_file(t, None))]), ValueError, "got an empty file"),
     ("sweep YAML a list", lambda t: sweep.main([str(sweep_file(t, ["score:1000"]))]), ValueError,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -369,3 +370,29 @@ def test_diagnostics_under_ddp_are_those_of_one_process_over_the_global_batch(tm
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-12), key
         for key in ("cos_q", "cos_k", "rank_k", "rank_v"):
             assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("keyframe,message", [
+    (Keyframe("100%", "score:1000"), "keyframe at='100%' (step 2) is never reached: training ends after max_steps=2 "
+                                     "(steps 0..1)"),
+    (Keyframe("3ep", "score:1000"), "keyframe at='3ep' (step 3) is never reached"),
+    (Keyframe(5, "score:1000", ramp=True), "keyframe at=5 (step 5) is never reached: training ends after "
+                                           "max_steps=2, so its ramp stops 20% of the way there"),
+])
+def test_a_keyframe_past_the_last_step_warns_once_when_training_starts(keyframe, message, tmp_path):
+    """Steps 0..max_steps-1 train; a keyframe at max_steps or later changes nothing (a ramp towards one is cut
+    short), which is said once, naming the keyframe and max_steps. A ramp that ends at "100%" is not."""
+    recorder = RuleRecorder()
+    with pytest.warns(UserWarning) as warned:
+        train(patch_model(tiny("gpt2"), "score:1100"), tmp_path, [SpanAttentionCallback([Keyframe(0, "score:1111"),
+                                                                                       keyframe]), recorder],
+              max_steps=2)
+    ours = [str(w.message) for w in warned if "SpanAttentionCallback" in str(w.message)]
+    assert len(ours) == 1 and message in ours[0], ours
+    assert list(recorder.labels) == [0, 1] and recorder.labels[1] != "score:1000"  # never in force
+    if keyframe.ramp:
+        assert recorder.labels[1] == "score:1,0.8,0.8,0.8"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="SpanAttentionCallback")
+            train(patch_model(tiny("gpt2"), "score:1100"), tmp_path / "ramp", max_steps=2, callbacks=[
+                SpanAttentionCallback([Keyframe(0, "score:1111"), Keyframe("100%", "score:1000", ramp=True)])])

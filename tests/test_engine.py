@@ -300,6 +300,25 @@ def test_the_forward_pass_keeps_probabilities_within_its_budget(t, is_causal, ke
         assert rel(g, r) < 1e-9
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_the_per_block_stacks_stay_small_beside_a_small_batch(is_causal, monkeypatch):
+    """The per-block rule stacks its blocks' scores and ∂L/∂P in buffers of at most _STACK_ELEMENTS,
+    and at most _STACK_PER_QUERY times the query elements of its part of the batch: at batch 1 the
+    cache-sized stacks alone would pass 4× SDPA's memory."""
+    from hf_spanattn.ops import blocks
+    sizes, real = [], blocks.Workspace.__call__
+    monkeypatch.setattr(blocks.Workspace, "__call__", lambda self, name, shape, *args: sizes.append(
+        (name, torch.Size(shape).numel())) or real(self, name, shape, *args))
+    (q, k, v), d_out = make(b=1, h_q=2, h_kv=2, t=64, d=16)
+    config = SpanAttentionConfig.from_label("score:1111@per_block")
+    out, grads = run((q, k, v), d_out, config, is_causal=is_causal)
+    stacked = [n for name, n in sizes if name in ("scores", "d_probs")]
+    assert stacked and max(stacked) <= 4 * q.numel() // 2, max(stacked)  # 4 × a part of one head
+    _, ref_grads = reference(q, k, v, d_out, config, is_causal=is_causal)
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 1e-9
+
+
 @pytest.mark.parametrize("label", ["score:1111", "score:1100@per_block"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_the_backward_pass_takes_a_part_of_the_batch_at_a_time(label, recompute, monkeypatch):
@@ -314,7 +333,7 @@ def test_the_backward_pass_takes_a_part_of_the_batch_at_a_time(label, recompute,
     monkeypatch.setattr(tile_engine, "_backward",
                         lambda batch, *args: chunks.append(tuple(batch.q.shape[:3])) or real(batch, *args))
     config = SpanAttentionConfig.from_label(label)
-    cases = [(2, 3, [(1, 2, 2), (1, 1, 2)] * 2), (1, 3, [(1, 1, 2)] * 3),
+    cases = [(2, 3, [(1, 1, 2)] * 6), (1, 3, [(1, 1, 2)] * 3), (3, 4, [(1, 3, 2), (1, 1, 2)] * 3),
              (5, 1, [(1, 1, 2)] * 5), (8, 1, [(2, 1, 2)] * 4)]  # at most a quarter each: 5 entries in 5 parts
     for b, h_kv, expected in cases:
         chunks.clear()

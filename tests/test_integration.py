@@ -286,3 +286,45 @@ def test_left_padding_keeps_the_stock_forward_in_every_row(family):
     patched.loss.backward()
     assert (patched.logits - stock.logits).abs().max() <= 1e-5
     assert abs(patched.loss.item() - stock.loss.item()) <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neo"])
+def test_a_backward_pass_inside_bf16_autocast_gives_the_gradients_of_one_outside(family):
+    """The span rule's work runs in float32 whether loss.backward() is called inside the autocast region (a
+    common loop) or after it (the Trainer's), as the forward pass does; with uniform α that is the stock model's
+    bf16 gradient up to bf16 rounding."""
+    ids = tokens()
+
+    def autocast_grads(model, inside):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock = autocast_grads(tiny(family).train(), inside=True)
+    model = patch_model(tiny(family), "score:1111").train()
+    inside, outside = autocast_grads(model, True), autocast_grads(model, False)
+    for name, grad in outside.items():
+        assert torch.equal(inside[name], grad), name
+        assert rel(grad, stock[name]) <= 2e-2, name
+    patch_model(model, "score:1000")
+    assert any(not torch.equal(a, b) for a, b in zip(autocast_grads(model, True).values(), inside.values()))
+
+
+def test_gpt_neo_under_inference_mode_and_generation_is_the_stock_attention(caplog):
+    """Without autograd GPT-Neo's adapter runs the stock attention, as the registry's models run SDPA: under
+    torch.inference_mode (whose tensors have no version counter to read) and in generation with a cache (where
+    queries and keys differ in number, which is no reason for a warning there)."""
+    ids = tokens(batch=1, length=8)
+    stock = tiny("gpt_neo").eval()
+    model = patch_model(tiny("gpt_neo"), "score:1000").eval()
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, stock(ids).logits)
+    with caplog.at_level("WARNING"):
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, stock.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+    assert "needs self-attention" not in caplog.text

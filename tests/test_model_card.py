@@ -106,3 +106,17 @@ def test_lora_adapter_card_names_the_method_and_the_base_model(tmp_path):
     assert EXPECTED_TAGS <= set(card.data.tags)
     assert card.data.base_model == "someone/tiny-base"
     assert card.data.library_name == "peft"
+
+
+@pytest.mark.parametrize("existing,kept", [("mine", ["mine"]), ([1, None, "mine"], [1, None, "mine"]),
+                                           (("a", "hf_spanattn"), ["a"])])
+def test_odd_existing_tags_are_kept_as_they_are(existing, kept):
+    """A tag set as one string is one tag (as add_model_tags takes it), not one per character; tags that are
+    not strings are left alone rather than failing the patch."""
+    model = fine_tuned()
+    model.model_tags = existing
+    hf_spanattn.patch_model(model, "score:1000")
+    assert model.model_tags == [*kept, "hf_spanattn", "span_attention:score:1000",
+                                f"hf_spanattn_version:{hf_spanattn.__version__}"]
+    hf_spanattn.unpatch_model(model)
+    assert model.model_tags == kept

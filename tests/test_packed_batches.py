@@ -221,3 +221,39 @@ def test_cu_seq_lens_read_on_the_device_under_graph_capture():
         docs = packing.from_cu_seq_lens(cu, None, 20, True)
     assert mode.calls == [] and (docs.count, docs.length) == (3, 20)
     assert docs.mask[1, 0].diagonal().tolist() == [True] * 9 + [False] * 11
+
+
+@pytest.mark.parametrize("cu,max_length", [
+    ([0, 3, 14, 17], 11),     # documents other than the position ids' (5, 9, 3)
+    ([0, 9, 5, 17], 12),      # not increasing
+    ([0, 5, 10], 5),          # ending before the row does
+    ([2, 5, 14, 17], 9),      # starting after it
+    ([0, 5, 14, 17], 3),      # max_length shorter than a document
+    ([[0, 5, 14, 17]], 9),    # two-dimensional
+], ids=["other documents", "not increasing", "ends early", "starts late", "max_length too short", "2-D"])
+def test_cu_seq_lens_that_disagree_with_the_mask_change_nothing(cu, max_length):
+    """SDPA attends to the mask (built from the position ids) and ignores cu_seq_lens, so the patched forward
+    does too: its logits are the stock model's, its gradients those of the same documents given by consistent
+    cu_seq_lens (and for uniform α the stock gradients), never an index error."""
+    position_ids = torch.tensor([[*range(5), *range(9), *range(3)]])
+    ids = torch.randint(1, VOCAB, (1, 17), generator=torch.Generator().manual_seed(0))
+
+    def run(model, cu_seq_lens, length):
+        model.zero_grad(set_to_none=True)
+        cu_seq_lens = torch.tensor(cu_seq_lens, dtype=torch.int32)
+        out = model(ids, labels=ids, use_cache=False, position_ids=position_ids, cu_seq_lens_q=cu_seq_lens,
+                    cu_seq_lens_k=cu_seq_lens, max_length_q=length, max_length_k=length)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock_logits, stock_grads = run(tiny("llama").train(), cu, max_length)
+    model = patch_model(tiny("llama"), "score:1111").train()
+    logits, grads = run(model, cu, max_length)
+    assert (logits - stock_logits).abs().max() <= 1e-5
+    assert all(rel(grads[name], grad) <= 1e-5 for name, grad in stock_grads.items())
+    patch_model(model, "score:1000")
+    _, consistent = run(model, [0, 5, 14, 17], 9)
+    _, grads = run(model, cu, max_length)
+    assert all(rel(grads[name], grad) <= 1e-6 for name, grad in consistent.items())
+    assert rel(consistent["model.layers.0.self_attn.q_proj.weight"], stock_grads["model.layers.0.self_attn.q_proj."
+                                                                                 "weight"]) > 1e-4  # the rule acts

@@ -23,13 +23,15 @@ def tags(config: SpanAttentionConfig) -> list[str]:
     return [TAG, RULE_PREFIX + config.label, VERSION_PREFIX + __version__]
 
 
-def ours(tag: str) -> bool:
-    return tag == TAG or tag.startswith((RULE_PREFIX, VERSION_PREFIX))
+def ours(tag: object) -> bool:
+    return isinstance(tag, str) and (tag == TAG or tag.startswith((RULE_PREFIX, VERSION_PREFIX)))
 
 
 def set_tags(model: PreTrainedModel, config: SpanAttentionConfig | None) -> None:
-    """Replace the model's hf_spanattn tags by those of `config` (none for None), keeping the others."""
+    """Replace the model's hf_spanattn tags by those of `config` (none for None), keeping the others
+    (one tag set as a string is one tag, as `add_model_tags` takes it)."""
     if model.model_tags:
-        model.model_tags = [tag for tag in model.model_tags if not ours(tag)] or None
+        existing = [model.model_tags] if isinstance(model.model_tags, str) else model.model_tags
+        model.model_tags = [tag for tag in existing if not ours(tag)] or None
     if config is not None:
         model.add_model_tags(tags(config))

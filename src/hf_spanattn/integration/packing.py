@@ -6,7 +6,9 @@ ran alone. Transformers tells the attention where documents start in one of two 
 
 - `cu_seq_lens_q/k` and `max_length_q/k` keyword arguments (FlashAttention's varlen form, from
   `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`), read without a host sync when
-  `max_length_q` is a Python int;
+  `max_length_q` is a Python int; they are read only while a CUDA graph is captured, where the mask
+  cannot be: else the mask decides, since the forward pass attends to it as SDPA does (which
+  ignores cu_seq_lens), so cu_seq_lens that disagree with it change nothing;
 - for SDPA-style masks, a block-diagonal 4-D mask that `masking_utils` builds from position ids
   restarting per document (`find_packed_sequence_indices`). The mask is what the forward pass
   attends to, so the documents are read from it (position ids alone do not say whether the mask

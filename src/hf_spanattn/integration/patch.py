@@ -80,6 +80,10 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     if not neo and not getattr(base, "_supports_attention_backend", False):
         raise ValueError(f"{type(base).__name__} does not route its attention through Transformers' attention "
                          f"registry, so span gradients cannot be attached. Supported: {SUPPORTED}.")
+    if not neo and getattr(base, "_supports_sdpa", True) is False:
+        raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
+                         "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
+                         f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
     n_layers = base.config.get_text_config().num_hidden_layers
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
@@ -136,7 +140,8 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
 def _neo_attn(self, query, key, value, attention_mask=None):
     """GPTNeoSelfAttention._attn through span_attention: unscaled scores, the layer's global or
     local causal window, the padding mask added on top, as in the stock eager code."""
-    config = settings_for(self)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    config = settings_for(self) if needs_grad else None  # evaluation and generation: the stock attention
     if config is None:
         return type(self)._attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]

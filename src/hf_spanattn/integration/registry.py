@@ -181,6 +181,9 @@ def span_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The registry's call: (B, H, T, D) in, (B, T, H, D) out. Without autograd, or in a layer
     that keeps stock gradients, this is Transformers' SDPA attention itself."""
+    if kwargs.get("s_aux") is not None:  # SDPA would drop the sinks silently
+        raise NotImplementedError(f"span_attention does not support attention sinks ('s_aux', attention of "
+                                  f"{type(module).__name__}); its forward pass is SDPA's, which has none")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     config = settings_for(module) if needs_grad else None  # evaluation and generation: SDPA itself
     if not needs_grad:
@@ -234,13 +237,18 @@ def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_ca
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
         if b == 1 and attention_mask is not None:
-            return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
-        logger.warning_once(
-            "span_attention: cu_seq_lens_q marks several documents, but "
-            + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
-               "no attention mask separates them (SDPA attends across them; pass position_ids restarting per "
-               "document, as DataCollatorWithFlattening does)")
-            + ": spans follow the attention mask.")
+            if packing.capturing(cu_seq_lens):  # the mask cannot be read: the documents cu_seq_lens mark
+                return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t,
+                                                is_causal)
+            # else the documents of the mask, which the forward pass attends to as SDPA does (cu_seq_lens that
+            # disagree with it, or are not FlashAttention's form, would change the forward), read below
+        else:
+            logger.warning_once(
+                "span_attention: cu_seq_lens_q marks several documents, but "
+                + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
+                   "no attention mask separates them (SDPA attends across them; pass position_ids restarting per "
+                   "document, as DataCollatorWithFlattening does)")
+                + ": spans follow the attention mask.")
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (t, t):
         return None
     docs = packing.from_mask(attention_mask, b)

@@ -158,14 +158,17 @@ def first_order_only(backward_fn: Callable) -> Callable:
     """For an autograd function's backward: under create_graph=True (grad mode on in the backward pass)
     it runs without a graph and its gradients come back marked, so that differentiating them again
     raises a RuntimeError that says what to do (`DOUBLE_BACKWARD`); a caller that only reads them
-    gets them as usual."""
+    gets them as usual. Autocast is off in it, as in the forward pass: a backward pass called inside an
+    autocast region would otherwise run the rule's products in its dtype."""
 
     @functools.wraps(backward_fn)
     def wrapper(ctx, *grad_outputs):
-        if not torch.is_grad_enabled():
-            return backward_fn(ctx, *grad_outputs)
-        with torch.no_grad():
+        device = next(g.device.type for g in grad_outputs if isinstance(g, torch.Tensor))
+        create_graph = torch.is_grad_enabled()
+        with torch.autocast(device, enabled=False), torch.no_grad():
             grads = backward_fn(ctx, *grad_outputs)
+        if not create_graph:
+            return grads
         present = [g for g in grads if isinstance(g, torch.Tensor)]
         marked = iter(_NoSecondDerivative.apply(torch.empty(0, requires_grad=True), *present))
         return tuple(next(marked) if isinstance(g, torch.Tensor) else g for g in grads)

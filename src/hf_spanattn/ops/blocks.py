@@ -16,12 +16,19 @@ from hf_spanattn.ops import backward, rules
 from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range
 
 MaskTile = Callable[[int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
-_STACK_ELEMENTS = 1 << 20  # per stacked T×T buffer: about the cache of a CPU core, and small on a GPU
+# Per stacked T×T buffer: about the cache of a CPU core, and small on a GPU; but at most _STACK_PER_QUERY
+# times the query's elements, so that a small batch's stacks stay small beside its attention.
+_STACK_ELEMENTS, _STACK_PER_QUERY = 1 << 20, 4
 
 
-def workspace_elements() -> int:
+def stack_elements(query_elements: int) -> int:
+    """The most elements of one stacked T×T buffer of `TileBlocks`, for a query of that many elements."""
+    return min(_STACK_ELEMENTS, _STACK_PER_QUERY * query_elements)
+
+
+def workspace_elements(query_elements: int) -> int:
     """About the most elements that the stacked T×T buffers of `TileBlocks` (scores, ∂L/∂P) hold."""
-    return 2 * _STACK_ELEMENTS
+    return 2 * stack_elements(query_elements)
 
 
 class Workspace:
@@ -85,8 +92,8 @@ class TileBlocks:
         for i, (start, end, cols) in enumerate(self.tiles):  # tiles outermost: a recomputed one is formed once
             d_probs = self.d_probs.parts[i]
             for blocks, operands, families, k_sums in plans:
-                # rows at a time, so that a stack holds about _STACK_ELEMENTS
-                step = max(1, _STACK_ELEMENTS // (blocks * b * h * g * cols))
+                # rows at a time, so that a stack holds about stack_elements()
+                step = max(1, stack_elements(b * h * g * t * d) // (blocks * b * h * g * cols))
                 for first in range(start, end, step):
                     self._rows(i, (first, min(first + step, end), cols), d_probs, *operands, families, k_sums)
         return rules.BlockProducts(dict(zip(needs.sums, gk)), dk)

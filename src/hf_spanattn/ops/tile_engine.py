@@ -255,13 +255,14 @@ def _backward_chunks(shape: torch.Size, parts: int) -> list[Rows]:
     """The `parts` of the (B, H_kv, …) batch that the backward pass takes one at a time: batch entries
     and key/value heads are independent, and a part bounds the rule's O(T·d) temporaries to at most
     1/parts of the batch's. Whole batch entries where there are as many (B // parts each, so that
-    at B = 10 it takes 10 parts of one entry, not 5 of two); else the key/value heads of each entry
-    in as many parts as make `parts` in all (one head each at B = 1)."""
+    at B = 10 it takes 10 parts of one entry, not 5 of two); else parts of each entry's key/value
+    heads, (B·H_kv) // parts heads each and at least one (at B = 3, H_kv = 4 in eighths: 12 parts of
+    one head, not 6 of two)."""
     b, h_kv = shape[:2]
     if b >= parts:
         step = b // parts
         return [slice(start, start + step) for start in range(0, b, step)]
-    heads = math.ceil(h_kv * b / parts)
+    heads = max(1, h_kv * b // parts)
     return [(slice(i, i + 1), slice(j, j + heads)) for i in range(b) for j in range(0, h_kv, heads)]
 
 
@@ -438,7 +439,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     shape = (*q.shape[:-1], k.shape[-2])
     work = backward.work_dtype(query.dtype)
     budget = min(_KEPT_ROWS, _KEPT_PER_ROW * query.shape[-2]) * math.prod(query.shape[:-2]) * query.shape[-1]
-    budget -= 2 * blocks.workspace_elements() if config.rule.per_block else 0  # its stacks, and their products
+    budget -= 2 * blocks.workspace_elements(q.numel()) if config.rule.per_block else 0  # stacks, their products
     mask = _prepare_mask(detached, is_causal, shape, work, query.device)
     kept_tiles = _kept_tiles(mask, shape, budget)
     if not all(kept_tiles):  # tiles small enough that the one in memory is O(T·d)

@@ -81,7 +81,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         if not isinstance(diagnostics_per_head, bool):
             raise ValueError(f"diagnostics_per_head={diagnostics_per_head!r}: expected True or False")
         if diagnostics_file is not None and (not isinstance(diagnostics_file, (str, os.PathLike)) or (
-                os.fspath(diagnostics_file) and _names_a_folder(os.fspath(diagnostics_file)))):
+                os.fspath(diagnostics_file) and _names_a_folder(os.fspath(diagnostics_file)))
+                or "\0" in str(os.fspath(diagnostics_file))):
             raise ValueError(f"diagnostics_file={diagnostics_file!r}: expected a file name (a path relative to the "
                              "Trainer's output_dir) or None")
         self.schedule = schedule
@@ -101,6 +102,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
     def add_to(self, trainer: Any) -> SpanAttentionCallback:
         """Add this callback to `trainer` in front of the others (the same as `trainer.add_callback(callback)`
         or `Trainer(callbacks=[callback])`, which move it there when training starts)."""
+        if not isinstance(getattr(trainer, "callback_handler", None), CallbackHandler):
+            raise TypeError(f"SpanAttentionCallback.add_to: trainer={type(trainer).__name__}: expected a transformers "
+                            "Trainer (or a subclass, such as TRL's SFTTrainer)")
         trainer.callback_handler.callbacks.insert(0, self)
         return self
 
@@ -122,6 +126,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
+            for note in self.schedule.unreached(self._frames, state.max_steps):
+                warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)
         self._path = _inside(args.output_dir, self.diagnostics_file or DIAGNOSTICS_FILE)
         if self.diagnostics_every and os.path.isdir(self._path):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
@@ -133,6 +139,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
     def _move_first(self) -> None:
         """Put this callback first in the handler running the event (see the class docstring)."""
         callbacks = _calling_handler_callbacks(self)
+        others = [c for c in callbacks or () if isinstance(c, SpanAttentionCallback) and c is not self]
+        if others:  # each sets the overrides and probes of every layer: the last one to run would win
+            raise ValueError(f"SpanAttentionCallback: the trainer holds {len(others) + 1} of them; their schedules and "
+                             "diagnostics would overwrite each other. Give the trainer one SpanAttentionCallback "
+                             "(one schedule can hold every keyframe, and a layer table per keyframe)")
         if callbacks is None:
             warnings.warn("SpanAttentionCallback: found no transformers CallbackHandler calling it, so callbacks "
                           "listed before it (TensorBoard, W&B, ...) do not receive its logs; put it first in the "

@@ -75,10 +75,14 @@ class Keyframe:
         if not isinstance(self.span, dict):
             raise ValueError(f"keyframe span={self.span!r}: expected a label or a {{layers: label}} table")
         table: LayerSettings = {}
+        named_by: dict[int, Any] = {}
         for layers, label in self.span.items():
             config = SpanAttentionConfig.from_label(label)
             for index in _layer_list(str(layers), n_layers):
-                table[index] = config
+                if index in named_by:
+                    raise ValueError(f"keyframe span={self.span!r}: layer {index} is named by both {named_by[index]!r} "
+                                     f"and {layers!r}; name each layer once")
+                table[index], named_by[index] = config, layers
         return table
 
 
@@ -132,6 +136,23 @@ class Schedule:
                                          f"{before.label if before else 'the model setting'} to {config.label}; "
                                          "a ramp needs the same method and score_grad on both ends")
         return frames
+
+    def unreached(self, frames: list[tuple[int, LayerSettings, bool]], max_steps: int) -> list[str]:
+        """What training that ends after `max_steps` optimizer steps leaves out: a keyframe at step `max_steps`
+        or later is never in force (steps 0..max_steps-1 train); a ramp towards one is cut short."""
+        notes = []
+        for i, (keyframe, (step, _, ramp)) in enumerate(zip(self.keyframes, frames)):
+            if step < max_steps or (ramp and i and frames[i - 1][0] >= max_steps):
+                continue  # in force, or a ramp from a keyframe that is itself never reached (said there)
+            if ramp and step > max_steps:
+                start = frames[i - 1][0]
+                notes.append(f"keyframe at={keyframe.at!r} (step {step}) is never reached: training ends after "
+                             f"max_steps={max_steps}, so its ramp stops {(max_steps - 1 - start) / (step - start):.0%} "
+                             "of the way there")
+            elif not ramp:
+                notes.append(f"keyframe at={keyframe.at!r} (step {step}) is never reached: training ends after "
+                             f"max_steps={max_steps} (steps 0..{max_steps - 1})")
+        return notes
 
     @staticmethod
     def at_step(frames: list[tuple[int, LayerSettings, bool]], step: int) -> LayerSettings:

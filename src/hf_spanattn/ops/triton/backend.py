@@ -131,6 +131,7 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward.first_order_only
     def backward(ctx, d_out):
         q, k, v, out, lse, bias, seed, key_valid = ctx.saved_tensors
         config = ctx.config
