@@ -6,7 +6,8 @@
         --validation_file ../shared/data/wikitext-2-v1/validation.txt --launcher "torchrun --nproc_per_node 2"
 
 The YAML holds `output_dir`, `args` (run_clm.py arguments shared by every run), `spans`,
-`seeds` and `shapes` (a list of run_clm.py arguments such as {n_head: 4, n_layer: 6}). Each
+`seeds` and `shapes` (a list of run_clm.py arguments such as {n_head: 4, n_layer: 6}), each key
+once; the sweep gives each run its span, seed and output_dir, so args and shapes do not. Each
 run lives in <output_dir>/<shape>/<span>/seed<k>: a run with a metrics.json is finished and
 skipped; an interrupted one resumes from its last checkpoint. Both only where the run's recorded
 configuration (model, data source and token limits, span settings, training arguments; see
