@@ -54,7 +54,7 @@ def merge(inputs: list[Path], runs_dir: Path, replace: bool = False) -> tuple[in
             try:
                 there = json.loads(dest.read_text())
                 whole = not metrics_problems(there)
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, numbers past Python's limits
                 there, whole = None, False
             if there == record:
                 continue
@@ -88,7 +88,8 @@ def notes(runs: dict[str, dict[str, dict[int, dict]]]) -> str:
              "|---|---:|---:|---:|---:|"]
     for (device, parallel), per_epoch in sorted(speed.items()):
         mean = statistics.fmean(per_epoch)
-        lines.append(f"| {device} | {parallel} | {len(per_epoch)} | {mean:.1f} | {parallel / mean:.3f} |")
+        rate = f"{parallel / mean:.3f}" if mean else "–"  # a run that recorded no time
+        lines.append(f"| {device} | {parallel} | {len(per_epoch)} | {mean:.1f} | {rate} |")
     patience = sorted({(m["early_stopping"]["patience"], m["early_stopping"]["num_train_epochs"])
                        for m in records if m.get("early_stopping")})
     lines.append("")
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         raise SystemExit(f"merge: {err}") from None
     print(f"{written} results written, {kept} already there, under {runs_dir}")
+    if not runs_dir.is_dir():
+        raise SystemExit(f"merge: no results in {', '.join(map(str, args.inputs))}, and none under {runs_dir} to "
+                         "report on")
     report.main([str(runs_dir), "--out", str(args.out)])
     with open(args.out / "report.md", "a") as f:
         f.write("\n" + notes(report.load_runs(runs_dir)))

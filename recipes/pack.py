@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 from records import metrics_problems, record_problems
-from run_identity import move_aside
+from run_identity import move_aside, read_yaml
 from sweep import plan
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
@@ -76,9 +76,9 @@ def load_sweeps(path: Path) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"sweep config {path}: no such file")
     try:
-        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except yaml.YAMLError as err:
-        raise ValueError(f"sweep config {path}: not valid YAML ({err})") from None
+        documents = [d for d in read_yaml(path.read_text(), documents=True) if d is not None]
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ValueError(f"sweep config {path}: not valid YAML ({type(err).__name__}: {err})") from None
     sweeps, previous = [], {}
     for i, document in enumerate(documents, 1):
         if not isinstance(document, dict):
@@ -134,7 +134,7 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     for where, piece in pieces:
         try:
             value = json.loads(piece)
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:  # numbers or nesting past Python's limits too
             cut = path.suffix == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and not text.endswith("\n")
             problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
                                                                   "writing it" if cut else ""))
@@ -207,8 +207,8 @@ def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, sa
                 continue
             try:
                 problems = check(json.loads(path.read_text()))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-                problems = [f"not valid JSON ({err})"]
+            except (OSError, ValueError, RecursionError) as err:
+                problems = [f"not valid JSON ({type(err).__name__}: {str(err)[:200]})"]
             if problems:
                 say(f"{path}: not a finished run's result ({'; '.join(problems)}); the run is redone", flush=True)
             else:
@@ -290,8 +290,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and not value >= 0:  # NaN too
             parser.error(f"--{flag} {value}: allowed values are numbers >= 0")
-    if args.results is not None and args.results.exists() and not args.results.is_dir():
-        parser.error(f"--results {args.results}: exists and is not a folder")
+    for flag, path, folder in (("--results", args.results, True), ("--jsonl", args.jsonl, False),
+                               ("--tmp_dir", args.tmp_dir and Path(args.tmp_dir), True)):
+        if path is None:
+            continue
+        if path.exists() and path.is_dir() != folder:
+            parser.error(f"{flag} {path}: " + ("exists and is not a folder" if folder else "is a folder; expected the "
+                                                                                           "path of a .jsonl file"))
+        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            parser.error(f"{flag} {path}: {blocking} is a file, so it cannot be made")
+    if args.tmp_dir is not None and not Path(args.tmp_dir).is_dir():
+        parser.error(f"--tmp_dir {args.tmp_dir}: no such folder")
     return args
 
 

@@ -35,9 +35,9 @@ def record_problems(record: Any) -> list[str]:
         problems.append(f"span={record.get('span')!r}: expected a span label")
     for key in ("dq_share", "dk_share"):
         value = record.get(key)
-        if not isinstance(value, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                  for x in value):
-            problems.append(f"{key}={value!r}: expected a list of numbers")
+        if not isinstance(value, list) or not value or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                               for x in value):
+            problems.append(f"{key}={value!r}: expected a list of numbers (the share of each order)")
     for key in ("cos_q", "cos_k"):
         if isinstance(record.get(key), bool) or not isinstance(record.get(key), (int, float)):
             problems.append(f"{key}={record.get(key)!r}: expected a number")
@@ -110,10 +110,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("jsonl", type=Path)
     parser.add_argument("-o", "--output", type=Path, help="PNG path (default: next to the JSONL)")
     args = parser.parse_args(argv)
+    out = args.output or args.jsonl.with_suffix(".png")
+    if out.is_dir() or not out.suffix:
+        parser.error(f"-o {out}: expected the path of the figure, ending in .png (or .pdf, .svg)")
     records = read_records(args.jsonl)
     if not records:
         raise SystemExit(f"{args.jsonl}: no diagnostics records")
-    print(plot(records, args.output or args.jsonl.with_suffix(".png")))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(plot(records, out))
 
 
 if __name__ == "__main__":

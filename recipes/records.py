@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
+
+from run_identity import span_dir
 
 PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one folder or file name: no '/', no leading '.'
 
@@ -21,9 +24,22 @@ def path_part(value: Any, field: str) -> list[str]:
     return [f"{field}={value!r}: expected a folder name of letters, digits and '._=+-' (no '/', no leading '.')"]
 
 
+MAX_SEED = 2**32 - 1  # the largest seed NumPy takes (run_clm.py's --seed)
+
+
+def finite(value: Any) -> bool:
+    """A JSON number that is finite, and one of bounded size (an integer of 400 digits is not a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def number(value: Any, field: str, minimum: float | None = None) -> list[str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        what = "missing" if value is None else f"{value!r}"
+    if not finite(value):
+        what = "missing" if value is None else f"{value!r}"[:40]
         return [f"{field} is {what}: expected a finite number"]
     if minimum is not None and value < minimum:
         return [f"{field}={value!r}: expected a number >= {minimum}"]
@@ -79,8 +95,29 @@ def metrics_problems(data: Any) -> list[str]:
             problems += history(data[key], key)
     if "train_runtime_s" in data:
         problems += number(data["train_runtime_s"], "train_runtime_s", 0)
+    if isinstance(data.get("config"), dict):
+        problems += config_problems(data["config"])
+    for key, minimum in (("world_size", 1), ("unigram_val_loss", 0)):
+        if data.get(key) is not None:
+            problems += number(data[key], key, minimum)
     return problems
 
+
+# the settings a report reads from a run's configuration, with the least value each may have
+REPORTED = {("data", "block_size"): 1, ("training", "per_device_train_batch_size"): 1,
+            ("training", "gradient_accumulation_steps"): 1, ("training", "num_train_epochs"): 0}
+
+
+def config_problems(config: dict) -> list[str]:
+    """What is wrong with the groups of a recorded configuration that a report reads."""
+    problems = [f"config.{group} is {type(config[group]).__name__}: expected an object"
+                for group in ("model", "data", "training") if config.get(group) is not None
+                and not isinstance(config[group], dict)]
+    for (group, key), minimum in REPORTED.items():
+        value = (config.get(group) if isinstance(config.get(group), dict) else {}).get(key)
+        if value is not None:
+            problems += number(value, f"config.{group}.{key}", minimum)
+    return problems
 
 def record_problems(data: Any, name: str | None = None) -> list[str]:
     """metrics_problems and pack.py's own fields; `name`: the one its file or planned run has."""
@@ -93,11 +130,49 @@ def record_problems(data: Any, name: str | None = None) -> list[str]:
     if missing:
         return [f"missing {', '.join(missing)} (not a whole result of recipes/pack.py)", *problems]
     problems += path_part(data["name"], "name") + path_part(data["shape"], "shape")
-    if isinstance(data["seed"], bool) or not isinstance(data["seed"], int) or data["seed"] < 0:
-        problems.append(f"seed={data['seed']!r}: expected an integer >= 0")
+    seed = data["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        problems.append(f"seed={seed!r}"[:60] + f": expected an integer from 0 to {MAX_SEED}")
+    elif seed_of(data) is not None and seed_of(data) != seed:
+        problems.append(f"seed={seed!r}: config.training.seed is {seed_of(data)!r}, the seed the run was made with")
+    if not problems and not span_label(data["span"]):
+        expected = result_name(data["shape"], data["span"], seed)
+        if data["name"] != expected:
+            problems.append(f"name={data['name']!r}: the shape, span and seed make {expected!r}")
     if name is not None and data["name"] != name:
         problems.append(f"name={data['name']!r}: expected {name!r}")
     problems += number(data["epochs_run"], "epochs_run", 0) + number(data["wall_s"], "wall_s", 0)
-    if not isinstance(data["early_stopping"], (dict, type(None))):
-        problems.append(f"early_stopping={data['early_stopping']!r}: expected an object or null")
+    problems += number(data["best_epoch"], "best_epoch", 0)
+    if data.get("parallel") is not None and (isinstance(data["parallel"], bool) or not isinstance(data["parallel"], int)
+                                             or data["parallel"] < 1):
+        problems.append(f"parallel={data['parallel']!r}: expected an integer >= 1 (runs at once on the device)")
+    if data["device"] is not None and not isinstance(data["device"], str):
+        problems.append(f"device={data['device']!r}: expected the device's name or null")
+    problems += stopping_problems(data["early_stopping"])
     return problems
+
+
+def stopping_problems(value: Any) -> list[str]:
+    """[] for null (no early stopping) or an object as run_clm.py's early_stopping writes it."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        return [f"early_stopping={value!r}: expected an object or null"]
+    patience = value.get("patience")
+    problems = [] if isinstance(patience, int) and not isinstance(patience, bool) and patience >= 1 else \
+        [f"early_stopping.patience={patience!r}: expected an integer >= 1"]
+    problems += number(value.get("num_train_epochs"), "early_stopping.num_train_epochs", 0)
+    if not isinstance(value.get("stopped_early"), bool):
+        problems.append(f"early_stopping.stopped_early={value.get('stopped_early')!r}: expected true or false")
+    elif value["stopped_early"]:
+        problems += number(value.get("stopped_at_epoch"), "early_stopping.stopped_at_epoch", 0)
+    return problems
+
+
+def result_name(shape: str, span: str, seed: int) -> str:
+    """<shape>__<span folder>__seed<k>: the name recipes/pack.py gives the run of a sweep's tree folder."""
+    from pack import result_name as name_of_folder
+
+    from hf_spanattn import SpanAttentionConfig
+
+    return name_of_folder(Path(shape) / span_dir(SpanAttentionConfig.from_label(span).label) / f"seed{seed}")

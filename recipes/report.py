@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import re
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plot_diagnostics import plot as plot_diagnostics  # noqa: E402
+from plot_diagnostics import read_records as read_diagnostics  # noqa: E402
 from records import metrics_problems  # noqa: E402
 from run_identity import data_source, read_json, span_dir  # noqa: E402
 
@@ -191,7 +191,7 @@ def plot(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict], out: P
     for label, seeds in sorted(spans.items()):
         jsonl = seeds[min(seeds)].get("_dir", Path()) / "span_diagnostics.jsonl"
         if jsonl.is_file():
-            records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+            records = read_diagnostics(jsonl)  # lines cut short or edited by hand are named and left out
             if records:
                 name = span_dir(label)
                 figures.append(plot_diagnostics(records, out / f"diagnostics_{shape}_{name}.png"))

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import logging
 import math
 import os
@@ -92,9 +93,11 @@ import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
 from hf_spanattn.integration.registry import config_of
 from hf_spanattn.training import Schedule, SpanAttentionCallback
+from hf_spanattn.training.callback import DIAGNOSTICS_FILE
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_identity import RunLock, resume_point, write_config, write_json  # noqa: E402
+from records import MAX_SEED  # noqa: E402
+from run_identity import RunLock, move_aside, read_yaml, resume_point, write_config, write_json  # noqa: E402
 
 logger = logging.getLogger(__name__)
 METRIC_PATH = str(Path(__file__).parent / "metrics" / "next_token")
@@ -140,6 +143,9 @@ class ModelArguments:
             self.dtype, self.torch_dtype = self.torch_dtype, None
         for flag in ("model_name_or_path", "config_name"):
             name = getattr(self, flag)
+            if name is not None and not name.strip():
+                raise ValueError(f"--{flag} is empty: give a Hub id or a local folder, or leave the flag out"
+                                 + (" (the paper's GPT-2 from scratch)" if flag == "model_name_or_path" else ""))
             if name is not None and looks_local(name) and not os.path.isdir(name):
                 raise ValueError(f"--{flag} {name}: no such folder (a local path; a Hub id reads 'owner/name')")
         if self.config_overrides is not None:
@@ -170,6 +176,10 @@ def overrides(text: str) -> dict[str, str]:
     if bad or not pairs:
         raise ValueError(f"--config_overrides {text!r}: expected comma-separated key=value pairs, e.g. "
                          "n_embd=64,resid_pdrop=0.2")
+    keys = [k.strip() for k, _ in pairs]
+    twice = next((k for k in keys if keys.count(k) > 1), None)
+    if twice is not None:
+        raise ValueError(f"--config_overrides {text!r}: {twice} is given twice; give each setting once")
     return {k.strip(): v.strip() for k, v in pairs}
 
 
@@ -279,7 +289,7 @@ class SpanArguments:
                 raise ValueError(f"--span_schedule {self.span_schedule}: no such file")
             is_file = os.path.isfile(self.span_schedule)
             try:
-                keyframes = yaml.safe_load(Path(self.span_schedule).read_text() if is_file else self.span_schedule)
+                keyframes = read_yaml(Path(self.span_schedule).read_text() if is_file else self.span_schedule)
             except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as err:
                 where = f" {self.span_schedule}" if is_file else ""
                 raise ValueError(f"--span_schedule{where}: not valid YAML/JSON ({type(err).__name__}: {err})") from None
@@ -295,11 +305,12 @@ class SpanArguments:
         overrides = {}
         if self.span_grad is not None:
             overrides["score_grad"] = self.span_grad
-        if self.span_layers:
+        if self.span_layers is not None:
             try:
                 overrides["layers"] = tuple(int(i) for i in self.span_layers.split(","))
             except ValueError:
-                raise ValueError(f"--span_layers {self.span_layers!r}: expected comma-separated integers") from None
+                raise ValueError(f"--span_layers {self.span_layers!r}: expected comma-separated integers (leave it "
+                                 "unset for all layers)") from None
         return SpanAttentionConfig.from_label(self.span, **overrides)
 
 
@@ -401,8 +412,8 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
-        values = yaml.safe_load(path.read_text())  # YAML reads JSON too
-    except yaml.YAMLError as err:
+        values = read_yaml(path.read_text())  # YAML reads JSON too
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not valid YAML/JSON ({err})") from None
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise ValueError(f"{path}: expected a mapping of run_clm.py arguments (name: value)")
@@ -448,6 +459,10 @@ def typed(key: str, value: Any, path: Path) -> Any:
         return ",".join(str(v) for v in value)  # a YAML list for a comma-separated argument (--span_layers)
     if options == {str} and isinstance(value, (int, float)):
         return str(value)
+    if key == "span_schedule" and isinstance(value, list):
+        return json.dumps(value)  # the keyframes written out in the file
+    if str in options and not isinstance(value, str):
+        raise ValueError(f"{where}: expected text, got {type(value).__name__}")
     return value
 
 
@@ -486,6 +501,20 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
         raise ValueError(f"a launcher started {launched} processes, but the Trainer would run each alone (on a "
                          "machine without GPUs, torchrun needs --use_cpu true)")
     stop.callbacks(training)
+    for flag in ("seed", "data_seed"):
+        value = getattr(training, flag)
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise ValueError(f"--{flag} {value}: allowed values are 0 to {MAX_SEED}")
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(training, flag) < 1:
+            raise ValueError(f"--{flag} {getattr(training, flag)}: allowed values are >= 1")
+    if training.do_train and not training.max_steps > 0 and not 0 < training.num_train_epochs < math.inf:
+        raise ValueError(f"--num_train_epochs {training.num_train_epochs}: expected a number > 0 (or --max_steps N)")
+    if not 0 <= training.learning_rate < math.inf:
+        raise ValueError(f"--learning_rate {training.learning_rate}: expected a finite number >= 0")
+    if data.tokenizer_name is not None and not data.tokenizer_name.strip():
+        raise ValueError("--tokenizer_name is empty: give a Hub id or a local folder, or leave the flag out (the "
+                         "model's tokenizer)")
     if data.tokenizer_name is None:
         data.tokenizer_name = model.model_name_or_path or DEFAULT_TOKENIZER
     elif looks_local(data.tokenizer_name) and not os.path.isdir(data.tokenizer_name):
@@ -527,13 +556,22 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     try:
         rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", **extra)
     except Exception as err:  # the loaders raise many types; the message is what counts
-        raise ValueError(f"{flag} {path}: could not be read as {builder} ({type(err).__name__}: {err})") from None
+        while err.__cause__ is not None or err.__context__ is not None:  # "an error occurred": say which
+            err = err.__cause__ or err.__context__
+        encoding = " (the file must be UTF-8)" if isinstance(err, UnicodeDecodeError) else ""
+        raise ValueError(f"{flag} {path}: could not be read as {builder}{encoding} ({type(err).__name__}: "
+                         f"{str(err)[:300]})") from None
     if not rows.column_names:
         raise ValueError(f"{flag} {path}: no columns")
     column = "text" if "text" in rows.column_names else rows.column_names[0]
     kind = rows.features[column]
     if getattr(kind, "dtype", None) not in ("string", "large_string", "null"):
-        raise ValueError(f"{flag} {path}: column {column!r} holds {kind}, not text")
+        which = f"column {column!r}" if column == "text" else f"no 'text' column, and its first, {column!r},"
+        raise ValueError(f"{flag} {path}: {which} holds {kind}, not text")
+    missing = rows[column].count(None) if builder == "json" else 0
+    if missing:
+        logger.warning("%s %s: %d of its %d rows have no %r; they count as empty texts", flag, path, missing,
+                       len(rows), column)
     rows = rows.select_columns([column]).rename_column(column, "text") if column != "text" else \
         rows.select_columns(["text"])
     return rows.map(lambda row: {"text": row["text"] or ""})  # an empty CSV cell is None
@@ -725,6 +763,11 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
             write_config(Path(training_args.output_dir), config)
     if not training_args.do_train:
         resume = None
+    diagnostics = Path(training_args.output_dir) / DIAGNOSTICS_FILE
+    if first and resume is None and training_args.do_train and diagnostics.is_file():
+        # from a start stopped before its first checkpoint: the callback would append this run's records to it
+        logger.warning("%s: left by an earlier start of this run; this run starts afresh, so it is kept as %s",
+                       diagnostics, move_aside(diagnostics, "replaced"))
     set_seed(training_args.seed)
     tokenizer = from_hub(AutoTokenizer.from_pretrained, data_args.tokenizer_name)
     model = build_model(model_args, data_args, tokenizer)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 RUN_CONFIG = "run_config.json"
 # TrainingArguments that do not change what a run computes
 NOT_IDENTITY = {
@@ -41,6 +43,34 @@ def read_json(path: Path) -> Any:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err}); was the run stopped while writing it?") from None
+    except (ValueError, RecursionError) as err:  # not UTF-8, a number or a nesting past Python's limits
+        raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe reading, except that a key given twice in one mapping is an error (plain YAML keeps the last
+    silently), naming the key and the line of each."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeLoader names it
+                break
+            if first is not None:
+                lines = f"lines {first + 1} and {key_node.start_mark.line + 1}"
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice ({lines})",
+                                                        key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str, documents: bool = False) -> Any:
+    """The YAML (or JSON) `text` read as UniqueKeyLoader reads it; with `documents`, the list of its documents.
+    Raises yaml.YAMLError."""
+    return list(yaml.load_all(text, UniqueKeyLoader)) if documents else yaml.load(text, UniqueKeyLoader)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -133,7 +163,10 @@ def checkpoints(folder: Path) -> list[Path]:
 
 
 def saved_config(folder: Path) -> tuple[dict | None, bool]:
-    """(the configuration recorded in `folder`, whether the folder holds a run at all)."""
+    """(the configuration recorded in `folder`, whether the folder holds a run at all: a metrics.json or a
+    checkpoint; a run_config.json alone is left by a start that failed or was stopped before its first
+    checkpoint, and holds nothing to resume)."""
+    has_run = (folder / "metrics.json").is_file() or bool(checkpoints(folder))
     for name, key in ((RUN_CONFIG, None), ("metrics.json", "config")):
         path = folder / name
         if path.is_file():
@@ -141,8 +174,8 @@ def saved_config(folder: Path) -> tuple[dict | None, bool]:
             data = data.get(key) if key and isinstance(data, dict) else data
             if not isinstance(data, dict):
                 raise ValueError(f"{path}: expected a run configuration (a JSON object), got {type(data).__name__}")
-            return data, True
-    return None, bool(checkpoints(folder))
+            return data, has_run
+    return None, has_run
 
 
 def write_config(folder: Path, config: dict) -> None:
@@ -217,6 +250,9 @@ def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | No
         saved, has_run = saved_config(folder)
         has_run = True
     if not has_run:
+        if saved is not None and differences(saved, config):
+            print(f"{out / RUN_CONFIG}: a start with other settings that made no checkpoint; this run starts afresh "
+                  "and records its own settings there", flush=True)
         return None
     afresh = ("Start afresh with a new --output_dir, or with --overwrite_output_dir (which moves the old run "
               f"to {out}.replaced-<n>).")

@@ -6,7 +6,8 @@
         --validation_file ../shared/data/wikitext-2-v1/validation.txt --launcher "torchrun --nproc_per_node 2"
 
 The YAML holds `output_dir`, `args` (run_clm.py arguments shared by every run), `spans`,
-`seeds` and `shapes` (a list of run_clm.py arguments such as {n_head: 4, n_layer: 6}). Each
+`seeds` and `shapes` (a list of run_clm.py arguments such as {n_head: 4, n_layer: 6}), each key
+once; the sweep gives each run its span, seed and output_dir, so args and shapes do not. Each
 run lives in <output_dir>/<shape>/<span>/seed<k>: a run with a metrics.json is finished and
 skipped; an interrupted one resumes from its last checkpoint. Both only where the run's recorded
 configuration (model, data source and token limits, span settings, training arguments; see
@@ -34,7 +35,16 @@ import yaml
 from hf_spanattn import SpanAttentionConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_identity import RunLock, differences, move_aside, read_json, saved_config, span_dir  # noqa: E402
+from records import MAX_SEED, path_part  # noqa: E402
+from run_identity import (  # noqa: E402
+    RunLock,
+    differences,
+    move_aside,
+    read_json,
+    read_yaml,
+    saved_config,
+    span_dir,
+)
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
 KEYS = ("output_dir", "args", "spans", "seeds", "shapes")
@@ -82,12 +92,26 @@ def grid(config: object) -> tuple[list[str], list[int], list[dict]]:
         raise ValueError(f"sweep config: output_dir={config['output_dir']!r}: expected a folder path")
     if not isinstance(config.get("args") or {}, dict):
         raise ValueError(f"sweep config: args={config['args']!r}: expected a mapping of run_clm.py arguments")
+    shapes = config.get("shapes") if isinstance(config.get("shapes"), list) else []
+    for where, given in (("args", config.get("args") or {}),
+                         *((f"shapes[{i}]", shape) for i, shape in enumerate(shapes) if isinstance(shape, dict))):
+        taken = [key for key in ("span", "seed", "output_dir") if key in given]
+        if taken:
+            raise ValueError(f"sweep config: {where} sets {taken[0]}, which the sweep gives each run (from spans, "
+                             "seeds and output_dir); remove it there")
     labels = _list_of(config, "spans", str, "span labels, e.g. [standard:QKV111, score:1000]")
     canonical = {label: SpanAttentionConfig.from_label(label).label for label in labels}
     spans = [canonical[label] for label in _once(labels, canonical.get, "span")]
     seeds = _once(_list_of(config, "seeds", int, "integer seeds, e.g. [0, 1, 2]"), lambda s: s, "seed")
+    bad = next((s for s in seeds if not 0 <= s <= MAX_SEED), None)
+    if bad is not None:
+        raise ValueError(f"sweep config: seeds: {bad}: allowed seeds are 0 to {MAX_SEED}")
     shapes = _list_of(config, "shapes", dict, "mappings such as {n_head: 4, n_layer: 6}") \
         if config.get("shapes") is not None else [{}]
+    for shape in shapes:
+        if path_part(shape_name(shape), "name"):
+            raise ValueError(f"sweep config: shapes: {shape}: its folder name {shape_name(shape)!r} is not one "
+                             "folder name (letters, digits and '._=+-'); give such values in args")
     return spans, seeds, _once(shapes, shape_name, "shape")
 
 
@@ -136,11 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     if not shlex.split(args.launcher):
         parser.error("--launcher is empty: give the command that runs run_clm.py, e.g. python")
     if not Path(args.config).is_file():
-        raise ValueError(f"{args.config}: no such file")
+        raise ValueError(f"{args.config}: " + ("not a file" if Path(args.config).exists() else "no such file"))
+    if shutil.which(shlex.split(args.launcher)[0]) is None:
+        parser.error(f"--launcher {args.launcher!r}: no command {shlex.split(args.launcher)[0]!r} here")
     try:
-        config = yaml.safe_load(Path(args.config).read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{args.config}: not valid YAML ({err})") from None
+        documents = read_yaml(Path(args.config).read_text(), documents=True)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ValueError(f"{args.config}: not valid YAML ({type(err).__name__}: {err})") from None
+    if len(documents) > 1:
+        raise ValueError(f"{args.config}: {len(documents)} YAML documents; sweep.py runs one (recipes/pack.py runs "
+                         "a file of several in order)")
+    config = documents[0] if documents else None
     for key in ("data_dir", "train_file", "validation_file", "tokenizer_name"):
         if getattr(args, key) and isinstance(config, dict) and isinstance(config.get("args") or {}, dict):
             config["args"] = {**(config.get("args") or {}), key: getattr(args, key)}

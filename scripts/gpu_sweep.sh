@@ -15,6 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml EXTRA=()
 while [ $# -gt 0 ]; do
+    case "$1" in --parallel|--accum|--budget|--config|--max_runs)
+        [ $# -ge 2 ] || { echo "gpu_sweep.sh: $1 needs a value" >&2; exit 2; } ;;
+    esac
     case "$1" in
         --parallel) PARALLEL="$2"; shift 2 ;;
         --accum) ACCUM="$2"; shift 2 ;;
@@ -24,6 +27,10 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_sweep.sh: unknown option $1 (allowed: --parallel, --accum, --budget, --config, --max_runs)" >&2
            exit 2 ;;
     esac
+done
+for flag in parallel:"$PARALLEL" accum:"$ACCUM"; do
+    [[ "${flag#*:}" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_sweep.sh: --${flag%%:*} ${flag#*:}: expected an integer >= 1" >&2
+                                             exit 2; }
 done
 if [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi
 OUT="${OUT:-runs/gpu_out}"
