@@ -17,8 +17,9 @@ from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range
 
 MaskTile = Callable[[int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
 # Per stacked T×T buffer: about the cache of a CPU core, and small on a GPU; but at most _STACK_PER_QUERY
-# times the query's elements, so that a small batch's stacks stay small beside its attention.
-_STACK_ELEMENTS, _STACK_PER_QUERY = 1 << 20, 4
+# times the query's elements (the whole batch's), so that at a small batch the two stacks together
+# stay about SDPA's own peak.
+_STACK_ELEMENTS, _STACK_PER_QUERY = 1 << 20, 2
 
 
 def stack_elements(query_elements: int) -> int:
@@ -35,8 +36,9 @@ class Workspace:
     """Scratch buffers reused by every backward chunk and tile: CPU tensors are not cached by an
     allocator, so every fresh buffer would pay its page faults again."""
 
-    def __init__(self) -> None:
+    def __init__(self, query_elements: int) -> None:
         self._flat: dict[str, torch.Tensor] = {}
+        self.stack = stack_elements(query_elements)  # what `TileBlocks` stacks in one buffer, at most
 
     def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of `shape`, valid until the next call with `name`."""
@@ -92,8 +94,8 @@ class TileBlocks:
         for i, (start, end, cols) in enumerate(self.tiles):  # tiles outermost: a recomputed one is formed once
             d_probs = self.d_probs.parts[i]
             for blocks, operands, families, k_sums in plans:
-                # rows at a time, so that a stack holds about stack_elements()
-                step = max(1, stack_elements(b * h * g * t * d) // (blocks * b * h * g * cols))
+                # rows at a time, so that a stack holds about workspace.stack elements
+                step = max(1, self.workspace.stack // (blocks * b * h * g * cols))
                 for first in range(start, end, step):
                     self._rows(i, (first, min(first + step, end), cols), d_probs, *operands, families, k_sums)
         return rules.BlockProducts(dict(zip(needs.sums, gk)), dk)

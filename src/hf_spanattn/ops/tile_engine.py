@@ -231,7 +231,7 @@ class SpanAttentionFunction(torch.autograd.Function):
             d_mask = backward.mask_grad(_mask_free_grads(probs, v, keep, ctx.dropout_p, d_out), learnable)
         batch = _Batch(q, k, v, keep, d_out.contiguous(), probs, mask)
         grads = [torch.empty_like(x) for x in (q, k, v)]
-        workspace = Workspace()
+        workspace = Workspace(q.numel())
         records: list[tuple[Rows, dict]] = []
         for rows in _backward_chunks(q.shape, _backward_parts(q.shape, probs, ctx.config.rule.per_block)):
             probe = (lambda record, rows=rows: records.append((rows, record))) if ctx.probe is not None else None
