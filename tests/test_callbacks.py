@@ -175,6 +175,8 @@ def test_settings_are_validated_when_training_starts(tmp_path):
         ([Keyframe(0, {"0-5": "score:1000"})], "outside 0..1"),
         ([Keyframe("soon", "score:1000")], "expected a step"),
         ([Keyframe(3, "score:1000"), Keyframe(1, "score:1100")], "in order of time"),
+        ([Keyframe(0, "score:1000"), Keyframe("50%", "score:1100"), Keyframe(2, "score:0000")],
+         r"at='50%' and at=2 both fall on step 2"),
         ([Keyframe(0, "score:10")], "4 values"),
     ]
     for schedule, message in bad:
@@ -233,6 +235,26 @@ def test_epoch_keyframes_use_the_steps_of_one_pass_over_the_data(tmp_path):
     switch = min(step for step, label in recorder.labels.items() if label == "score:1000")
     assert switch == 12
     assert all(recorder.labels[s] == "standard:QKV111" for s in range(12))
+
+
+def test_a_fresh_run_moves_an_earlier_runs_diagnostics_aside(tmp_path):
+    """A run that starts at step 0 where an earlier run left its diagnostics (a kill before the first
+    checkpoint, or the same command twice) writes its own file; the earlier one is kept beside it."""
+    def run():
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                                 learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True,
+                                 disable_tqdm=True, seed=0)
+        trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1100"), train_dataset=Same(), args=args)
+        SpanAttentionCallback(diagnostics_every=1).add_to(trainer)
+        trainer.train()
+
+    run()
+    path = tmp_path / "span_diagnostics.jsonl"
+    earlier = path.read_text()
+    with pytest.warns(UserWarning, match=r"earlier run.*replaced-1"):
+        run()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 1, 2, 2]
+    assert (tmp_path / "span_diagnostics.jsonl.replaced-1").read_text() == earlier
 
 
 def test_resumed_diagnostics_do_not_repeat_steps_and_stay_in_the_output_dir(tmp_path):

@@ -133,7 +133,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
                              "folder; expected the name of the JSONL file to write")
         if self.diagnostics_every and state.is_world_process_zero:
-            _drop_records_after(self._path, state.global_step)
+            _start_records(self._path, state.global_step)
         self._apply(state.global_step)
 
     def _move_first(self) -> None:
@@ -277,9 +277,20 @@ def _inside(output_dir: str, path: str) -> str:
     return full
 
 
-def _drop_records_after(path: str, step: int) -> None:
-    """Keep the records up to `step` (where a resumed run starts), so that no step is written twice."""
-    if step == 0 or not os.path.isfile(path):
+def _start_records(path: str, step: int) -> None:
+    """Where training starts at `step`, so that no step is written twice: a resumed run keeps the records
+    up to its step; a fresh one (step 0) moves an earlier run's records aside, to <file>.replaced-<n>."""
+    if not os.path.isfile(path):
+        return
+    if step == 0:
+        if os.path.getsize(path):
+            n = 1
+            while os.path.exists(f"{path}.replaced-{n}"):
+                n += 1
+            os.replace(path, f"{path}.replaced-{n}")
+            warnings.warn(f"SpanAttentionCallback: {path} holds the diagnostics of an earlier run; this run starts at "
+                          f"step 0, so they are moved to {path}.replaced-{n} and the new run writes its own",
+                          stacklevel=4)
         return
     with open(path) as f:
         lines = f.readlines()

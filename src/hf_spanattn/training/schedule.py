@@ -121,9 +121,12 @@ class Schedule:
                 n_layers: int) -> list[tuple[int, LayerSettings, bool]]:
         """(step, per-layer settings, ramp) per keyframe, validated; raises ValueError with the cause."""
         frames = [(k.step(max_steps, steps_per_epoch), k.settings(n_layers), k.ramp) for k in self.keyframes]
-        for (s0, _, _), (s1, _, _) in zip(frames, frames[1:]):
+        for (s0, _, _), (s1, _, _), k0, k1 in zip(frames, frames[1:], self.keyframes, self.keyframes[1:]):
             if s1 < s0:
                 raise ValueError(f"schedule: keyframes must be in order of time, got step {s1} after {s0}")
+            if s1 == s0:  # the later one would replace the earlier one unseen
+                raise ValueError(f"schedule: keyframes at={k0.at!r} and at={k1.at!r} both fall on step {s0} "
+                                 f"(max_steps={max_steps}); give each step one keyframe")
         for i, (step, table, ramp) in enumerate(frames):
             if ramp and i == 0:
                 raise ValueError("schedule: the first keyframe cannot ramp (there is nothing to ramp from)")
