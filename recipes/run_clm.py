@@ -485,6 +485,8 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     if not training.output_dir or not str(training.output_dir).strip():
         raise ValueError("--output_dir is empty: give the folder the run writes into")
     out = Path(training.output_dir)
+    if not out.absolute().name:  # its <output_dir>.lock and .replaced-<n> would lie outside any folder
+        raise ValueError(f"--output_dir {out}: the root of the file system; give a folder inside it")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {out}: exists and is not a folder")
     blocking = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)

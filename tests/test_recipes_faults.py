@@ -615,6 +615,7 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     (lambda t: run_clm.main(["--early_stopping_threshold", "nan", "--output_dir", str(t / "o")]),
      "--early_stopping_threshold nan: allowed values are >= 0"),
     (lambda t: run_clm.main(["--output_dir", " "]), "--output_dir is empty"),
+    (lambda t: run_clm.main(["--output_dir", "/"]), "--output_dir /: the root of the file system"),
     (lambda t: run_clm.main(["--span_schedule", str(t / "typo.yaml"), "--output_dir", str(t / "o")]),
      "--span_schedule {tmp}/typo.yaml: no such file"),
     # a result lost after its run (the record is written to a folder), or a traceback before any
