@@ -167,6 +167,8 @@ CASES = [
      "layers=[] selects no layer"),
     ("config layers=()", lambda t: SpanAttentionConfig(layers=()), ValueError, "at least one layer index"),
     ("config layers=3", lambda t: SpanAttentionConfig(layers=3), ValueError, "layers=3"),
+    ("patch_model layers a 0-d tensor", lambda t: patch_model(tiny("gpt2"), "score:1000", layers=torch.tensor(1)),
+     ValueError, "layers=tensor(1): expected None (all layers) or a sequence of non-negative integer"),
     ("patch_model config=0", lambda t: patch_model(tiny("gpt2"), 0), TypeError,
      "config=0 (int): expected a SpanAttentionConfig, a label string"),
     ("patch_model config=123", lambda t: patch_model(tiny("gpt2"), 123), TypeError, "or None"),

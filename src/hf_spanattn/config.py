@@ -74,7 +74,10 @@ def _layers_field(value: Any) -> tuple[int, ...] | None:
     """Layer indices as sorted distinct ints (NumPy integers included), or None if they are not that."""
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
         return None
-    layers = list(value)
+    try:
+        layers = list(value)
+    except TypeError:  # iterable by type only, such as a 0-d tensor
+        return None
     if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in layers):
         return None
     return tuple(sorted({int(i) for i in layers}))
