@@ -300,6 +300,34 @@ def test_the_forward_pass_keeps_probabilities_within_its_budget(t, is_causal, ke
         assert rel(g, r) < 1e-9
 
 
+@pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block"])
+def test_a_recomputed_tile_is_let_go_before_the_next_is_formed(label, recomputed_tiles, monkeypatch):
+    """The backward pass recomputes P a tile at a time and holds one tile in memory, not two: for dV,
+    G and the products, for the per-block rule's ∂L/∂P, and for a learnable mask's gradient."""
+    import weakref
+    formed, alive = [], []
+    real = tile_engine.masked_softmax
+
+    def spy(x, dead, out=None):
+        alive.append(sum(r() is not None for r in formed))
+        y = real(x, dead, out)
+        formed.append(weakref.ref(y))
+        return y
+
+    monkeypatch.setattr(tile_engine, "masked_softmax", spy)
+    (q, k, v), d_out = make(b=1, h_q=2, h_kv=2, t=64, d=8)
+    bias = (0.1 * torch.randn(1, 1, 64, 64, dtype=torch.float64)).requires_grad_()
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    config = SpanAttentionConfig.from_label(label)
+    out = span_attention(*leaves, attn_mask=bias, config=config)
+    formed.clear(), alive.clear()
+    grads = torch.autograd.grad(out, [*leaves, bias], d_out)
+    assert len(alive) >= 8 and max(alive) == 0, alive  # 4 tiles of 16 rows, formed at least twice
+    _, ref_grads = reference(q, k, v, d_out, config, attn_mask=bias.detach())
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 1e-9
+
+
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_the_per_block_stacks_stay_small_beside_a_small_batch(is_causal, monkeypatch):
     """The per-block rule stacks its blocks' scores and ∂L/∂P in buffers of at most _STACK_ELEMENTS,

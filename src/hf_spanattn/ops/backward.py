@@ -190,6 +190,7 @@ def mask_grad(g_parts: Iterable[tuple[torch.Tensor, int, int, int]], mask: torch
                 x = x.sum(dim, keepdim=True)
         rows = slice(start, end) if shape4[2] > 1 else slice(None)
         out[..., rows, :cols if shape4[3] > 1 else None] += x
+        del g, x  # before the next tile is formed
     return out.reshape(mask.shape).to(mask.dtype)
 
 

@@ -286,11 +286,14 @@ def _mask_free_grads(probs: Tiled, v: torch.Tensor, keep: torch.Tensor | None, d
     (first row, end row, columns), in the work dtype: the standard one in every row (also in rows
     that attend no key by MASKED_AT), as SDPA gives the mask."""
     work = backward.work_dtype(v.dtype)
-    for p, (start, end, cols) in zip(probs.parts, probs.tiles):
+    for i, (start, end, cols) in enumerate(probs.tiles):  # by index: zip would hold the last tile too
+        p = probs.parts[i]
         d_probs = d_out[..., start:end, :].to(work) @ v[..., :cols, :].to(work).mT
         if keep is not None:
             d_probs = d_probs * keep[..., start:end, :cols] * _keep_scale(dropout_p)
-        yield torch.ops.aten._softmax_backward_data(d_probs, p.to(work), -1, work), start, end, cols
+        g = torch.ops.aten._softmax_backward_data(d_probs, p.to(work), -1, work)
+        del p, d_probs  # before the next tile is recomputed: one in memory, not two
+        yield g, start, end, cols
 
 
 def _spans_of(k: torch.Tensor, v: torch.Tensor | None, pinv: bool) -> tuple[Span, Span | None]:
@@ -386,7 +389,8 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
         gx = None if x is None else x.new_zeros(*d_out.shape[:-1], x.shape[-1])
         gy = None if y is None else y.new_zeros(*y.shape[:-2], probs.s, y.shape[-1])
         d_v = None if dv else d_out.new_zeros(*d_out.shape[:-2], probs.s, d_out.shape[-1])
-        for p, (start, end, cols) in zip(probs.parts, probs.tiles):
+        for i, (start, end, cols) in enumerate(probs.tiles):  # by index: zip would hold the last tile too
+            p = probs.parts[i]
             kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
             if d_v is not None:
                 d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]

@@ -135,11 +135,10 @@ class Tiled:
                     out[..., :cols, :] += product
             return out
         pieces, written = [], 0  # the tiles' rows in order, zeros for rows in no tile
-        for (start, end, cols), part in zip(self.tiles, self.parts):
-            product = part @ x[..., :cols, :]
+        for i, (start, end, cols) in enumerate(self.tiles):  # by index: zip would hold the last tile too
+            product = self.parts[i] @ x[..., :cols, :]  # a recomputed tile goes before the next is formed
             pieces += [_zero_rows(product, start - written), product]
             written = end
-            del part  # before the next tile is recomputed: one in memory, not two
         pieces.append(_zero_rows(pieces[-1], self.t - written))
         pieces = [p for p in pieces if p.shape[-2]]
         return torch.cat(pieces, dim=-2) if len(pieces) > 1 else pieces[0]
