@@ -18,18 +18,19 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from records import integer  # noqa: E402
 
 ORDER_NAMES = {2: ["∥ (Π_K)", "⊥ (Π_K^⊥)"], 4: ["order 0", "order 1", "order 2", "order 3"]}
 
 
-def record_problems(record: Any) -> list[str]:
+def line_problems(record: Any) -> list[str]:
     """What keeps a line of span_diagnostics.jsonl (as SpanAttentionCallback writes it) out of the plot."""
     if not isinstance(record, dict):
         return [f"expected a JSON object, got {type(record).__name__}"]
     problems = []
     for key in ("step", "layer"):
         value = record.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not integer(value):
             problems.append(f"{key}={value!r}: expected an integer >= 0")
     if not isinstance(record.get("span"), str):
         problems.append(f"span={record.get('span')!r}: expected a span label")
@@ -61,7 +62,7 @@ def read_records(path: Path) -> list[dict]:
             print(f"{path}:{number}: left out: not a whole JSON record (a line cut short when the run was stopped?)",
                   file=sys.stderr)
             continue
-        problems = record_problems(record)
+        problems = line_problems(record)
         if problems:
             print(f"{path}:{number}: left out: {'; '.join(problems)}", file=sys.stderr)
             continue

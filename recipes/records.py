@@ -37,6 +37,11 @@ def finite(value: Any) -> bool:
         return False
 
 
+def integer(value: Any, minimum: int = 0, maximum: float = math.inf) -> bool:
+    """A JSON integer (not a bool) from `minimum` to `maximum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
+
+
 def number(value: Any, field: str, minimum: float | None = None) -> list[str]:
     if not finite(value):
         what = "missing" if value is None else f"{value!r}"[:40]
@@ -83,7 +88,7 @@ def metrics_problems(data: Any) -> list[str]:
     problems = span_label(data.get("span"))
     if not isinstance(data.get("config"), dict):
         problems.append("config is missing: expected the run's configuration (config.training.seed at least)")
-    elif isinstance(seed_of(data), bool) or not isinstance(seed_of(data), int):
+    elif not integer(seed_of(data), -math.inf):
         problems.append(f"config.training.seed is {seed_of(data)!r}: expected an integer")
     for key in ("min_val_loss", "final_train_loss"):
         if data.get(key) is None and key in data:
@@ -131,7 +136,7 @@ def record_problems(data: Any, name: str | None = None) -> list[str]:
         return [f"missing {', '.join(missing)} (not a whole result of recipes/pack.py)", *problems]
     problems += path_part(data["name"], "name") + path_part(data["shape"], "shape")
     seed = data["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+    if not integer(seed, 0, MAX_SEED):
         problems.append(f"seed={seed!r}"[:60] + f": expected an integer from 0 to {MAX_SEED}")
     elif seed_of(data) is not None and seed_of(data) != seed:
         problems.append(f"seed={seed!r}: config.training.seed is {seed_of(data)!r}, the seed the run was made with")
@@ -143,8 +148,7 @@ def record_problems(data: Any, name: str | None = None) -> list[str]:
         problems.append(f"name={data['name']!r}: expected {name!r}")
     problems += number(data["epochs_run"], "epochs_run", 0) + number(data["wall_s"], "wall_s", 0)
     problems += number(data["best_epoch"], "best_epoch", 0)
-    if data.get("parallel") is not None and (isinstance(data["parallel"], bool) or not isinstance(data["parallel"], int)
-                                             or data["parallel"] < 1):
+    if data.get("parallel") is not None and not integer(data["parallel"], 1):
         problems.append(f"parallel={data['parallel']!r}: expected an integer >= 1 (runs at once on the device)")
     if data["device"] is not None and not isinstance(data["device"], str):
         problems.append(f"device={data['device']!r}: expected the device's name or null")
@@ -159,8 +163,7 @@ def stopping_problems(value: Any) -> list[str]:
     if not isinstance(value, dict):
         return [f"early_stopping={value!r}: expected an object or null"]
     patience = value.get("patience")
-    problems = [] if isinstance(patience, int) and not isinstance(patience, bool) and patience >= 1 else \
-        [f"early_stopping.patience={patience!r}: expected an integer >= 1"]
+    problems = [] if integer(patience, 1) else [f"early_stopping.patience={patience!r}: expected an integer >= 1"]
     problems += number(value.get("num_train_epochs"), "early_stopping.num_train_epochs", 0)
     if not isinstance(value.get("stopped_early"), bool):
         problems.append(f"early_stopping.stopped_early={value.get('stopped_early')!r}: expected true or false")
