@@ -23,7 +23,7 @@ from pathlib import Path
 import report
 from pack import load_records
 from records import metrics_problems
-from run_identity import data_source, move_aside, span_dir
+from run_identity import data_source, json_file, move_aside, span_dir
 
 from hf_spanattn import SpanAttentionConfig
 
@@ -50,11 +50,15 @@ def merge(inputs: list[Path], runs_dir: Path, replace: bool = False) -> tuple[in
             chosen[dest] = (record, path)
     writes = []
     for dest, (record, path) in chosen.items():
+        blocking = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise ValueError(f"{blocking} is a file where the folder of {record['name']} goes; move it out of "
+                             f"{runs_dir}")
         if dest.exists():
             try:
-                there = json.loads(dest.read_text())
+                there = json_file(dest)
                 whole = not metrics_problems(there)
-            except (ValueError, RecursionError):  # not JSON, not UTF-8, numbers past Python's limits
+            except (OSError, ValueError, RecursionError):  # not JSON, not UTF-8, numbers past Python's limits
                 there, whole = None, False
             if there == record:
                 continue
@@ -89,6 +93,7 @@ def notes(runs: dict[str, dict[str, dict[int, dict]]]) -> str:
     for (device, parallel), per_epoch in sorted(speed.items()):
         mean = statistics.fmean(per_epoch)
         rate = f"{parallel / mean:.3f}" if mean else "–"  # a run that recorded no time
+        device = " ".join(device.replace("|", "/").split())  # one cell of the table
         lines.append(f"| {device} | {parallel} | {len(per_epoch)} | {mean:.1f} | {rate} |")
     patience = sorted({(m["early_stopping"]["patience"], m["early_stopping"]["num_train_epochs"])
                        for m in records if m.get("early_stopping")})

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 from records import metrics_problems, record_problems
-from run_identity import move_aside, read_yaml
+from run_identity import json_file, json_value, move_aside, read_yaml, stopped_as_by_ctrl_c
 from sweep import plan
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
@@ -125,7 +125,7 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
         return [r for records, _ in found for r in records], [p for _, problems in found for p in problems]
     if not path.is_file():
         raise ValueError(f"{path}: no such file or folder")
-    text = path.read_text(errors="replace")
+    text = path.read_text(encoding="utf-8-sig", errors="replace")
     if path.suffix == ".jsonl":
         pieces = [(f"{path} line {i}", line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     else:
@@ -133,8 +133,8 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     records, problems = [], []
     for where, piece in pieces:
         try:
-            value = json.loads(piece)
-        except (ValueError, RecursionError) as err:  # numbers or nesting past Python's limits too
+            value = json_value(piece)
+        except (ValueError, RecursionError) as err:  # a key given twice, numbers or nesting past Python's limits
             cut = path.suffix == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and not text.endswith("\n")
             problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
                                                                   "writing it" if cut else ""))
@@ -206,7 +206,7 @@ def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, sa
             if not path.exists():
                 continue
             try:
-                problems = check(json.loads(path.read_text()))
+                problems = check(json_file(path))
             except (OSError, ValueError, RecursionError) as err:
                 problems = [f"not valid JSON ({type(err).__name__}: {str(err)[:200]})"]
             if problems:
@@ -305,29 +305,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    began = time.monotonic()
-    args = parse(argv)
-    try:
-        runs = plan_runs(load_sweeps(args.config), dict(item.split("=", 1) for item in args.set),
-                         check=not args.dry_run)
-        done = finished_names(runs, args.results, args.jsonl)
-    except ValueError as err:
-        raise SystemExit(f"pack: {err}") from None
-    todo = [r for r in runs if r.name not in done]
-    print(f"{len(runs)} runs, {len(runs) - len(todo)} finished before, {len(todo)} to do", flush=True)
-    if args.dry_run:
-        print("\n".join(f"  {r.name}" for r in todo))
-        return 0
-    if args.results is not None:
-        args.results.mkdir(parents=True, exist_ok=True)
-        for run in todo:  # a result file that is not whole: kept, out of the way of the new one
-            path = args.results / f"{run.name}.json"
-            if path.exists():
-                print(f"{path} moved to {move_aside(path, 'invalid')}", flush=True)
-    if args.jsonl is not None:
-        args.jsonl.parent.mkdir(parents=True, exist_ok=True)
-    limit = len(todo) if args.max_runs is None else min(args.max_runs, len(todo))
+def run_all(todo: list[Run], limit: int, args: argparse.Namespace, began: float) -> tuple[Tally, str]:
+    """Start the first `limit` runs of `todo` as the budget allows, `args.parallel` at once, and collect each:
+    (the tally, why no more were started)."""
     tally, running, reason = Tally(), [], "all runs started"
     try:
         while True:
@@ -353,6 +333,34 @@ def main(argv: list[str] | None = None) -> int:
             job.process.kill()
             job.process.wait()
             shutil.rmtree(job.tmp, ignore_errors=True)
+    return tally, reason
+
+
+def main(argv: list[str] | None = None) -> int:
+    began = time.monotonic()
+    args = parse(argv)
+    try:
+        runs = plan_runs(load_sweeps(args.config), dict(item.split("=", 1) for item in args.set),
+                         check=not args.dry_run)
+        done = finished_names(runs, args.results, args.jsonl)
+    except ValueError as err:
+        raise SystemExit(f"pack: {err}") from None
+    todo = [r for r in runs if r.name not in done]
+    print(f"{len(runs)} runs, {len(runs) - len(todo)} finished before, {len(todo)} to do", flush=True)
+    if args.dry_run:
+        print("\n".join(f"  {r.name}" for r in todo))
+        return 0
+    if args.results is not None:
+        args.results.mkdir(parents=True, exist_ok=True)
+        for run in todo:  # a result file that is not whole: kept, out of the way of the new one
+            path = args.results / f"{run.name}.json"
+            if path.exists():
+                print(f"{path} moved to {move_aside(path, 'invalid')}", flush=True)
+    if args.jsonl is not None:
+        args.jsonl.parent.mkdir(parents=True, exist_ok=True)
+    limit = len(todo) if args.max_runs is None else min(args.max_runs, len(todo))
+    with stopped_as_by_ctrl_c():  # a kill of this command stops its runs too
+        tally, reason = run_all(todo, limit, args, began)
     if tally.failed:
         reason = f"a run failed: {', '.join(tally.failed)}"
     elif tally.launched == limit < len(todo):

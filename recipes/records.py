@@ -58,7 +58,8 @@ def history(value: Any, field: str) -> list[str]:
     for i, entry in enumerate(value):
         if not isinstance(entry, dict):
             return [f"{field}[{i}]: expected an object with step and loss"]
-        problems = number(entry.get("step"), f"{field}[{i}].step", 0)
+        step = entry.get("step")
+        problems = [] if integer(step) else [f"{field}[{i}].step={step!r}"[:80] + ": expected an integer >= 0"]
         problems += number(entry.get("loss"), f"{field}[{i}].loss", 0)
         if problems:
             return problems
@@ -102,15 +103,19 @@ def metrics_problems(data: Any) -> list[str]:
         problems += number(data["train_runtime_s"], "train_runtime_s", 0)
     if isinstance(data.get("config"), dict):
         problems += config_problems(data["config"])
-    for key, minimum in (("world_size", 1), ("unigram_val_loss", 0)):
-        if data.get(key) is not None:
-            problems += number(data[key], key, minimum)
+    if data.get("world_size") is not None and not integer(data["world_size"], 1):
+        problems.append(f"world_size={data['world_size']!r}"[:80] + ": expected an integer >= 1 (processes)")
+    if data.get("unigram_val_loss") is not None:
+        problems += number(data["unigram_val_loss"], "unigram_val_loss", 0)
     return problems
 
 
-# the settings a report reads from a run's configuration, with the least value each may have
-REPORTED = {("data", "block_size"): 1, ("training", "per_device_train_batch_size"): 1,
-            ("training", "gradient_accumulation_steps"): 1, ("training", "num_train_epochs"): 0}
+# the settings a report reads from a run's configuration: counts (integers >= 1), numbers >= 0 and text
+COUNTS = (("data", "block_size"), ("training", "per_device_train_batch_size"),
+          ("training", "gradient_accumulation_steps"))
+NUMBERS = (("training", "num_train_epochs"),)
+TEXTS = tuple(("data", key) for key in ("dataset_name", "dataset_config_name", "data_dir", "train_file",
+                                        "validation_file", "token_subset"))
 
 
 def config_problems(config: dict) -> list[str]:
@@ -118,10 +123,17 @@ def config_problems(config: dict) -> list[str]:
     problems = [f"config.{group} is {type(config[group]).__name__}: expected an object"
                 for group in ("model", "data", "training") if config.get(group) is not None
                 and not isinstance(config[group], dict)]
-    for (group, key), minimum in REPORTED.items():
+    for group, key in (*COUNTS, *NUMBERS, *TEXTS):
         value = (config.get(group) if isinstance(config.get(group), dict) else {}).get(key)
-        if value is not None:
-            problems += number(value, f"config.{group}.{key}", minimum)
+        where = f"config.{group}.{key}"
+        if value is None:
+            continue
+        if (group, key) in COUNTS and not integer(value, 1, 2**63 - 1):
+            problems.append(f"{where}={value!r}"[:80] + ": expected an integer from 1 to 2^63 - 1")
+        elif (group, key) in NUMBERS:
+            problems += number(value, where, 0)
+        elif (group, key) in TEXTS and not isinstance(value, str):
+            problems.append(f"{where}={value!r}"[:80] + ": expected text or null")
     return problems
 
 def record_problems(data: Any, name: str | None = None) -> list[str]:

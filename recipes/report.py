@@ -31,6 +31,8 @@ from plot_diagnostics import read_records as read_diagnostics  # noqa: E402
 from records import metrics_problems  # noqa: E402
 from run_identity import data_source, read_json, span_dir  # noqa: E402
 
+from hf_spanattn import SpanAttentionConfig  # noqa: E402
+
 BASELINE = "standard:QKV111"
 PAPER_DELTA = 0.56  # Δ % of score:1000 in the paper (GPT-2 d = 256, 6 layers, 50 epochs of WikiText-2)
 PAPER_SCALE = "50 epochs of a GPT-2 with d = 256, T = 512 and batch 128"
@@ -50,9 +52,10 @@ def load_runs(runs_dir: Path, say=print) -> dict[str, dict[str, dict[int, dict]]
         if problems:
             say(f"report: leaving out {path}: {'; '.join(problems)}", file=sys.stderr, flush=True)
             continue
-        metrics = {"train_history": [], "eval_history": [], **data, "_dir": path.parent}
+        label = SpanAttentionConfig.from_label(data["span"]).label  # score:1,0,0,0 is score:1000
+        metrics = {"train_history": [], "eval_history": [], **data, "span": label, "_dir": path.parent}
         seed = metrics["config"]["training"]["seed"]
-        key = (path.parts[-4], metrics["span"], seed)
+        key = (path.parts[-4], label, seed)
         if key in paths:
             raise ValueError(f"{paths[key]} and {path} are both span {key[1]} with seed {seed} in shape {key[0]}; "
                              "move one of them out of the runs folder")
@@ -67,8 +70,12 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
 
 
 def delta(baseline: float, value: float) -> float | None:
-    """Δ % against `baseline`; None where the baseline is 0, against which no percentage exists."""
-    return (baseline - value) / baseline * 100 if baseline else None
+    """Δ % against `baseline`; None where the baseline is 0, against which no percentage exists, or where the
+    percentage is past what a float holds."""
+    if not baseline:
+        return None
+    percent = (baseline - value) / baseline * 100
+    return percent if math.isfinite(percent) else None
 
 
 def table(spans: dict[str, dict[int, dict]]) -> list[dict]:
@@ -88,12 +95,17 @@ def table(spans: dict[str, dict[int, dict]]) -> list[dict]:
         row["train_delta"] = delta(base_train, row["train_mean"]) if base else None
         row["val_delta"] = delta(base_val, row["val_mean"]) if base else None
         if base and row["val_delta"] is None:
-            print(f"report: the {BASELINE} runs' validation loss is 0, so {label} has no Δ % against them",
+            why = "is 0" if not base_val else f"is {base_val:g} and {label}'s {row['val_mean']:g}"
+            print(f"report: the {BASELINE} runs' validation loss {why}, so {label} has no Δ % against them",
                   file=sys.stderr)
         row["val_delta_std"] = mean_std(paired)[1] if paired else None
         row["val_delta_paired"] = paired
         rows.append(row)
     return rows
+
+
+def perplexity(loss: float) -> str:
+    return f"{math.exp(loss):.0f}" if loss < 709 else f"e^{loss:.0f}"  # math.exp overflows past 709.78
 
 
 def fmt(x: float | None, digits: int = 4, signed: bool = False) -> str:
@@ -189,8 +201,10 @@ def plot(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict], out: P
 
     figures = [curves, bars]
     for label, seeds in sorted(spans.items()):
-        jsonl = seeds[min(seeds)].get("_dir", Path()) / "span_diagnostics.jsonl"
-        if jsonl.is_file():
+        first = seeds[min(seeds)]
+        jsonl = first.get("_dir", Path()) / "span_diagnostics.jsonl"
+        recorded = (first["config"].get("span") or {}).get("span_diagnostics_every")  # else the file is another start's
+        if recorded and jsonl.is_file():
             records = read_diagnostics(jsonl)  # lines cut short or edited by hand are named and left out
             if records:
                 name = span_dir(label)
@@ -233,7 +247,7 @@ def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> 
         against = (f", against {statistics.fmean(unigram):.3f} from the training tokens' frequencies alone (a "
                    "unigram model, which reads no context)" if unigram else "")
         lines.append(f"The baseline reached validation loss {base['val_mean']:.3f} (perplexity "
-                     f"{2.718281828 ** base['val_mean']:.0f}){against}; {spread}.")
+                     f"{perplexity(base['val_mean'])}){against}; {spread}.")
     for r in rows:
         if r["span"] == BASELINE or r["val_delta"] is None:
             continue

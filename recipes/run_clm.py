@@ -50,6 +50,7 @@ while it runs, `<output_dir>.lock` keeps a second run out of the same folder.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import io
 import json
@@ -62,7 +63,7 @@ import time
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,6 +82,7 @@ from transformers import (
     EarlyStoppingCallback,
     GPT2Config,
     HfArgumentParser,
+    PretrainedConfig,
     PreTrainedModel,
     Trainer,
     TrainingArguments,
@@ -93,11 +95,17 @@ import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
 from hf_spanattn.integration.registry import config_of
 from hf_spanattn.training import Schedule, SpanAttentionCallback
-from hf_spanattn.training.callback import DIAGNOSTICS_FILE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from records import MAX_SEED  # noqa: E402
-from run_identity import RunLock, move_aside, read_yaml, resume_point, write_config, write_json  # noqa: E402
+from run_identity import (  # noqa: E402
+    RunLock,
+    json_value,
+    read_yaml,
+    resume_point,
+    write_config,
+    write_json,
+)
 
 logger = logging.getLogger(__name__)
 METRIC_PATH = str(Path(__file__).parent / "metrics" / "next_token")
@@ -107,6 +115,11 @@ DTYPES = Literal["auto", "bfloat16", "float16", "float32"]
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+
+
+def home(path: str | None) -> str | None:
+    """`path` with a leading ~ read as the home folder, as the shell reads it (a YAML file or --flag=~/x is not)."""
+    return os.path.expanduser(path) if path else path
 
 
 def looks_local(name: str) -> bool:
@@ -142,7 +155,8 @@ class ModelArguments:
                 raise ValueError(f"--dtype {self.dtype} and --torch_dtype {self.torch_dtype}: give one of them")
             self.dtype, self.torch_dtype = self.torch_dtype, None
         for flag in ("model_name_or_path", "config_name"):
-            name = getattr(self, flag)
+            name = home(getattr(self, flag))
+            setattr(self, flag, name)
             if name is not None and not name.strip():
                 raise ValueError(f"--{flag} is empty: give a Hub id or a local folder, or leave the flag out"
                                  + (" (the paper's GPT-2 from scratch)" if flag == "model_name_or_path" else ""))
@@ -216,6 +230,11 @@ class DataArguments:
         "help": "Keep only the first N validation blocks (after --max_eval_tokens)."})
 
     def __post_init__(self):
+        for flag in ("data_dir", "train_file", "validation_file", "tokenizer_name"):
+            value = home(getattr(self, flag))
+            setattr(self, flag, value)
+            if flag != "tokenizer_name" and value is not None and not value.strip():  # an unset shell variable
+                raise ValueError(f"--{flag} is empty: give a path, or leave the flag out")
         if not 0 <= self.overlap < 1:
             raise ValueError(f"--overlap {self.overlap}: allowed values are 0 <= overlap < 1")
         if not 0 < self.validation_split_percentage < 100:
@@ -231,7 +250,7 @@ class DataArguments:
                 raise ValueError(f"{flag} {path}: " + ("not a file" if os.path.exists(path) else "no such file"))
             if Path(path).suffix.lower() not in FILE_BUILDERS:
                 raise ValueError(f"{flag} {path}: allowed file types are {', '.join(FILE_BUILDERS)}")
-            if os.path.getsize(path) == 0:
+            if os.path.getsize(path) <= 3 and Path(path).read_bytes() in (b"", codecs.BOM_UTF8):
                 raise ValueError(f"{path} is empty: a split needs text")
         for flag in ("block_size", "max_train_tokens", "max_eval_tokens"):
             value = getattr(self, flag)
@@ -252,7 +271,7 @@ class DataArguments:
         for split in ("train", "validation"):
             name = getattr(self, f"{split}_file") or (f"{split}.txt" if self.data_dir is not None else None)
             if name is not None:
-                out[split] = os.path.join(folder, os.path.expanduser(name))
+                out[split] = os.path.join(folder, name)
         return out
 
     def source(self, split: str) -> str:
@@ -277,6 +296,7 @@ class SpanArguments:
     span_diagnostics_per_head: bool = field(default=False, metadata={"help": "Diagnostics per head too."})
 
     def __post_init__(self):
+        self.span_schedule = home(self.span_schedule)
         self.config()  # a bad label or schedule fails here, before any data is read
         self.callback()
 
@@ -455,12 +475,14 @@ def typed(key: str, value: Any, path: Path) -> Any:
         return str(value)
     if str in options and bool not in options and bare:
         raise ValueError(f"{where}: expected text{bare}")
+    if key == "span_schedule" and isinstance(value, list):
+        return json.dumps(value)  # the keyframes written out in the file
     if options == {str} and isinstance(value, list) and all(isinstance(v, (int, str)) for v in value):
         return ",".join(str(v) for v in value)  # a YAML list for a comma-separated argument (--span_layers)
     if options == {str} and isinstance(value, (int, float)):
         return str(value)
-    if key == "span_schedule" and isinstance(value, list):
-        return json.dumps(value)  # the keyframes written out in the file
+    if isinstance(value, tuple({typing.get_origin(o) or o for o in options} & {list, dict})):
+        return value  # an argument that takes a list or a mapping (report_to, fsdp_config)
     if str in options and not isinstance(value, str):
         raise ValueError(f"{where}: expected text, got {type(value).__name__}")
     return value
@@ -510,10 +532,24 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(training, flag) < 1:
             raise ValueError(f"--{flag} {getattr(training, flag)}: allowed values are >= 1")
-    if training.do_train and not training.max_steps > 0 and not 0 < training.num_train_epochs < math.inf:
-        raise ValueError(f"--num_train_epochs {training.num_train_epochs}: expected a number > 0 (or --max_steps N)")
-    if not 0 <= training.learning_rate < math.inf:
-        raise ValueError(f"--learning_rate {training.learning_rate}: expected a finite number >= 0")
+    if training.do_train and not training.max_steps > 0 and not 0 < training.num_train_epochs < 2**63:
+        raise ValueError(f"--num_train_epochs {training.num_train_epochs}: expected a number > 0 and < 2^63 (or "
+                         "--max_steps N)")  # the Trainer counts its steps in integers
+    for flag, low, high in (("learning_rate", 0, math.inf), ("weight_decay", 0, math.inf),  # as the optimizers
+                            ("adam_epsilon", 0, math.inf), ("adam_beta1", 0, 1), ("adam_beta2", 0, 1)):  # check them
+        if not low <= getattr(training, flag) < high:
+            allowed = f"a finite number >= {low}" if high == math.inf else f"a number from {low} to below {high}"
+            raise ValueError(f"--{flag} {getattr(training, flag)}: expected {allowed}")
+    nan = next((f"--{f.name}" for group in (model, data, training, stop) for f in fields(group)
+                if isinstance(getattr(group, f.name), float) and math.isnan(getattr(group, f.name))), None)
+    if nan is not None:  # the Trainer and the optimizer take most of them without a word, and train on NaN
+        raise ValueError(f"{nan} nan: expected a number")
+    inputs = {"--model_name_or_path": model.model_name_or_path, "--config_name": model.config_name,
+              "--tokenizer_name": data.tokenizer_name}
+    for flag, name in inputs.items():
+        if name and os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(out):
+            raise ValueError(f"--output_dir {out} is the folder of {flag}: the run would write its model, tokenizer "
+                             "and config over the files it starts from; give another --output_dir")
     if data.tokenizer_name is not None and not data.tokenizer_name.strip():
         raise ValueError("--tokenizer_name is empty: give a Hub id or a local folder, or leave the flag out (the "
                          "model's tokenizer)")
@@ -554,12 +590,18 @@ def load_texts(data: DataArguments, splits: Sequence[str]) -> dict[str, datasets
 def load_file(path: str, flag: str) -> datasets.Dataset:
     """One data file as rows with a "text" column: the file's "text" column, else its first."""
     builder = FILE_BUILDERS[Path(path).suffix.lower()]
-    extra = {"keep_linebreaks": True} if builder == "text" else {}
+    # text: a byte order mark (as some editors write) is not text; the json and csv loaders read past it too
+    extra = {"keep_linebreaks": True, "encoding": "utf-8-sig"} if builder == "text" else {}
     try:
         rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", **extra)
     except Exception as err:  # the loaders raise many types; the message is what counts
         while err.__cause__ is not None or err.__context__ is not None:  # "an error occurred": say which
             err = err.__cause__ or err.__context__
+        if "corresponds to no data" in str(err):
+            raise ValueError(f"{flag} {path}: holds no rows of text (a split needs text)") from None
+        where = json_line_problem(path) if builder == "json" else None
+        if where is not None:
+            raise ValueError(f"{flag} {path}: could not be read as JSON ({where})") from None
         encoding = " (the file must be UTF-8)" if isinstance(err, UnicodeDecodeError) else ""
         raise ValueError(f"{flag} {path}: could not be read as {builder}{encoding} ({type(err).__name__}: "
                          f"{str(err)[:300]})") from None
@@ -577,6 +619,24 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     rows = rows.select_columns([column]).rename_column(column, "text") if column != "text" else \
         rows.select_columns(["text"])
     return rows.map(lambda row: {"text": row["text"] or ""})  # an empty CSV cell is None
+
+
+def json_line_problem(path: str) -> str | None:
+    """The first line of a JSON Lines file that is not a JSON value, with why ("line 2: ..."); None where each
+    line is one (or the file is one JSON value), or the file is not UTF-8 text."""
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+        json_value(text)
+        return None
+    except (ValueError, RecursionError):
+        pass
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            if line.strip():
+                json_value(line)
+        except (ValueError, RecursionError) as err:
+            return f"line {number}: {str(err)[:200]}"
+    return None
 
 
 def from_hub(load, name: str, *args, **kwargs):
@@ -653,9 +713,9 @@ def unigram_loss(train: datasets.Dataset, validation: datasets.Dataset, vocab_si
     return -(counts / counts.sum()).log()[targets[targets >= 0]].mean().item()
 
 
-def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> PreTrainedModel:
-    """The pretrained model (--model_name_or_path), a model from --config_name, or the paper's GPT-2; with
-    --config_overrides applied, in --dtype, its embeddings grown to the tokenizer's vocabulary."""
+def model_config(model_args: ModelArguments, data: DataArguments, tokenizer) -> PretrainedConfig:
+    """The config of the pretrained model (--model_name_or_path), of --config_name, or of the paper's GPT-2, with
+    --config_overrides applied; --block_size is checked against its positions."""
     if model_args.config_name or model_args.model_name_or_path:
         name = model_args.config_name or model_args.model_name_or_path
         config = from_hub(AutoConfig.from_pretrained, name)
@@ -666,6 +726,16 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                             resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
     if model_args.config_overrides:
         apply_overrides(config, model_args.config_overrides)
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions is not None and data.block_size > positions:
+        raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
+                         f"--block_size {positions} or less")
+    return config
+
+
+def build_model(model_args: ModelArguments, config: PretrainedConfig, tokenizer) -> PreTrainedModel:
+    """The model of `config` (see model_config): --model_name_or_path's weights or new ones, in --dtype, its
+    embeddings grown to the tokenizer's vocabulary."""
     dtype = {None: torch.float32, "auto": "auto"}.get(model_args.dtype) or getattr(torch, model_args.dtype)
     if model_args.model_name_or_path:
         model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,
@@ -676,10 +746,6 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
             model.to(dtype)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
-    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if positions is not None and data.block_size > positions:
-        raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
-                         f"--block_size {positions} or less")
     return stock_causal_lm(model)
 
 
@@ -765,16 +831,12 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
             write_config(Path(training_args.output_dir), config)
     if not training_args.do_train:
         resume = None
-    diagnostics = Path(training_args.output_dir) / DIAGNOSTICS_FILE
-    if first and resume is None and training_args.do_train and diagnostics.is_file():
-        # from a start stopped before its first checkpoint: the callback would append this run's records to it
-        logger.warning("%s: left by an earlier start of this run; this run starts afresh, so it is kept as %s",
-                       diagnostics, move_aside(diagnostics, "replaced"))
     set_seed(training_args.seed)
     tokenizer = from_hub(AutoTokenizer.from_pretrained, data_args.tokenizer_name)
-    model = build_model(model_args, data_args, tokenizer)
+    architecture = model_config(model_args, data_args, tokenizer)
+    splits = build_datasets(data_args, tokenizer, training_args)  # before a model of --block_size positions is made
+    model = build_model(model_args, architecture, tokenizer)
     patch(model, model_args, span)
-    splits = build_datasets(data_args, tokenizer, training_args)
     logger.info("span %s, %s blocks of %d tokens", span.label,
                 " and ".join(f"{len(d)} {s}" for s, d in splits.items()), data_args.block_size)
 
@@ -782,7 +844,7 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
                       eval_dataset=splits.get("validation"), data_collator=default_data_collator,
                       compute_metrics=make_compute_metrics(), preprocess_logits_for_metrics=token_scores,
                       callbacks=stop_callbacks)
-    callback = span_args.callback()
+    callback = span_args.callback()  # it moves an earlier start's diagnostics aside, and keeps a resumed run's
     if callback is not None:
         callback.add_to(trainer)
     start = time.time()

@@ -8,12 +8,16 @@ console, where files go or how often checkpoints are kept are not part of the id
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +41,43 @@ def span_dir(label: str) -> str:
     return label.replace(":", "-").replace("@", "_").replace("+", "_").replace(",", "_")
 
 
+class KeyGivenTwice(ValueError):
+    pass
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: a key given twice in one object (a hand edit) is an error; json keeps the last."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise KeyGivenTwice(f"the key {key!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
+def json_value(text: str) -> Any:
+    """The JSON in `text` (see unique_keys)."""
+    return json.loads(text, object_pairs_hook=unique_keys)
+
+
+def json_file(path: Path) -> Any:
+    """The JSON in the file `path` (see unique_keys); a UTF-8 byte order mark before it, as some editors write, is
+    read past. Raises OSError or ValueError."""
+    return json_value(Path(path).read_text(encoding="utf-8-sig"))
+
+
 def read_json(path: Path) -> Any:
-    """The JSON in `path`; a file that is not valid JSON (cut short, say) gives an error naming it."""
+    """The JSON in `path` (see json_file); a file that is not valid JSON (cut short, say) gives an error naming it."""
     try:
-        return json.loads(Path(path).read_text())
+        return json_file(path)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err}); was the run stopped while writing it?") from None
+    except KeyGivenTwice as err:
+        raise ValueError(f"{path}: {err}") from None
     except (ValueError, RecursionError) as err:  # not UTF-8, a number or a nesting past Python's limits
         raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
+    except OSError as err:  # a folder of that name, say
+        raise ValueError(f"{path}: cannot be read ({type(err).__name__}: {err.strerror})") from None
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -54,6 +87,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *defaults, whose keys this mapping may override
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)
@@ -71,6 +106,20 @@ def read_yaml(text: str, documents: bool = False) -> Any:
     """The YAML (or JSON) `text` read as UniqueKeyLoader reads it; with `documents`, the list of its documents.
     Raises yaml.YAMLError."""
     return list(yaml.load_all(text, UniqueKeyLoader)) if documents else yaml.load(text, UniqueKeyLoader)
+
+
+@contextlib.contextmanager
+def stopped_as_by_ctrl_c() -> Iterator[None]:
+    """Inside: SIGTERM (kill, timeout, a batch system) ends this process as Ctrl-C does, raising in the main thread,
+    so that `finally` stops the runs it started; Python's default would end it at once and leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -108,6 +157,10 @@ def identity(config: dict) -> dict:
     and one set to None are the same; local paths are made absolute."""
     from hf_spanattn import SpanAttentionConfig
 
+    wrong = next((g for g in ("model", "data", "span", "training", "stopping")
+                  if not isinstance(config.get(g) or {}, dict)), None)
+    if wrong is not None:
+        raise ValueError(f"{wrong}={config[wrong]!r}"[:80] + ": expected an object of settings")
     groups = {g: {k: v for k, v in (config.get(g) or {}).items() if v is not None}
               for g in ("model", "data", "span", "training", "stopping")}
     for key in NOT_IDENTITY:
@@ -174,6 +227,10 @@ def saved_config(folder: Path) -> tuple[dict | None, bool]:
             data = data.get(key) if key and isinstance(data, dict) else data
             if not isinstance(data, dict):
                 raise ValueError(f"{path}: expected a run configuration (a JSON object), got {type(data).__name__}")
+            try:
+                identity(data)
+            except (ValueError, TypeError, AttributeError) as err:  # a hand edit: a group, path or label wrong
+                raise ValueError(f"{path}: not a run configuration as run_clm.py records it ({err})") from None
             return data, has_run
     return None, has_run
 
@@ -272,7 +329,7 @@ class RunLock:
     taken over."""
 
     def __init__(self, folder: str | Path):
-        folder = Path(os.path.abspath(folder))
+        folder = Path(os.path.realpath(folder))  # one lock for every path to the folder (a symlink, ..)
         self.path = folder.with_name(folder.name + ".lock")
 
     @staticmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 import os
 import shlex
 import shutil
@@ -44,6 +45,7 @@ from run_identity import (  # noqa: E402
     read_yaml,
     saved_config,
     span_dir,
+    stopped_as_by_ctrl_c,
 )
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
@@ -100,7 +102,10 @@ def grid(config: object) -> tuple[list[str], list[int], list[dict]]:
             raise ValueError(f"sweep config: {where} sets {taken[0]}, which the sweep gives each run (from spans, "
                              "seeds and output_dir); remove it there")
     labels = _list_of(config, "spans", str, "span labels, e.g. [standard:QKV111, score:1000]")
-    canonical = {label: SpanAttentionConfig.from_label(label).label for label in labels}
+    try:
+        canonical = {label: SpanAttentionConfig.from_label(label).label for label in labels}
+    except ValueError as err:
+        raise ValueError(f"sweep config: spans: {err}") from None
     spans = [canonical[label] for label in _once(labels, canonical.get, "span")]
     seeds = _once(_list_of(config, "seeds", int, "integer seeds, e.g. [0, 1, 2]"), lambda s: s, "seed")
     bad = next((s for s in seeds if not 0 <= s <= MAX_SEED), None)
@@ -123,13 +128,24 @@ def plan(config: dict, check: bool = True) -> list[tuple[Path, list[str]]]:
     for seed in seeds:
         for shape in shapes:
             for label in spans:
-                folder = Path(config["output_dir"]) / shape_name(shape) / span_dir(label) / f"seed{seed}"
+                folder = Path(os.path.expanduser(config["output_dir"])) / shape_name(shape) / span_dir(label) / \
+                    f"seed{seed}"
                 args = {**(config.get("args") or {}), **shape, "span": label, "seed": seed, "output_dir": str(folder)}
-                runs.append((folder, [f"--{k}={v}" for k, v in args.items()]))
+                runs.append((folder, [flag(k, v) for k, v in args.items() if v is not None]))  # null: unset
     if check:
         for folder, run_args in runs[: len(shapes) * len(spans) : len(spans)]:
             check_args(folder, run_args)
     return runs
+
+
+def flag(key: str, value: object) -> str:
+    """--key=value as run_clm.py reads it from the command line: a mapping, or a list holding them, as JSON
+    (span_schedule, fsdp_config), another list comma-separated (span_layers)."""
+    if isinstance(value, dict) or isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        value = json.dumps(value)
+    elif isinstance(value, list):
+        value = ",".join(map(str, value))
+    return f"--{key}={value}"
 
 
 def check_args(folder: Path, run_args: list[str]) -> None:
@@ -177,32 +193,33 @@ def main(argv: list[str] | None = None) -> int:
     runs = plan(config)
     states = [state(folder, run_args) for folder, run_args in runs]
     print(f"{len(runs)} runs, {states.count('finished')} finished", flush=True)
-    for i, ((folder, run_args), status) in enumerate(zip(runs, states), 1):
-        if status == "finished":
-            continue
-        holder = RunLock.holder(RunLock(folder).path)
-        if holder is not None:
-            print(f"  {folder}: another run is writing into it ({holder}); stopping", flush=True)
-            return 1
-        if status.startswith("metrics.json"):
-            print(f"  {folder}: {status}; " + ("it would be moved aside" if args.dry_run else
-                  f"moved to {move_aside(folder / 'metrics.json', 'invalid')}") + ", the run is redone", flush=True)
-        elif status != "new":
-            print(f"  {folder} holds a run made with other settings ({status}); "
-                  + ("it would be moved aside" if args.dry_run else f"moved to {move_aside(folder)}"), flush=True)
-        command = [*shlex.split(args.launcher), str(RUN_CLM), *run_args]
-        print(f"[{i}/{len(runs)}] {folder}", flush=True)
-        if args.dry_run:
-            print("  " + shlex.join(command))
-            continue
-        folder.mkdir(parents=True, exist_ok=True)
-        returncode = run_and_log(command, folder / "train.log")
-        if returncode != 0:
-            print(f"  failed with exit code {returncode} (its last lines above); full log: {folder / 'train.log'}",
-                  flush=True)
-            return returncode
-        if not args.keep_weights:
-            prune(folder)
+    with stopped_as_by_ctrl_c():  # a kill of the sweep stops its run too
+        for i, ((folder, run_args), status) in enumerate(zip(runs, states), 1):
+            if status == "finished":
+                continue
+            holder = RunLock.holder(RunLock(folder).path)
+            if holder is not None:
+                print(f"  {folder}: another run is writing into it ({holder}); stopping", flush=True)
+                return 1
+            if status.startswith("metrics.json"):
+                print(f"  {folder}: {status}; " + ("it would be moved aside" if args.dry_run else
+                      f"moved to {move_aside(folder / 'metrics.json', 'invalid')}") + ", the run is redone", flush=True)
+            elif status != "new":
+                print(f"  {folder} holds a run made with other settings ({status}); "
+                      + ("it would be moved aside" if args.dry_run else f"moved to {move_aside(folder)}"), flush=True)
+            command = [*shlex.split(args.launcher), str(RUN_CLM), *run_args]
+            print(f"[{i}/{len(runs)}] {folder}", flush=True)
+            if args.dry_run:
+                print("  " + shlex.join(command))
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            returncode = run_and_log(command, folder / "train.log")
+            if returncode != 0:
+                print(f"  failed with exit code {returncode} (its last lines above); full log: {folder / 'train.log'}",
+                      flush=True)
+                return returncode
+            if not args.keep_weights:
+                prune(folder)
     return 0
 
 
@@ -240,10 +257,15 @@ def run_and_log(command: list[str], log_path: Path) -> int:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
-        while chunk := process.stdout.read1(65536):
-            log.write(chunk)
-            sys.stdout.write(decoder.decode(chunk))
-            sys.stdout.flush()
+        try:
+            while chunk := process.stdout.read1(65536):
+                log.write(chunk)
+                sys.stdout.write(decoder.decode(chunk))
+                sys.stdout.flush()
+        finally:
+            if process.poll() is None:  # the sweep was stopped: so is its run, which the next sweep resumes
+                process.terminate()
+                process.wait()
     return process.wait()
 
 

@@ -3,10 +3,14 @@ wrong kind: the right result, or an error that names the file, field or argument
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +123,37 @@ def test_merge_refuses_a_record_whose_fields_disagree_or_that_it_cannot_report(c
     assert not (tmp_path / "out").exists()
 
 
+def test_merge_writes_nothing_where_a_file_stands_in_the_way_of_a_result(tmp_path):
+    """It wrote the first records, then stopped with a FileExistsError at the file."""
+    path = tmp_path / "in.jsonl"
+    later = a_record(span="score:1100", name="H2xL1__score-1100__seed0")
+    path.write_text(json.dumps(a_record()) + "\n" + json.dumps(later) + "\n")
+    blocking = tmp_path / "out" / "runs" / "H2xL1" / "score-1100" / "seed0"
+    blocking.parent.mkdir(parents=True)
+    blocking.write_text("x")
+    with pytest.raises(SystemExit, match=f"merge: {blocking} is a file where the folder of H2xL1__score-1100__seed0 "):
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "runs" / "H2xL1" / "score-1000").exists()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda text: "\ufeff" + text, None),  # a byte order mark, as some editors save a file: still JSON Lines
+    (lambda text: text.replace("\n", "\r\n"), None),
+    (lambda text: text.replace('"wall_s": 5.0', '"wall_s": 5.0, "wall_s": 0.1'),  # json kept the last, silently
+     "line 1: not valid JSON (the key 'wall_s' is given twice in one object)"),
+])
+def test_merge_reads_records_as_they_were_edited(edit, message, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(edit(json.dumps(a_record(device="GPU | 80 GB\nx")) + "\n").encode())
+    if message is not None:
+        with pytest.raises(SystemExit) as err:
+            merge.main([str(path), "--out", str(tmp_path / "out")])
+        assert f"merge: {path} {message}" in str(err.value)
+        return
+    merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert "| GPU / 80 GB x | 1 | 1 |" in (tmp_path / "out" / "report.md").read_text()  # one row of the table
+
+
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
     path = tmp_path / "in.json"
     path.write_text(json.dumps(a_record(train_runtime_s=0.0)))
@@ -196,6 +231,51 @@ def test_pack_appends_after_a_cut_line_on_a_line_of_its_own(tmp_path, fake, caps
         pack.load_records(jsonl)
 
 
+def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
+    """kill (or timeout) ended pack.py at once: its runs went on, unseen, each in a temporary folder left behind."""
+    pid_file, tmp = tmp_path / "run.pid", tmp_path / "tmp"
+    tmp.mkdir()
+    script = tmp_path / "slow_run.py"
+    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    driver = tmp_path / "drive.py"
+    driver.write_text(f"import pathlib, sys\nsys.path.insert(0, {str(ROOT / 'recipes')!r})\nimport pack\n"
+                      f"pack.RUN_CLM = pathlib.Path({str(script)!r})\nimport sweep\nsweep.check_args = print\n"
+                      "sys.exit(pack.main(sys.argv[1:]))\n")  # check_args: the stand-in takes no arguments
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    process = subprocess.Popen([sys.executable, str(driver), str(config), "--results", str(tmp_path / "r"),
+                                "--tmp_dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) != 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
+        assert list(tmp.iterdir()) == []
+    finally:
+        process.kill()
+
+
+def test_a_sweep_stopped_while_a_run_goes_on_stops_the_run(tmp_path, monkeypatch):
+    pid_file = tmp_path / "run.pid"
+    command = [sys.executable, "-c", f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                                     "print('started', flush=True)\ntime.sleep(120)\n"]
+
+    class Stopped:  # the console of a sweep stopped as its run prints
+        def write(self, text):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "stdout", Stopped())
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_and_log(command, tmp_path / "train.log")
+    monkeypatch.undo()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+    assert (tmp_path / "train.log").read_text().startswith("started")
+
+
 @pytest.mark.parametrize("document,message", [
     ("args: [1, 2]", "document 2: args=[1, 2]: expected a mapping"),
     ("shape: [{n_head: 2}]", "unknown key 'shape'; allowed keys are output_dir, args, spans, seeds, shapes"),
@@ -239,11 +319,24 @@ def metrics_file(runs: Path, label: str, seed: int, val: float, **changes) -> Pa
     ({"config": {"training": {"seed": 0}, "data": "wikitext"}}, "config.data is str: expected an object"),
     ({"config": {"training": {"seed": 0}, "model": [256]}}, "config.model is list: expected an object"),
     ({"config": {"training": {"seed": 0, "per_device_train_batch_size": "4"}}},
-     "config.training.per_device_train_batch_size is '4': expected a finite number"),
+     "config.training.per_device_train_batch_size='4': expected an integer from 1 to 2^63 - 1"),
     ({"config": {"training": {"seed": 0}, "data": {"block_size": "128"}}},
-     "config.data.block_size is '128': expected a finite number"),
+     "config.data.block_size='128': expected an integer"),
     ({"unigram_val_loss": "low"}, "unigram_val_loss is 'low': expected a finite number"),
-    ({"world_size": "2"}, "world_size is '2': expected a finite number"),
+    ({"world_size": "2"}, "world_size='2': expected an integer >= 1"),
+    # counts the report multiplies into "about N tokens": it said "about inf tokens", "blocks of 2.5", "100.0 tokens"
+    ({"config": {"training": {"seed": 0}, "data": {"block_size": 1e308}}},
+     "config.data.block_size=1e+308: expected an integer from 1 to 2^63 - 1"),
+    ({"config": {"training": {"seed": 0}, "data": {"block_size": 2.5}}}, "config.data.block_size=2.5: expected an"),
+    ({"config": {"training": {"seed": 0, "gradient_accumulation_steps": 10**400}}},
+     "config.training.gradient_accumulation_steps=1000000000000"),
+    ({"world_size": 2.5}, "world_size=2.5: expected an integer >= 1"),
+    ({"train_history": [{"step": 10.5, "loss": 6.0}]}, "train_history[0].step=10.5: expected an integer >= 0"),
+    # the data source in words: a path of another type stopped the report with a TypeError
+    ({"config": {"training": {"seed": 0}, "data": {"data_dir": 5, "train_file": "t.txt"}}},
+     "config.data.data_dir=5: expected text or null"),
+    ({"config": {"training": {"seed": 0}, "data": {"dataset_name": ["wikitext"]}}},
+     "config.data.dataset_name=['wikitext']: expected text or null"),
 ])
 def test_report_leaves_out_a_metrics_json_it_cannot_use_and_names_it(changes, message, tmp_path, capsys):
     runs = tmp_path / "runs"
@@ -254,6 +347,54 @@ def test_report_leaves_out_a_metrics_json_it_cannot_use_and_names_it(changes, me
     assert f"report: leaving out {bad}: " in said and message in said
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| standard:QKV111 | 1 |" in text and "| score:1000 |" not in text
+
+
+@pytest.mark.parametrize("base,value,said", [
+    (800.0, 5.9, "(perplexity e^800)"),  # a diverged baseline: OverflowError in the perplexity
+    (6.0, 1e308, "validation loss is 6 and score:1000's 1e+308, so score:1000 has no Δ %"),  # axis limits of inf
+])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # matplotlib's ticks of a curve at 1e308
+def test_report_on_losses_past_what_a_float_holds(base, value, said, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, base)
+    metrics_file(runs, "score:1000", 0, value)
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    assert said in (tmp_path / "out" / "report.md").read_text() + capsys.readouterr().err
+    assert (tmp_path / "out" / "improvements_H1xL1.png").is_file()
+
+
+def test_report_reads_a_span_label_as_its_setting(tmp_path):
+    """score:1,0,0,0 is score:1000: one row, and two runs of it with one seed are named."""
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, 6.0)
+    path = metrics_file(runs, "score:1000", 0, 5.9)
+    path.write_text(path.read_text().replace('"score:1000"', '"score:1,0,0,0"'))
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    assert "| score:1000 | 1 |" in (tmp_path / "out" / "report.md").read_text()
+    twin = metrics_file(runs, "score:1000", 1, 5.8)
+    twin.write_text(twin.read_text().replace('"seed": 1', '"seed": 0'))
+    with pytest.raises(SystemExit, match=r"are both span score:1000 with seed 0 in shape H1xL1"):
+        report.main([str(runs), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda p: p.write_bytes(codecs.BOM_UTF8 + p.read_bytes()), None),  # as some editors save it: still JSON
+    (lambda p: p.write_text(p.read_text()[:-1] + ', "min_val_loss": 1.0}'),  # json.loads kept the last, silently
+     "{path}: the key 'min_val_loss' is given twice in one object"),
+    (lambda p: (p.unlink(), p.mkdir()), "{path}: cannot be read (IsADirectoryError"),  # was: a traceback
+])
+def test_a_hand_edited_metrics_json_is_read_or_named(edit, message, tmp_path):
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, 6.0)
+    path = metrics_file(runs, "score:1000", 0, 5.9)
+    edit(path)
+    if message is None:
+        report.main([str(runs), "--out", str(tmp_path / "out")])
+        assert "| score:1000 | 1 |" in (tmp_path / "out" / "report.md").read_text()
+        return
+    with pytest.raises(SystemExit) as err:
+        report.main([str(runs), "--out", str(tmp_path / "out")])
+    assert message.format(path=path) in str(err.value)
 
 
 def test_report_on_a_baseline_loss_of_zero_gives_no_percentage(tmp_path, capsys):
@@ -291,8 +432,9 @@ def test_a_metrics_json_past_pythons_limits_is_named(content, message, tmp_path,
 def test_report_draws_the_diagnostics_of_a_run_with_a_line_cut_short(tmp_path, capsys):
     """A run stopped while writing span_diagnostics.jsonl and resumed leaves the cut line inside the file."""
     runs = tmp_path / "runs"
+    config = {"training": {"seed": 0}, "span": {"span_diagnostics_every": 2}}
     metrics_file(runs, "standard:QKV111", 0, 6.0)
-    folder = metrics_file(runs, "score:1000", 0, 5.9).parent
+    folder = metrics_file(runs, "score:1000", 0, 5.9, config=config).parent
     lines = [json.dumps({**DIAGNOSTIC, "step": 2}), json.dumps(DIAGNOSTIC)[:30], json.dumps({**DIAGNOSTIC, "step": 4}),
              json.dumps({**DIAGNOSTIC, "step": 6, "dq_share": []})]
     (folder / "span_diagnostics.jsonl").write_text("\n".join(lines) + "\n")
@@ -301,6 +443,17 @@ def test_report_draws_the_diagnostics_of_a_run_with_a_line_cut_short(tmp_path, c
     assert f"{folder / 'span_diagnostics.jsonl'}:2: left out: not a whole JSON record" in said
     assert f"{folder / 'span_diagnostics.jsonl'}:4: left out: dq_share=[]: expected a list of numbers" in said
     assert (tmp_path / "out" / "diagnostics_H1xL1_score-1000.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_draws_no_diagnostics_for_a_run_that_recorded_none(tmp_path):
+    """A start with diagnostics, stopped before its first checkpoint, and a run with other settings and none in
+    the same folder: the file is the stopped start's."""
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, 6.0)
+    folder = metrics_file(runs, "score:1000", 0, 5.9, config={"training": {"seed": 0}, "span": {}}).parent
+    (folder / "span_diagnostics.jsonl").write_text(json.dumps(DIAGNOSTIC) + "\n")
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    assert not list((tmp_path / "out").glob("diagnostics_*"))
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -367,6 +520,22 @@ def test_a_rerun_after_a_kill_during_a_save_resumes_the_last_complete_checkpoint
     assert (out / "incomplete-checkpoint-4" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("group,value,message", [
+    ("data", "wikitext", "data='wikitext': expected an object of settings"),  # was: AttributeError, no file named
+    ("span", {"span": "score:12"}, "alphas=(1.0, 2.0): expected 4 values"),
+    ("data", {"data_dir": ["a"], "train_file": "t.txt"}, "expected str, bytes or os.PathLike object, not list"),
+])
+def test_a_hand_edited_run_config_is_named(group, value, message, tmp_path):
+    out = tmp_path / "out"
+    config = {"model": {}, "data": {}, "span": {"span": "score:1000"}, "training": {"seed": 0}}
+    run_identity.write_config(out, {**config, group: value})
+    checkpoint(out, 2, True)
+    with pytest.raises(ValueError) as err:
+        run_identity.resume_point(str(out), config, None, overwrite=False)
+    assert f"{out / 'run_config.json'}: not a run configuration as run_clm.py records it (" in str(err.value)
+    assert message in str(err.value)
+
+
 def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "run", lambda *a: pytest.fail("the second run started"))
     out = tmp_path / "out"
@@ -381,6 +550,49 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path, monkeypatch):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_second_run_through_a_symlink_to_the_folder_stops_at_once(tmp_path):
+    """The lock was named after the path as given: out.lock and link.lock, two runs in one folder."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "out")
+    with run_identity.RunLock(tmp_path / "out"):
+        for path in (tmp_path / "link", tmp_path / "link" / ".." / "out", f"{tmp_path}/out/"):
+            with pytest.raises(SystemExit, match=f"{tmp_path / 'out'}: another run is writing into this folder"):
+                with run_identity.RunLock(path):
+                    pass
+
+
+@needs_data
+def test_an_output_dir_that_is_the_pretrained_models_folder_is_refused(tmp_path):
+    """The run wrote its weights, config and tokenizer over the model it started from."""
+    start = pretrained(tmp_path / "start", "gpt2")
+    tokenizer = shutil.copytree(DATA / "gpt2-tokenizer", tmp_path / "tokenizer")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    args = {**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start}
+    for flag, folder in (("model_name_or_path", start), ("tokenizer_name", tokenizer)):
+        with pytest.raises(ValueError, match=f"--output_dir {folder} is the folder of --{flag}: the run would write"):
+            run_clm.main(flags({**args, flag: folder, "output_dir": f"{folder}/"}))
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == {**before, **{
+        p: p.read_bytes() for p in (tmp_path / "data").iterdir()}}
+
+
+def test_paths_starting_with_a_tilde_are_in_the_home_folder(tmp_path, monkeypatch):
+    """--data_dir=~/d (no shell expands a ~ after '=' or in a YAML file) was "no such folder"; a sweep's
+    output_dir: ~/runs made a folder named ~ where run_clm.py (through TrainingArguments) wrote into the home folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "d").mkdir()
+    for split in ("train", "validation"):
+        (tmp_path / "d" / f"{split}.txt").write_text("a b c\n")
+    (tmp_path / "tok").symlink_to(DATA / "gpt2-tokenizer")
+    (tmp_path / "s.yaml").write_text("- {at: 0, span: score:1000}\n")
+    model, data, span, training, *_ = run_clm.parse_args(
+        ["--data_dir=~/d", "--tokenizer_name=~/tok", "--span_schedule=~/s.yaml", "--output_dir=~/o"])
+    assert data.files() == {split: str(tmp_path / "d" / f"{split}.txt") for split in ("train", "validation")}
+    assert data.tokenizer_name == str(tmp_path / "tok") and training.output_dir == str(tmp_path / "o")
+    assert span.callback().schedule.keyframes[0].span == "score:1000"
+    [(folder, run_args)] = sweep.plan({"output_dir": "~/runs", "spans": ["score:1000"], "seeds": [0]}, check=False)
+    assert folder == tmp_path / "runs" / "H4xL6" / "score-1000" / "seed0"
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkeypatch, capsys):
@@ -399,8 +611,15 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkey
 @pytest.mark.parametrize("name,content,message", [
     ("latin1.txt", "café crème\n".encode("latin-1"), "could not be read as text (the file must be UTF-8) "
                                                        "(UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"),
-    ("bad.jsonl", '{"text": "a"}\n{oops\n', "could not be read as json (ValueError: "),
+    ("bad.jsonl", '{"text": "a"}\n{oops\n', "could not be read as JSON (line 2: Expecting property name"),
     ("table.csv", "id,body\n1,a b c\n", "no 'text' column, and its first, 'id', holds Value('int64'), not text"),
+    # the loaders' fallback said "Trailing data", "If using all scalar values, you must pass an index", or
+    # 'Instruction "train" corresponds to no data!'
+    ("cut.jsonl", '{"text": "a"}\n{"text": "b"', "could not be read as JSON (line 2: Expecting ',' delimiter"),
+    ("twice.jsonl", '{"text": "a"}\n{"text": "a", "text": "b"}\n',
+     "could not be read as JSON (line 2: the key 'text' is given twice in one object)"),
+    ("rows.json", "[]", "holds no rows of text (a split needs text)"),
+    ("header.csv", "text\n", "holds no rows of text (a split needs text)"),
 ])
 def test_a_data_file_that_cannot_be_read_says_why(name, content, message, tmp_path):
     """The loaders' own message was "An error occurred while generating the dataset"."""
@@ -410,6 +629,21 @@ def test_a_data_file_that_cannot_be_read_says_why(name, content, message, tmp_pa
         run_clm.load_file(str(path), "--train_file")
     assert f"--train_file {path}: {message}" in str(err.value)
     assert "An error occurred while generating the dataset" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "csv"])
+def test_a_byte_order_mark_is_not_text(kind, tmp_path):
+    """A .txt file saved with a UTF-8 byte order mark gave its first row three more tokens (the json and csv loaders
+    read past it); CRLF line ends read as LF."""
+    text = {"txt": "a b\n c\n", "jsonl": '{"text": "a b"}\n{"text": " c"}\n', "csv": 'text\n"a b"\n" c"\n'}[kind]
+    plain, marked = tmp_path / f"plain.{kind}", tmp_path / f"marked.{kind}"
+    plain.write_text(text)
+    marked.write_bytes(codecs.BOM_UTF8 + text.replace("\n", "\r\n").encode())
+    read = lambda path: run_clm.load_file(str(path), "--train_file")["text"]  # noqa: E731
+    assert read(marked) == read(plain)
+    (tmp_path / "mark_only.txt").write_bytes(codecs.BOM_UTF8)
+    with pytest.raises(ValueError, match="mark_only.txt is empty: a split needs text"):  # was: SchemaInferenceError
+        run_clm.DataArguments(train_file=str(tmp_path / "mark_only.txt"))
 
 
 def test_jsonl_rows_without_text_are_counted_aloud(tmp_path, caplog):
@@ -446,18 +680,27 @@ def test_a_start_that_failed_does_not_block_the_corrected_command(tmp_path, caps
 
 
 @needs_data
-def test_a_rerun_after_a_kill_before_any_checkpoint_writes_its_own_diagnostics(tmp_path, caplog):
+def test_a_block_size_past_the_data_is_named_before_a_model_of_that_size_is_built(tmp_path):
+    """From scratch the model gets --block_size positions: 10^22 of them failed inside torch (an overflow), and
+    10^7 would have built a position table of gigabytes before the data said it makes no block."""
+    with pytest.raises(ValueError, match=r"its \d+ train tokens make no block of --block_size 10000000000000000000000"):
+        tiny_run(tmp_path, block_size=10**22)
+
+
+@needs_data
+def test_a_rerun_after_a_kill_before_any_checkpoint_writes_its_own_diagnostics(tmp_path):
     """The callback appended the new run's records to those of the stopped start: every step twice, and the
-    plot drawn over both."""
+    plot drawn over both. SpanAttentionCallback moves them aside."""
     out = tmp_path / "out"
     out.mkdir()
     stale = "".join(json.dumps({**DIAGNOSTIC, "step": step}) + "\n" for step in (1, 2, 3)) + '{"step": 4, "la'
     (out / "span_diagnostics.jsonl").write_text(stale)
-    tiny_run(tmp_path, span="score:1000", span_diagnostics_every=1, max_steps=2)
+    with pytest.warns(UserWarning, match="holds the diagnostics of an earlier run; this run starts at step 0, so "
+                                         "they are moved to .*span_diagnostics.jsonl.replaced-1"):
+        tiny_run(tmp_path, span="score:1000", span_diagnostics_every=1, max_steps=2)
     steps = [json.loads(line)["step"] for line in (out / "span_diagnostics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # one record per step and layer, of this run only
     assert (out / "span_diagnostics.jsonl.replaced-1").read_text() == stale  # kept
-    assert "left by an earlier start of this run" in caplog.text
 
 
 # hand-edited run_clm.py and sweep files
@@ -497,6 +740,9 @@ def test_a_bad_run_clm_config_file_is_named(text, message, tmp_path, monkeypatch
      "is not one folder name (letters, digits and '._=+-'); give such values in args"),
     ({"seeds": [-1]}, "seeds: -1: allowed seeds are 0 to 4294967295"),
     ({"seeds": [2**32]}, "seeds: 4294967296: allowed seeds are 0 to 4294967295"),
+    ({"spans": ["score:1000", "score:12"]}, "sweep config: spans: alphas=(1.0, 2.0): expected 4 values"),  # no file
+    ({"args": {**TINY, "config_overrides": {"n_embd": 64}}},  # was: "--config_overrides={'n_embd': 64}"
+     """--config_overrides '{"n_embd": 64}': expected comma-separated key=value pairs"""),
 ])
 def test_a_bad_sweep_file_fails_before_any_run(change, message, tmp_path):
     config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
@@ -506,6 +752,17 @@ def test_a_bad_sweep_file_fails_before_any_run(change, message, tmp_path):
         sweep.main([str(tmp_path / "s.yaml"), "--launcher", "false"])
     assert message in str(err.value)
     assert not (tmp_path / "runs").exists()
+
+
+def test_sweep_args_are_given_as_run_clm_py_reads_them():
+    """A null unsets an argument (a later document of a pack file may unset one an earlier set): it was passed as
+    --max_train_tokens=None. Lists and mappings were passed in Python's notation."""
+    config = {"output_dir": "runs", "spans": ["score:1000"], "seeds": [0],
+              "args": {**TINY, "max_train_tokens": None, "span_layers": [0], "report_to": ["none"],
+                       "span_schedule": [{"at": 0, "span": "score:1000"}]}}
+    [(_, run_args)] = sweep.plan(config)
+    assert not any(a.startswith("--max_train_tokens") for a in run_args)
+    assert {"--span_layers=0", "--report_to=none", '--span_schedule=[{"at": 0, "span": "score:1000"}]'} <= set(run_args)
 
 
 @pytest.mark.parametrize("recipe", ["sweep", "pack", "run_clm", "span_schedule"])
@@ -602,6 +859,21 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     assert [k.span for k in span.callback().schedule.keyframes] == ["standard:QKV111", "score:1000"]
 
 
+def test_config_file_values_of_list_and_mapping_arguments_are_taken(tmp_path):
+    """report_to takes a list and fsdp_config a mapping, as Transformers' own config files write them: both were
+    refused as "expected text". A YAML merge key (<<: {...}) was "could not determine a constructor"."""
+    file = tmp_path / "run.yaml"
+    common = f"tokenizer_name: {DATA / 'gpt2-tokenizer'}\noutput_dir: {tmp_path / 'out'}\n"
+    file.write_text(common + "report_to: [tensorboard]\nfsdp_config: {fsdp_version: 2}\n"
+                             "<<: {learning_rate: 0.002, span: score:1100}\nspan: score:1000\n")
+    model, data, span, training, *_ = run_clm.parse_args([str(file)])
+    assert training.report_to == ["tensorboard"] and training.fsdp_config["fsdp_version"] == 2
+    assert training.learning_rate == 0.002 and span.span == "score:1000"  # the mapping's own key wins, as in YAML
+    file.write_text(common + "span_schedule: []\n")
+    with pytest.raises(ValueError, match="schedule: needs at least one keyframe"):  # was: "--span_schedule ''"
+        run_clm.parse_args([str(file)])
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda t: merge.main([str(t / "r.jsonl"), "--out", str(t / "file")]), "--out {tmp}/file: {tmp}/file is a file"),
     (lambda t: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--set", "seed=3"]),
@@ -637,7 +909,7 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     (lambda t: run_clm.main(["--per_device_train_batch_size", "0", "--output_dir", str(t / "o")]),
      "--per_device_train_batch_size 0: allowed values are >= 1"),
     (lambda t: run_clm.main(["--num_train_epochs", "0", "--output_dir", str(t / "o")]),  # trained nothing, "loss 0.0"
-     "--num_train_epochs 0.0: expected a number > 0 (or --max_steps N)"),
+     "--num_train_epochs 0.0: expected a number > 0 and < 2^63 (or --max_steps N)"),
     (lambda t: run_clm.main(["--num_train_epochs", "nan", "--output_dir", str(t / "o")]),
      "--num_train_epochs nan: expected a number > 0"),
     (lambda t: run_clm.main(["--learning_rate", "nan", "--output_dir", str(t / "o")]),
@@ -651,9 +923,27 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
      "--span_layers '': expected comma-separated integers (leave it unset for all layers)"),
     (lambda t: run_clm.main(["--config_overrides", "n_embd=64,n_embd=32", "--output_dir", str(t / "o")]),
      "--config_overrides 'n_embd=64,n_embd=32': n_embd is given twice"),
+    (lambda t: run_clm.main(["--train_file", "", "--output_dir", str(t / "o")]),  # was: "--validation_file without"
+     "--train_file is empty: give a path, or leave the flag out"),
+    (lambda t: run_clm.main(["--train_file", str(t / "file.txt"), "--validation_file", "", "--output_dir",
+                             str(t / "o")]), "--validation_file is empty"),  # was: train rows held out, without a word
+    (lambda t: run_clm.main(["--data_dir", " ", "--output_dir", str(t / "o")]), "--data_dir is empty"),
+    # the optimizer and the Trainer: NaN taken without a word (weights or clipping gone), others refused late
+    (lambda t: run_clm.main(["--weight_decay", "nan", "--output_dir", str(t / "o")]), "--weight_decay nan: expected"),
+    (lambda t: run_clm.main(["--max_grad_norm", "nan", "--output_dir", str(t / "o")]),
+     "--max_grad_norm nan: expected a number"),
+    (lambda t: run_clm.main(["--label_smoothing_factor", "nan", "--output_dir", str(t / "o")]),
+     "--label_smoothing_factor nan: expected a number"),
+    (lambda t: run_clm.main(["--weight_decay", "-0.1", "--output_dir", str(t / "o")]),
+     "--weight_decay -0.1: expected a finite number >= 0"),
+    (lambda t: run_clm.main(["--adam_beta1", "2", "--output_dir", str(t / "o")]),
+     "--adam_beta1 2.0: expected a number from 0 to below 1"),
+    (lambda t: run_clm.main(["--num_train_epochs", "1e308", "--output_dir", str(t / "o")]),  # an OverflowError later
+     "--num_train_epochs 1e+308: expected a number > 0 and < 2^63 (or --max_steps N)"),
 ])
 def test_unusual_command_line_values_are_named(call, message, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
+    (tmp_path / "file.txt").write_text("x")
     (tmp_path / "r.jsonl").write_text("")
     write_sweep(tmp_path / "s.yaml", ["score:1000"], [0])
     before = sorted(tmp_path.rglob("*"))
