@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from records import integer  # noqa: E402
+from run_identity import KeyGivenTwice, json_value  # noqa: E402
 
 ORDER_NAMES = {2: ["∥ (Π_K)", "⊥ (Π_K^⊥)"], 4: ["order 0", "order 1", "order 2", "order 3"]}
 
@@ -30,8 +30,8 @@ def line_problems(record: Any) -> list[str]:
     problems = []
     for key in ("step", "layer"):
         value = record.get(key)
-        if not integer(value):
-            problems.append(f"{key}={value!r}: expected an integer >= 0")
+        if not integer(value, 0, 2**53):  # a float's integers: matplotlib draws steps as floats
+            problems.append(f"{key}={value!r}"[:80] + ": expected an integer from 0 to 2^53")
     if not isinstance(record.get("span"), str):
         problems.append(f"span={record.get('span')!r}: expected a span label")
     for key in ("dq_share", "dk_share"):
@@ -49,7 +49,7 @@ def read_records(path: Path) -> list[dict]:
     """The records of a diagnostics file. A line cut short (a run stopped while writing it) or one that is not a
     whole record (a hand edit) is left out and named, as the callback itself leaves it out on resuming."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # after a byte order mark, as editors may save
     except (OSError, UnicodeDecodeError) as err:
         raise SystemExit(f"{path}: cannot read the diagnostics file ({type(err).__name__}: {err})") from None
     records = []
@@ -57,7 +57,10 @@ def read_records(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json_value(line)
+        except KeyGivenTwice as err:
+            print(f"{path}:{number}: left out: {err}", file=sys.stderr)
+            continue
         except (ValueError, RecursionError):
             print(f"{path}:{number}: left out: not a whole JSON record (a line cut short when the run was stopped?)",
                   file=sys.stderr)
@@ -112,8 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-o", "--output", type=Path, help="PNG path (default: next to the JSONL)")
     args = parser.parse_args(argv)
     out = args.output or args.jsonl.with_suffix(".png")
-    if out.is_dir() or not out.suffix:
-        parser.error(f"-o {out}: expected the path of the figure, ending in .png (or .pdf, .svg)")
+    formats = sorted(plt.figure().canvas.get_supported_filetypes())
+    plt.close("all")
+    if out.is_dir() or out.suffix[1:].lower() not in formats:  # no suffix: matplotlib adds .png; another: an error
+        others = ", ".join(f".{f}" for f in formats if f != "png")
+        parser.error(f"-o {out}: expected the path of the figure, ending in .png (or one of {others})")
     records = read_records(args.jsonl)
     if not records:
         raise SystemExit(f"{args.jsonl}: no diagnostics records")

@@ -26,10 +26,11 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pack import TRAINING_KEYS  # noqa: E402
 from plot_diagnostics import plot as plot_diagnostics  # noqa: E402
 from plot_diagnostics import read_records as read_diagnostics  # noqa: E402
 from records import metrics_problems  # noqa: E402
-from run_identity import data_source, read_json, span_dir  # noqa: E402
+from run_identity import data_source, differences, read_json, span_dir  # noqa: E402
 
 from hf_spanattn import SpanAttentionConfig  # noqa: E402
 
@@ -222,10 +223,19 @@ def paper_scale(metrics: dict) -> bool:
             and math.prod(batch) == 128 and training.get("num_train_epochs") == 50)
 
 
+def setting(metrics: dict) -> dict:
+    """The settings of a run other than its span and seed that make its result, as a configuration
+    run_identity.differences compares (a pack.py record keeps the training arguments in TRAINING_KEYS)."""
+    config = metrics["config"]
+    training = config.get("training") or {}
+    return {"model": config.get("model") or {}, "data": config.get("data") or {},
+            "training": {k: training.get(k) for k in TRAINING_KEYS if k not in ("seed", "data_seed")}}
+
+
 def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> str:
     """What the comparison can and cannot show, from its own numbers."""
     runs = [m for seeds in spans.values() for m in seeds.values()]
-    first = runs[0]
+    first = spans[BASELINE][min(spans[BASELINE])] if BASELINE in spans else runs[0]  # the one described
     training, data = first["config"]["training"], first["config"].get("data") or {}
     steps = max((h["step"] for h in first["train_history"] + first["eval_history"]), default=0)
     sizes = (training.get("per_device_train_batch_size"), training.get("gradient_accumulation_steps"),
@@ -238,6 +248,13 @@ def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> 
     lines = [f"**What this comparison can and cannot show.** Each run trained {steps} optimizer steps on "
              f"{tokens} of {source} (blocks of {data.get('block_size')}{spread_over})"
              + (f", {statistics.fmean(times):.0f} s of training per run on this machine." if times else ".")]
+    unlike = [f"{label} seed {seed} ({'; '.join(diffs)})" for label, seeds in sorted(spans.items())
+              for seed, m in sorted(seeds.items()) if (diffs := differences(setting(first), setting(m), limit=3))]
+    if unlike:  # merged from commands of other settings, say: their Δ % is not the span's alone
+        lines.append(f"**Not like the others:** these runs differ from {first['span']} seed "
+                     f"{first['config']['training']['seed']} in more than the span, so their Δ % measures that "
+                     f"too: {', '.join(unlike)}.")
+        print(f"report: {shape}: runs of other settings than the span: {', '.join(unlike)}", file=sys.stderr)
     base = next((r for r in rows if r["span"] == BASELINE), None)
     if base is not None:
         spread = ("one seed, so no seed-to-seed spread" if base["val_std"] is None

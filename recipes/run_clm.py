@@ -101,6 +101,7 @@ from records import MAX_SEED  # noqa: E402
 from run_identity import (  # noqa: E402
     RunLock,
     json_value,
+    read_json,
     read_yaml,
     resume_point,
     write_config,
@@ -372,8 +373,14 @@ def defaults_for(given: dict[str, Any]) -> dict[str, Any]:
     """The paper's training setup and this recipe's --do_train/--do_eval (both true unless given) for the
     arguments that `given` (name → value as written) leaves out."""
     out = {k: v for k, v in PAPER_TRAINING.items() if k not in given}
-    train, evaluate_ = (given.get(k, True) for k in ("do_train", "do_eval"))
-    train, evaluate_ = (v if isinstance(v, bool) else string_to_bool(str(v)) for v in (train, evaluate_))
+    wanted = {}
+    for flag in ("do_train", "do_eval"):
+        value = given.get(flag, True)
+        try:
+            wanted[flag] = value if isinstance(value, bool) else string_to_bool(str(value))
+        except argparse.ArgumentTypeError:  # its message named neither the flag nor where
+            raise ValueError(f"--{flag} {value}: expected true or false") from None
+    train, evaluate_ = wanted["do_train"], wanted["do_eval"]
     if not train and not evaluate_:
         raise ValueError("--do_train false and --do_eval false: nothing to do")
     out.update(do_train=train, do_eval=evaluate_)
@@ -529,14 +536,16 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
         value = getattr(training, flag)
         if value is not None and not 0 <= value <= MAX_SEED:
             raise ValueError(f"--{flag} {value}: allowed values are 0 to {MAX_SEED}")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(training, flag) < 1:
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "eval_accumulation_steps"):  # the last: a ZeroDivisionError in the first evaluation
+        if getattr(training, flag) is not None and getattr(training, flag) < 1:
             raise ValueError(f"--{flag} {getattr(training, flag)}: allowed values are >= 1")
     if training.do_train and not training.max_steps > 0 and not 0 < training.num_train_epochs < 2**63:
         raise ValueError(f"--num_train_epochs {training.num_train_epochs}: expected a number > 0 and < 2^63 (or "
                          "--max_steps N)")  # the Trainer counts its steps in integers
     for flag, low, high in (("learning_rate", 0, math.inf), ("weight_decay", 0, math.inf),  # as the optimizers
-                            ("adam_epsilon", 0, math.inf), ("adam_beta1", 0, 1), ("adam_beta2", 0, 1)):  # check them
+                            ("adam_epsilon", 0, math.inf), ("adam_beta1", 0, 1), ("adam_beta2", 0, 1),  # check them
+                            ("label_smoothing_factor", 0, 1)):  # past 1, targets of negative weight
         if not low <= getattr(training, flag) < high:
             allowed = f"a finite number >= {low}" if high == math.inf else f"a number from {low} to below {high}"
             raise ValueError(f"--{flag} {getattr(training, flag)}: expected {allowed}")
@@ -827,6 +836,11 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
         first = training_args.local_process_index == 0
         resume = resume_point(training_args.output_dir, config, training_args.resume_from_checkpoint,
                               output_args.overwrite_output_dir and first, first=first)
+        finished = Path(training_args.output_dir) / "metrics.json"
+        if finished.is_file() and not training_args.resume_from_checkpoint:  # these settings, run to the end
+            logger.warning("%s: this run is finished, so it is not run again (--overwrite_output_dir moves it to "
+                           "%s.replaced-<n> and runs it afresh)", finished, training_args.output_dir)
+            return read_json(finished)
         if first:
             write_config(Path(training_args.output_dir), config)
     if not training_args.do_train:

@@ -363,6 +363,20 @@ def test_report_on_losses_past_what_a_float_holds(base, value, said, tmp_path, c
     assert (tmp_path / "out" / "improvements_H1xL1.png").is_file()
 
 
+def test_report_names_runs_that_differ_in_more_than_the_span(tmp_path, capsys):
+    """Records merged from commands of other settings (here: blocks of 16 against 8) went into one Δ % without a
+    word, and the text described the first run's settings as every run's."""
+    runs = tmp_path / "runs"
+    metrics_file(runs, "standard:QKV111", 0, 6.0)
+    metrics_file(runs, "score:1000", 0, 5.9, config={"training": {"seed": 0}, "data": {"block_size": 16}})
+    metrics_file(runs, "score:1100", 0, 5.9)
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    said = "score:1000 seed 0 (data.block_size: 8 → 16)"
+    assert f"these runs differ from standard:QKV111 seed 0 in more than the span, so their Δ % measures that too: " \
+           f"{said}." in (tmp_path / "out" / "report.md").read_text()
+    assert f"report: H1xL1: runs of other settings than the span: {said}\n" in capsys.readouterr().err
+
+
 def test_report_reads_a_span_label_as_its_setting(tmp_path):
     """score:1,0,0,0 is score:1000: one row, and two runs of it with one seed are named."""
     runs = tmp_path / "runs"
@@ -680,6 +694,19 @@ def test_a_start_that_failed_does_not_block_the_corrected_command(tmp_path, caps
 
 
 @needs_data
+def test_a_rerun_of_a_finished_run_leaves_it_as_it_is(tmp_path, caplog):
+    """Without a checkpoint to resume, it trained the run again and wrote over its metrics.json (on a GPU, with
+    other numbers); from the last checkpoint, it wrote over the run's training time with that of a start of 0 steps."""
+    first = tiny_run(tmp_path, max_steps=2)
+    saved = {p: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert tiny_run(tmp_path, max_steps=2) == first
+    assert {p: p.read_bytes() for p in (tmp_path / "out").iterdir()} == saved
+    assert "metrics.json: this run is finished, so it is not run again" in caplog.text
+    again = tiny_run(tmp_path, max_steps=2, overwrite_output_dir=True)  # runs it afresh, the first run kept aside
+    assert again["train_history"] == first["train_history"] and (tmp_path / "out.replaced-1" / "metrics.json").is_file()
+
+
+@needs_data
 def test_a_block_size_past_the_data_is_named_before_a_model_of_that_size_is_built(tmp_path):
     """From scratch the model gets --block_size positions: 10^22 of them failed inside torch (an overflow), and
     10^7 would have built a position table of gigabytes before the data said it makes no block."""
@@ -938,6 +965,12 @@ def test_config_file_values_of_list_and_mapping_arguments_are_taken(tmp_path):
      "--weight_decay -0.1: expected a finite number >= 0"),
     (lambda t: run_clm.main(["--adam_beta1", "2", "--output_dir", str(t / "o")]),
      "--adam_beta1 2.0: expected a number from 0 to below 1"),
+    (lambda t: run_clm.main(["--label_smoothing_factor", "2", "--output_dir", str(t / "o")]),  # targets weighted -1
+     "--label_smoothing_factor 2.0: expected a number from 0 to below 1"),
+    (lambda t: run_clm.main(["--eval_accumulation_steps", "0", "--output_dir", str(t / "o")]),  # ZeroDivisionError
+     "--eval_accumulation_steps 0: allowed values are >= 1"),  # in the first evaluation, after an epoch of training
+    (lambda t: run_clm.main(["--do_eval=maybe", "--output_dir", str(t / "o")]),  # was: "Truthy value expected: got
+     "--do_eval maybe: expected true or false"),  # maybe", naming no flag
     (lambda t: run_clm.main(["--num_train_epochs", "1e308", "--output_dir", str(t / "o")]),  # an OverflowError later
      "--num_train_epochs 1e+308: expected a number > 0 and < 2^63 (or --max_steps N)"),
 ])
@@ -961,10 +994,13 @@ DIAGNOSTIC = {"step": 2, "epoch": 0.5, "layer": 0, "span": "score:1000", "dq_sha
 @pytest.mark.parametrize("line,message", [
     (json.dumps(DIAGNOSTIC)[:40], "{file}:3: left out: not a whole JSON record (a line cut short"),
     ('["step", 4]', "{file}:3: left out: expected a JSON object, got list"),
-    (json.dumps({**DIAGNOSTIC, "layer": "1"}), "{file}:3: left out: layer='1': expected an integer >= 0"),
+    (json.dumps({**DIAGNOSTIC, "layer": "1"}), "{file}:3: left out: layer='1': expected an integer from 0 to 2^53"),
     (json.dumps({**DIAGNOSTIC, "dq_share": "0.7"}), "{file}:3: left out: dq_share='0.7': expected a list of numbers"),
     (json.dumps({k: v for k, v in DIAGNOSTIC.items() if k != "cos_q"}), "{file}:3: left out: cos_q=None: expected"),
     (json.dumps({**DIAGNOSTIC, "dk_share": []}), "{file}:3: left out: dk_share=[]: expected a list of numbers"),
+    (json.dumps({**DIAGNOSTIC, "step": 10**30}),  # was: a TypeError inside matplotlib, for the whole plot
+     "{file}:3: left out: step=1000000000000000000000000000000: expected an integer from 0 to 2^53"),
+    (json.dumps(DIAGNOSTIC)[:-1] + ', "layer": 1}', "{file}:3: left out: the key 'layer' is given twice in one object"),
 ])
 def test_plot_diagnostics_leaves_out_a_line_it_cannot_use_and_names_it(line, message, tmp_path, capsys):
     import plot_diagnostics
@@ -979,7 +1015,8 @@ def test_plot_diagnostics_leaves_out_a_line_it_cannot_use_and_names_it(line, mes
 @pytest.mark.parametrize("output,message", [
     ("", "-o {tmp}: expected the path of the figure, ending in .png"),  # a folder
     ("figure", "-o {tmp}/figure: expected the path of the figure, ending in .png"),  # matplotlib would add .png
-])
+    ("figure.txt", "-o {tmp}/figure.txt: expected the path of the figure, ending in .png (or one of .avif,"),  # was:
+])  # matplotlib's "Format 'txt' is not supported", after reading the records
 def test_plot_diagnostics_output_that_is_not_a_figure_path_is_refused(output, message, tmp_path, capsys):
     import plot_diagnostics
 
@@ -991,6 +1028,16 @@ def test_plot_diagnostics_output_that_is_not_a_figure_path_is_refused(output, me
     assert sorted(p.name for p in tmp_path.iterdir()) == ["span_diagnostics.jsonl"]
     plot_diagnostics.main([str(file), "-o", str(tmp_path / "new" / "d.png")])  # a new folder is made
     assert (tmp_path / "new" / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_diagnostics_reads_past_a_byte_order_mark(tmp_path, capsys):
+    """A file saved by an editor that writes one: its first record was left out as "not a whole JSON record"."""
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    file.write_bytes(codecs.BOM_UTF8 + (json.dumps(DIAGNOSTIC) + "\r\n").encode())
+    assert [r["step"] for r in plot_diagnostics.read_records(file)] == [DIAGNOSTIC["step"]]
+    assert capsys.readouterr().err == ""
 
 
 def test_plot_diagnostics_draws_the_records_of_a_run_stopped_while_writing(tmp_path, capsys):
