@@ -82,7 +82,6 @@ from transformers import (
     EarlyStoppingCallback,
     GPT2Config,
     HfArgumentParser,
-    PretrainedConfig,
     PreTrainedModel,
     Trainer,
     TrainingArguments,
@@ -722,9 +721,9 @@ def unigram_loss(train: datasets.Dataset, validation: datasets.Dataset, vocab_si
     return -(counts / counts.sum()).log()[targets[targets >= 0]].mean().item()
 
 
-def model_config(model_args: ModelArguments, data: DataArguments, tokenizer) -> PretrainedConfig:
-    """The config of the pretrained model (--model_name_or_path), of --config_name, or of the paper's GPT-2, with
-    --config_overrides applied; --block_size is checked against its positions."""
+def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> PreTrainedModel:
+    """The pretrained model (--model_name_or_path), a model from --config_name, or the paper's GPT-2; with
+    --config_overrides applied, in --dtype, its embeddings grown to the tokenizer's vocabulary."""
     if model_args.config_name or model_args.model_name_or_path:
         name = model_args.config_name or model_args.model_name_or_path
         config = from_hub(AutoConfig.from_pretrained, name)
@@ -739,18 +738,18 @@ def model_config(model_args: ModelArguments, data: DataArguments, tokenizer) -> 
     if positions is not None and data.block_size > positions:
         raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
                          f"--block_size {positions} or less")
-    return config
-
-
-def build_model(model_args: ModelArguments, config: PretrainedConfig, tokenizer) -> PreTrainedModel:
-    """The model of `config` (see model_config): --model_name_or_path's weights or new ones, in --dtype, its
-    embeddings grown to the tokenizer's vocabulary."""
     dtype = {None: torch.float32, "auto": "auto"}.get(model_args.dtype) or getattr(torch, model_args.dtype)
     if model_args.model_name_or_path:
         model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,
                          dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_config(config)
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except (RuntimeError, TypeError, OverflowError) as err:  # a table of positions past memory, or past int64
+            if model_args.config_name or positions != data.block_size:
+                raise
+            raise ValueError(f"--block_size {data.block_size}: a model of that many positions cannot be built here "
+                             f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
         if dtype != "auto":
             model.to(dtype)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
@@ -847,10 +846,9 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
         resume = None
     set_seed(training_args.seed)
     tokenizer = from_hub(AutoTokenizer.from_pretrained, data_args.tokenizer_name)
-    architecture = model_config(model_args, data_args, tokenizer)
-    splits = build_datasets(data_args, tokenizer, training_args)  # before a model of --block_size positions is made
-    model = build_model(model_args, architecture, tokenizer)
+    model = build_model(model_args, data_args, tokenizer)
     patch(model, model_args, span)
+    splits = build_datasets(data_args, tokenizer, training_args)
     logger.info("span %s, %s blocks of %d tokens", span.label,
                 " and ".join(f"{len(d)} {s}" for s, d in splits.items()), data_args.block_size)
 

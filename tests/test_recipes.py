@@ -363,7 +363,8 @@ def fake_run(runs: Path, label: str, seed: int, val: list[float], diagnostics: b
                "config": {"training": {"seed": seed, "per_device_train_batch_size": 4,
                                        "gradient_accumulation_steps": 1},
                           "data": {"data_dir": None, "dataset_name": "wikitext",
-                                   "dataset_config_name": "wikitext-2-v1", "block_size": 128}}}
+                                   "dataset_config_name": "wikitext-2-v1", "block_size": 128},
+                          "span": {"span": label, "span_diagnostics_every": 10 if diagnostics else 0}}}
     (folder / "metrics.json").write_text(json.dumps(metrics))
     if diagnostics:
         record = {"step": 1, "epoch": 0.1, "layer": 0, "span": label, "dq_share": [0.8, 0.1, 0.1, 0.0],
