@@ -19,6 +19,7 @@ run this command has finished (or --estimate before one has); the first run alwa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import yaml
 from records import metrics_problems, record_problems
-from run_identity import json_file, json_value, move_aside, read_yaml, stopped_as_by_ctrl_c
+from run_identity import RunLock, json_file, json_value, move_aside, read_yaml, stopped_as_by_ctrl_c
 from sweep import plan
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
@@ -339,6 +340,15 @@ def run_all(todo: list[Run], limit: int, args: argparse.Namespace, began: float)
 def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     args = parse(argv)
+    with contextlib.ExitStack() as locks:  # a second command on the same results would run the same runs again
+        for flag, path, kind in (("--results", args.results, "folder"), ("--jsonl", args.jsonl, "file")):
+            if path is not None and not args.dry_run:
+                locks.enter_context(RunLock(path, flag, kind))
+        return run_sweeps(args, began)
+
+
+def run_sweeps(args: argparse.Namespace, began: float) -> int:
+    """The sweep's runs not finished in the results, as many as the budget allows: 0, or 1 where one failed."""
     try:
         runs = plan_runs(load_sweeps(args.config), dict(item.split("=", 1) for item in args.set),
                          check=not args.dry_run)

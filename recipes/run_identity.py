@@ -328,9 +328,10 @@ class RunLock:
     folder stops at once and says which process holds it. A lock whose process is gone (a killed run) is
     taken over."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, flag: str = "--output_dir", kind: str = "folder"):
         folder = Path(os.path.realpath(folder))  # one lock for every path to the folder (a symlink, ..)
         self.path = folder.with_name(folder.name + ".lock")
+        self.flag, self.kind = flag, kind  # what a second run is told to change: the flag, a folder or a file
 
     @staticmethod
     def holder(path: Path) -> str | None:
@@ -366,8 +367,8 @@ class RunLock:
             except FileExistsError:
                 holder = self.holder(self.path)
                 if holder is not None:
-                    raise SystemExit(f"{self.path.with_suffix('')}: another run is writing into this folder "
-                                     f"({holder}); wait for it to end, or choose another --output_dir. If no "
+                    raise SystemExit(f"{self.path.with_suffix('')}: another run is writing into this {self.kind} "
+                                     f"({holder}); wait for it to end, or choose another {self.flag}. If no "
                                      f"such run is going on, delete {self.path}") from None
                 print(f"{self.path}: taking over the lock of a run that ended without removing it", file=sys.stderr)
                 self.path.unlink(missing_ok=True)

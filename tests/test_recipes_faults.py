@@ -231,6 +231,20 @@ def test_pack_appends_after_a_cut_line_on_a_line_of_its_own(tmp_path, fake, caps
         pack.load_records(jsonl)
 
 
+@pytest.mark.parametrize("flag", ["--results", "--jsonl"])
+def test_a_second_pack_command_on_the_same_results_stops_at_once(flag, tmp_path, fake):
+    """Both ran every run: twice the device time, and two records of each run that merge.py then refused."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    where = tmp_path / ("results" if flag == "--results" else "results.jsonl")
+    with run_identity.RunLock(where, flag, "folder" if flag == "--results" else "file"):
+        with pytest.raises(SystemExit) as err:
+            pack.main([str(config), flag, str(where)])
+    kind = "folder" if flag == "--results" else "file"
+    assert f"{where}: another run is writing into this {kind} (process {os.getpid()}" in str(err.value)
+    assert f"choose another {flag}" in str(err.value) and fake() == []
+    assert pack.main([str(config), flag, str(where)]) == 0 and not where.with_name(where.name + ".lock").exists()
+
+
 def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
     """kill (or timeout) ended pack.py at once: its runs went on, unseen, each in a temporary folder left behind."""
     pid_file, tmp = tmp_path / "run.pid", tmp_path / "tmp"
