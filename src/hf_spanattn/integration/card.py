@@ -8,6 +8,8 @@ model was loaded from a Hub repository), and PEFT into an adapter's card (with `
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from transformers import PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
@@ -29,9 +31,10 @@ def ours(tag: object) -> bool:
 
 def set_tags(model: PreTrainedModel, config: SpanAttentionConfig | None) -> None:
     """Replace the model's hf_spanattn tags by those of `config` (none for None), keeping the others
-    (one tag set as a string is one tag, as `add_model_tags` takes it)."""
+    (one tag set as a string is one tag, as `add_model_tags` takes it; so are bytes and a number)."""
     if model.model_tags:
-        existing = [model.model_tags] if isinstance(model.model_tags, str) else model.model_tags
+        held = model.model_tags
+        existing = held if isinstance(held, Iterable) and not isinstance(held, (str, bytes)) else [held]
         model.model_tags = [tag for tag in existing if not ours(tag)] or None
     if config is not None:
         model.add_model_tags(tags(config))

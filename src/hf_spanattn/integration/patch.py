@@ -8,6 +8,7 @@ registry, gets a small adapter on its attention modules.
 from __future__ import annotations
 
 import functools
+import os
 import types
 import warnings
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_spanattn.config import SpanAttentionConfig, as_config
+from hf_spanattn.config import SpanAttentionConfig, _path_argument, as_config
 from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
@@ -162,7 +163,7 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     return out.to(value.dtype), None
 
 
-def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
+def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig | str | None = None,
                     model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
                     layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module:
     """Load a model and patch it: with `config` if given, else with the settings saved in its config;
@@ -172,6 +173,8 @@ def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
     (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
     patched with the settings saved beside the adapter (else those of the base model's config)."""
+    name_or_path = _path_argument(name_or_path, "load_pretrained", "name_or_path",
+                                  "a saved model's folder, a PEFT adapter's folder or a Hub repository id")
     config = as_config(config, "load_pretrained", "the settings saved with the model")
     if not isinstance(is_trainable, bool):
         raise TypeError(f"load_pretrained: is_trainable={is_trainable!r}: expected True or False")

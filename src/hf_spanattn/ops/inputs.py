@@ -78,6 +78,21 @@ def as_float(value: Any, bools: bool = False) -> float | None:
         return None
 
 
+def as_int(value: Any) -> int | None:
+    """An integer as Python, NumPy or a 0-d integer tensor holds it (a 0-d NumPy array too), as a Python int;
+    None for anything else: bools, and floats even when whole."""
+    if isinstance(value, torch.Tensor):
+        ok = value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype != torch.bool and value.device.type != "meta"
+        return int(value) if ok else None
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        value = value.item()
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        return None
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the inputs broadcast, as in SDPA: the batch dimensions (all before the heads, dim −3), the
