@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,18 @@ def trainer_with(tmp: Path, *callbacks):
                    callbacks=list(callbacks))
 
 
+def beside(folder: Path, name: str, text: str) -> Path:
+    """`folder` with its file `name` replaced by `text` (a hand edit)."""
+    write(folder / name, text)
+    return folder
+
+
+def set_after(callback: SpanAttentionCallback, **attributes) -> SpanAttentionCallback:
+    for name, value in attributes.items():
+        setattr(callback, name, value)
+    return callback
+
+
 def sinks_forward() -> None:
     """GPT-OSS set to span_attention without patch_model (as from_pretrained(attn_implementation=...) does)."""
     from hf_spanattn.integration import register
@@ -273,7 +286,7 @@ CASES = [
     ("from_pretrained empty file", lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "")),
      ValueError, "{tmp}/c.json: not valid JSON"),
     ("from_pretrained binary file",
-     lambda t: SpanAttentionConfig.from_pretrained([(t / "c.json").write_bytes(b"\xff\xfe\x00{"), t / "c.json"][1]),
+     lambda t: SpanAttentionConfig.from_pretrained([(t / "c.json").write_bytes(b"\x80\x81{"), t / "c.json"][1]),
      ValueError, "{tmp}/c.json: not valid JSON (UnicodeDecodeError"),
     ("from_pretrained deeply nested JSON",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "[" * 100_000 + "]" * 100_000)),
@@ -382,6 +395,42 @@ CASES = [
     ("resume a run with a truncated run_config.json",
      lambda t: [write(t / "out" / "run_config.json", '{"model'), resume_with_saved(t, None, RUN, False)],
      ValueError, "{tmp}/out/run_config.json: not valid JSON"),
+    # saved settings, adapters and callback state edited by hand or hostile
+    ("stored version past Python's digit limit", lambda t: config_of(stored_with(hf_spanattn_version="9" * 5000)),
+     ValueError, "field 'span_attention': hf_spanattn_version='9999"),
+    ("from_pretrained a key given twice",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": [1, 0, 0, 0], "alphas": [0]}')),
+     ValueError, "{tmp}/c.json: not valid JSON (ValueError: the key 'alphas' is given twice; keep one)"),
+    ("from_pretrained neither file nor folder", lambda t: SpanAttentionConfig.from_pretrained("/dev/null"),
+     FileNotFoundError, "/dev/null: not a file or a folder; expected a folder or a span_attention_config.json file"),
+    ("from_pretrained a name with a NUL", lambda t: SpanAttentionConfig.from_pretrained("run\0s/a"), TypeError,
+     "SpanAttentionConfig.from_pretrained: name_or_path='run\\x00s/a': expected a folder"),
+    ("save_pretrained a name with a NUL", lambda t: SpanAttentionConfig().save_pretrained(f"{t}/a\0b"), TypeError,
+     "SpanAttentionConfig.save_pretrained: save_directory='{tmp}/a\\x00b': expected a folder"),
+    ("save_pretrained push_to_hub a string", lambda t: SpanAttentionConfig().save_pretrained(t, push_to_hub="no"),
+     TypeError, "SpanAttentionConfig.save_pretrained: push_to_hub='no': expected True or False"),
+    ("save_pretrained into a broken link",
+     lambda t: [(t / "link").symlink_to(t / "gone"), SpanAttentionConfig().save_pretrained(t / "link")],
+     FileExistsError, "save_directory='{tmp}/link' is a symbolic link to nothing; expected a folder"),
+    ("load_pretrained of None", lambda t: load_pretrained(None), TypeError,
+     "load_pretrained: name_or_path=None: expected a saved model's folder, a PEFT adapter's folder or a Hub"),
+    ("load_pretrained of a number", lambda t: load_pretrained(5), TypeError, "load_pretrained: name_or_path=5"),
+    ("adapter settings whose layers are outside the base model",
+     lambda t: load_pretrained(beside(adapter(t), "span_attention_config.json", '{"layers": [5]}')), ValueError,
+     "{tmp}/adapter/span_attention_config.json: layers=[5]: GPT2LMHeadModel has layers 0..1"),
+    ("adapter_config.json truncated", lambda t: load_pretrained(beside(adapter(t), "adapter_config.json", '{"base_mo')),
+     ValueError, "{tmp}/adapter/adapter_config.json: PEFT cannot read it as an adapter config (JSONDecodeError"),
+    ("adapter_config.json a list", lambda t: load_pretrained(beside(adapter(t), "adapter_config.json", "[]")),
+     ValueError, "{tmp}/adapter/adapter_config.json: PEFT cannot read it as an adapter config (TypeError"),
+    ("layer range far past the model", lambda t: Keyframe(0, {"0-99999999999": "score:1000"}).settings(2), ValueError,
+     "layer spec '0-99999999999': layers 0-99999999999 are outside 0..1"),
+    ("callback diagnostics_every set to a string after it was made",
+     lambda t: trainer_with(t, set_after(SpanAttentionCallback(diagnostics_every=1), diagnostics_every="1")).train(),
+     ValueError, "SpanAttentionCallback: diagnostics_every='1': expected an integer >= 0 (0 = off) (an attribute set "
+     "after the callback was made, or restored from a checkpoint's trainer_state.json"),
+    ("callback schedule set to a label after it was made",
+     lambda t: trainer_with(t, set_after(SpanAttentionCallback(), schedule="score:1000")).train(), ValueError,
+     "SpanAttentionCallback: schedule='score:1000': expected a Schedule or a list of keyframes"),
 ]
 
 
@@ -515,3 +564,169 @@ def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
     assert config_of(peft_model.get_base_model().config) == SpanAttentionConfig.from_label("score:1100", layers=[1])
     with pytest.raises(ValueError, match=r"layers=\[5\]: GPT2LMHeadModel has layers 0..1"):
         load_pretrained(folder, layers=[5])
+
+
+def test_integers_as_numpy_or_0d_tensors_and_decimal_alphas_are_taken_as_numbers():
+    """An integer tensor's elements as layers, a 0-d tensor as a keyframe step or diagnostics interval, Decimal
+    alphas: the same settings as with Python numbers, and the callback's state stays JSON."""
+    from decimal import Decimal
+
+    config = SpanAttentionConfig(alphas=[Decimal("1"), Decimal("0.5"), 0, 0], layers=torch.tensor([1, 0]))
+    assert config == SpanAttentionConfig(alphas=(1, 0.5, 0, 0), layers=[0, 1])
+    assert type(config.layers[0]) is int and type(config.alphas[1]) is float
+    callback = SpanAttentionCallback(schedule=[Keyframe(torch.tensor(3), "score:1000")],
+                                     diagnostics_every=torch.tensor(2))
+    assert json.loads(json.dumps(callback.state()))["args"]["schedule"][0]["at"] == 3
+    assert callback.diagnostics_every == 2 and callback.schedule.keyframes[0].step(10, None) == 3
+    for refused in (torch.tensor([True]), torch.tensor([1.0])):
+        with pytest.raises(ValueError, match="expected None \\(all layers\\) or a sequence of non-negative integer"):
+            SpanAttentionConfig(layers=refused)
+
+
+@pytest.mark.parametrize("encode", [lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16")],
+                         ids=["UTF-8 with a byte order mark", "UTF-16"])
+def test_a_settings_file_saved_by_an_editor_reads_as_written(encode, tmp_path):
+    """Windows editors write a byte order mark (Notepad) or UTF-16; the settings read as they were written."""
+    settings = SpanAttentionConfig.from_label("score:1100", layers=[1])
+    (tmp_path / "span_attention_config.json").write_bytes(encode(json.dumps(settings.to_dict())))
+    assert SpanAttentionConfig.from_pretrained(tmp_path) == settings
+
+
+def failing_writes(monkeypatch, folder: Path) -> None:
+    """Every file opened for writing under `folder` takes half of its first write, then the disk is full (as a
+    stop in the middle of a save leaves it)."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if any(c in mode for c in "wax") and str(file).startswith(str(folder)):
+            write = f.write
+
+            def half(data):
+                write(data[: len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            f.write = half
+        return f
+
+    monkeypatch.setattr(builtins, "open", open_)
+
+
+def test_a_save_stopped_midway_keeps_the_settings_saved_before(tmp_path, monkeypatch):
+    SpanAttentionConfig.from_label("score:1100").save_pretrained(tmp_path)
+    before = (tmp_path / "span_attention_config.json").read_bytes()
+    failing_writes(monkeypatch, tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        SpanAttentionConfig.from_label("score:1000").save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / "span_attention_config.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["span_attention_config.json"]  # nothing left beside it
+
+
+def test_a_hub_id_whose_settings_cannot_be_fetched_is_named(monkeypatch):
+    """Offline, or a repository without the file: the name and the file, not only the Hub client's words."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(OSError, match="someone/settings: no such local file or folder, and span_attention_config.json "
+                                      "could not be fetched from a Hub repository of that name \\(LocalEntryNotFound"):
+        SpanAttentionConfig.from_pretrained("someone/settings")
+
+
+@pytest.mark.parametrize("text", ['{"meth', "[]", '{"alphas": "1000"}'])
+def test_a_plain_peft_load_of_an_adapter_with_unreadable_settings_warns_and_loads(text, tmp_path):
+    """PEFT itself needs nothing of the settings saved beside an adapter: a plain load into an unpatched model
+    loads, and the warning that it trains with the standard gradient names the file and why it cannot be read."""
+    from peft import PeftModel
+
+    folder = beside(adapter(tmp_path), "span_attention_config.json", text)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with pytest.warns(UserWarning, match=f"{folder} holds span attention settings that cannot be read "
+                                         f"\\({folder}/span_attention_config.json: .*not patched"):
+        PeftModel.from_pretrained(base, folder)
+
+
+def diagnosed_run(out: Path, max_steps: int, resume: str | None = None, learning_rate: float = 1e-2,
+                  save_steps: int | None = 2) -> None:
+    """A tiny GPT-2 trained with diagnostics every step, a checkpoint every `save_steps` (None: none)."""
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))  # more keys than head dims
+    args = TrainingArguments(str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=learning_rate,
+                             report_to=[], use_cpu=True, disable_tqdm=True, seed=0, logging_steps=1,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1)
+    trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1100"), args=args,
+                      train_dataset=[{"input_ids": i, "labels": i} for i in ids])
+    SpanAttentionCallback(diagnostics_every=1).add_to(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory) -> Path:
+    """Diagnostics of steps 1-4, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("stopped") / "out"
+    diagnosed_run(out, 4)
+    return out
+
+
+def copy_of(run: Path, tmp: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run, tmp / "out"))
+
+
+def steps_in(path: Path) -> list:
+    return [json.loads(line)["step"] for line in path.read_bytes().splitlines() if line.startswith(b'{"step"')]
+
+
+def test_a_resumed_run_keeps_lines_of_the_diagnostics_file_that_are_not_records(stopped_run, tmp_path):
+    """A note, a line of other JSON and bytes that are not UTF-8, written into the diagnostics file by hand (or by a
+    symbolic link to another file): a resumed run keeps each as it is, says so, and drops only its records past the
+    step it resumes from."""
+    out = copy_of(stopped_run, tmp_path)
+    path = out / "span_diagnostics.jsonl"
+    records = path.read_bytes().splitlines(keepends=True)
+    others = [b"my note\n", b'{"note": "steps 3-4 looked odd"}\n', b"\xff\xfe not text\n"]
+    path.write_bytes(others[0] + b"".join(records[:4]) + others[1] + b"".join(records[4:]) + others[2])
+    with pytest.warns(UserWarning, match=f"{path}: line\\(s\\) 1, 6, 11 are not diagnostics records; kept as they are"):
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"))
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert [line for line in lines if line in others] == others
+    assert steps_in(path) == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_a_rewrite_of_the_diagnostics_file_stopped_midway_leaves_it_whole(stopped_run, tmp_path, monkeypatch):
+    """Records past the resume step above a line that is kept: the file is written anew, whole or not at all."""
+    out = copy_of(stopped_run, tmp_path)
+    path = out / "span_diagnostics.jsonl"
+    path.write_bytes(path.read_bytes() + b"my note\n")
+    before = path.read_bytes()
+    failing_writes(monkeypatch, out)
+    with pytest.raises(OSError, match="No space left"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # that the note is kept: the test above
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), save_steps=None)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+
+
+def test_another_runs_diagnostics_are_moved_aside_when_a_run_resumes(stopped_run, tmp_path):
+    """A second run in the same folder (another learning rate) stopped before its first checkpoint; resuming the
+    first from its checkpoint finds the second's records up to its step: they are moved aside, not mixed in."""
+    out = copy_of(stopped_run, tmp_path)
+    with pytest.warns(UserWarning, match="earlier run"):
+        diagnosed_run(out, 2, learning_rate=0.5, save_steps=None)
+    second = (out / "span_diagnostics.jsonl").read_bytes()
+    with pytest.warns(UserWarning, match=f"{out}/span_diagnostics.jsonl holds diagnostics that this run's checkpoint "
+                                         "did not log \\(step 2\\), so they are another run's; this run resumes at "
+                                         f"step 4, so they are moved to {out}/span_diagnostics.jsonl.replaced-2"):
+        diagnosed_run(out, 5, resume=str(out / "checkpoint-4"))
+    assert (out / "span_diagnostics.jsonl.replaced-2").read_bytes() == second
+    assert steps_in(out / "span_diagnostics.jsonl") == [5, 5]
+    assert steps_in(out / "span_diagnostics.jsonl.replaced-1") == [1, 1, 2, 2, 3, 3, 4, 4]  # the first run's

@@ -95,12 +95,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     # -- the Trainer's events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
-        try:  # again: code may have set them since, and so may a checkpoint that the Trainer restored this from
-            self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file = _checked(
-                self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file)
-        except ValueError as err:
-            raise ValueError(f"SpanAttentionCallback: {err} (an attribute set after the callback was made, or "
-                             "restored from a checkpoint's trainer_state.json, field stateful_callbacks)") from None
+        self._check()
         self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
@@ -229,8 +224,19 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     module.__dict__.pop(OVERRIDE_ATTR, None)
         self._applied = settings
 
+    def _check(self) -> None:
+        """The settings checked again: code may have set them since, and so may a checkpoint's trainer_state.json
+        that the Trainer restored this callback from."""
+        try:
+            self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file = _checked(
+                self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file)
+        except ValueError as err:
+            raise ValueError(f"SpanAttentionCallback: {err} (an attribute set after the callback was made, or "
+                             "restored from a checkpoint's trainer_state.json, field stateful_callbacks)") from None
+
     # -- checkpoints ------------------------------------------------------------------------
     def state(self) -> dict:
+        self._check()  # the Trainer asks for it before training starts, and writes it into trainer_state.json
         keyframes = [vars(k) for k in self.schedule.keyframes] if self.schedule else None
         return {"args": {"schedule": keyframes, "diagnostics_every": self.diagnostics_every,
                          "diagnostics_per_head": self.diagnostics_per_head,
