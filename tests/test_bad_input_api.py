@@ -155,6 +155,14 @@ def beside(folder: Path, name: str, text: str) -> Path:
     return folder
 
 
+def edited_text(folder: Path, old: str, new: str) -> Path:
+    """`folder` with the first `old` in its config.json replaced by `new` (a hand edit that JSON tools would undo)."""
+    path = folder / "config.json"
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new, 1))
+    return folder
+
+
 def set_after(callback: SpanAttentionCallback, **attributes) -> SpanAttentionCallback:
     for name, value in attributes.items():
         setattr(callback, name, value)
@@ -422,6 +430,14 @@ CASES = [
      ValueError, "{tmp}/adapter/adapter_config.json: PEFT cannot read it as an adapter config (JSONDecodeError"),
     ("adapter_config.json a list", lambda t: load_pretrained(beside(adapter(t), "adapter_config.json", "[]")),
      ValueError, "{tmp}/adapter/adapter_config.json: PEFT cannot read it as an adapter config (TypeError"),
+    ("config.json whose settings give a key twice",
+     lambda t: load_pretrained(edited_text(saved_model(t), '"method": "score"', '"method": "simple", "method": "score"'
+                                           )),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': the key 'method' is given twice; keep one"),
+    ("config.json that gives the settings twice",
+     lambda t: load_pretrained(edited_text(saved_model(t), '"span_attention": {',
+                                           '"span_attention": {}, "span_attention": {')),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': the key 'span_attention' is given twice"),
     ("layer range far past the model", lambda t: Keyframe(0, {"0-99999999999": "score:1000"}).settings(2), ValueError,
      "layer spec '0-99999999999': layers 0-99999999999 are outside 0..1"),
     ("callback diagnostics_every set to a string after it was made",

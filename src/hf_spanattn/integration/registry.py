@@ -41,8 +41,9 @@ def register() -> None:
 
 
 # The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
-# which compare equal), so that the per-call lookup is one dict read and a changed dict is parsed afresh.
-_PARSED: dict[str, SpanAttentionConfig] = {}
+# which compare equal) and the folder it was loaded from (whose config.json is checked and named), so that the
+# per-call lookup is one dict read and a changed dict, or one read from another file, is parsed afresh.
+_PARSED: dict[tuple[str, str], SpanAttentionConfig] = {}
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
@@ -53,7 +54,7 @@ def config_of(model_config: Any) -> SpanAttentionConfig | None:
         return None
     if isinstance(data, SpanAttentionConfig):
         return _store(model_config, data)
-    key = repr(data)
+    key = (repr(data), str(getattr(model_config, "_name_or_path", "")))  # and the file it may come from
     config = _PARSED.get(key)
     if config is None:
         if len(_PARSED) >= 64:
@@ -73,7 +74,10 @@ def _store(model_config: Any, config: SpanAttentionConfig) -> SpanAttentionConfi
 @torch.compiler.disable  # parsed once, outside any graph (it reads files for its messages)
 def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
     """A stored section parsed; layers outside the model whose config holds it warn (once per section)."""
-    source = stored_source(model_config)
+    path, twice = _stored_file(model_config)
+    source = f"{path}, field {CONFIG_KEY!r}" if path else f"model config field {CONFIG_KEY!r}"
+    if twice:  # Transformers read the file keeping the last of the two; which one was meant is not known
+        raise ValueError(f"{source}: the key {twice[0]!r} is given twice; keep one")
     n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(data, dict):
         raise TypeError(f"{source} = {data!r}: expected a dict of SpanAttentionConfig fields as patch_model writes "
@@ -109,7 +113,13 @@ def check_once(model_config: Any) -> None:
 def stored_source(model_config: Any) -> str:
     """Where the stored settings came from, for messages: the config.json the model was loaded from, when
     that file holds these settings (a local folder, or the Hub's local cache), else the model config."""
-    field = f"model config field {CONFIG_KEY!r}"
+    path, _ = _stored_file(model_config)
+    return f"{path}, field {CONFIG_KEY!r}" if path else f"model config field {CONFIG_KEY!r}"
+
+
+def _stored_file(model_config: Any) -> tuple[str | None, list[str]]:
+    """The config.json the model was loaded from, when that file holds the settings on `model_config` (else None),
+    and the keys given twice in its settings (the section's own name among them, if the file gives it twice)."""
     name = str(getattr(model_config, "_name_or_path", "") or "")
     path = os.path.join(name, CONFIG_NAME) if os.path.isdir(name) else None
     if path is None and name and not os.path.exists(name):
@@ -120,14 +130,27 @@ def stored_source(model_config: Any) -> str:
             path = cached if isinstance(cached, str) else None
         except Exception:  # not a repository id
             path = None
+    twice: list[tuple[dict, str]] = []  # (object, key) for each key an object gives again
+
+    def keep_twice(pairs: list[tuple[str, Any]]) -> dict:
+        data: dict = {}
+        for key, value in pairs:
+            if key in data:
+                twice.append((data, key))
+            data[key] = value
+        return data
+
     try:
-        with open(path) as f:
-            saved = json.load(f).get(CONFIG_KEY)
+        with open(path, "rb") as f:
+            top = json.loads(f.read(), object_pairs_hook=keep_twice)
+        saved = top.get(CONFIG_KEY)
         same = json.dumps(saved, sort_keys=True) == json.dumps(getattr(model_config, CONFIG_KEY, None),
                                                                sort_keys=True, default=repr)
     except Exception:  # no file, or not the file these settings came from
-        same = False
-    return f"{path}, field {CONFIG_KEY!r}" if same else field
+        return None, []
+    if not same:
+        return None, []
+    return path, [key for data, key in twice if data is saved or (data is top and key == CONFIG_KEY)]
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
