@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -137,10 +138,12 @@ def write_whole(path: str, data: str | bytes) -> None:
     """`data` (text as UTF-8) into `path`, whole or not at all: a run stopped while writing leaves the file as it
     was. A symbolic link stays one; the file it points to is replaced."""
     path = os.path.realpath(path)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")  # one per process
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+        if os.path.exists(path):
+            shutil.copymode(path, tmp)  # the file keeps its permissions
         os.replace(tmp, path)
     finally:
         if os.path.lexists(tmp):
