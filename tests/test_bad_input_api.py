@@ -438,6 +438,8 @@ CASES = [
      lambda t: load_pretrained(edited_text(saved_model(t), '"span_attention": {',
                                            '"span_attention": {}, "span_attention": {')),
      ValueError, "{tmp}/model/config.json, field 'span_attention': the key 'span_attention' is given twice"),
+    ("alphas a set, which has no order", lambda t: SpanAttentionConfig(method="simple", alphas={1, 0}), ValueError,
+     "alphas={0, 1}: expected a sequence of 2 numbers (α∥, α⊥)"),
     ("layer range far past the model", lambda t: Keyframe(0, {"0-99999999999": "score:1000"}).settings(2), ValueError,
      "layer spec '0-99999999999': layers 0-99999999999 are outside 0..1"),
     ("callback diagnostics_every set to a string after it was made",
@@ -699,16 +701,23 @@ def copy_of(run: Path, tmp: Path) -> Path:
 
 
 def steps_in(path: Path) -> list:
-    return [json.loads(line)["step"] for line in path.read_bytes().splitlines() if line.startswith(b'{"step"')]
+    steps = []
+    for line in path.read_bytes().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return steps
 
 
 def test_a_resumed_run_keeps_lines_of_the_diagnostics_file_that_are_not_records(stopped_run, tmp_path):
     """A note, a line of other JSON and bytes that are not UTF-8, written into the diagnostics file by hand (or by a
-    symbolic link to another file): a resumed run keeps each as it is, says so, and drops only its records past the
-    step it resumes from."""
+    symbolic link to another file), and a byte order mark that an editor put before the first record: a resumed run
+    keeps each as it is, says so, and drops only its records past the step it resumes from."""
     out = copy_of(stopped_run, tmp_path)
     path = out / "span_diagnostics.jsonl"
     records = path.read_bytes().splitlines(keepends=True)
+    records[0] = b"\xef\xbb\xbf" + records[0]
     others = [b"my note\n", b'{"note": "steps 3-4 looked odd"}\n', b"\xff\xfe not text\n"]
     path.write_bytes(others[0] + b"".join(records[:4]) + others[1] + b"".join(records[4:]) + others[2])
     with pytest.warns(UserWarning, match=f"{path}: line\\(s\\) 1, 6, 11 are not diagnostics records; kept as they are"):

@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from packaging.version import Version
@@ -45,7 +45,7 @@ _LABEL = re.compile(rf"^(?P<method>[a-z]+):(?P<alphas>{_NUMBERS}*?)(?:\+?QKV(?P<
 
 def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
     alphas = None
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping, Set)):  # a set has no order
         alphas = tuple(float(a) if isinstance(a, decimal.Decimal) else as_float(a) for a in value)
     if alphas is None or None in alphas:
         raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from packaging.version import Version
 from transformers import PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
@@ -26,7 +27,18 @@ def tags(config: SpanAttentionConfig) -> list[str]:
 
 
 def ours(tag: object) -> bool:
-    return isinstance(tag, str) and (tag == TAG or tag.startswith((RULE_PREFIX, VERSION_PREFIX)))
+    """A tag that `tags` writes (this version or another); a user's own tag that only begins as ours do, such as
+    'span_attention:notes', is not."""
+    if not isinstance(tag, str):
+        return False
+    try:
+        if tag.startswith(RULE_PREFIX):
+            return SpanAttentionConfig.from_label(tag[len(RULE_PREFIX):]) is not None
+        if tag.startswith(VERSION_PREFIX):
+            return Version(tag[len(VERSION_PREFIX):]) is not None
+    except ValueError:
+        return False
+    return tag == TAG
 
 
 def set_tags(model: PreTrainedModel, config: SpanAttentionConfig | None) -> None:
