@@ -19,6 +19,7 @@ from hf_spanattn import SpanAttentionConfig, span_attention
 from hf_spanattn.ops.inputs import MASKED_AT
 
 SDPA = "matches SDPA"
+QKV = ("query", "key", "value")
 EXACT = SpanAttentionConfig.from_label("score:1111")
 F64_MIN = torch.finfo(torch.float64).min
 
@@ -499,3 +500,20 @@ def test_a_value_head_dim_unlike_the_query_s_runs_on_the_fused_kernels(label, d_
     for g, r, std in zip(grads, ref_grads, std_grads):
         assert g.shape == r.shape  # relative to the larger of the rule's and the standard gradient
         assert (g.double() - r).norm() / max(r.norm(), std.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_float64_inside_autocast_runs_in_float64_as_sdpa(grad):
+    """Autocast leaves float64 alone: SDPA's float64 output and (at score:1111) gradients, with or without
+    autograd; float64 beside a tensor autocast casts gets SDPA's refusal, with the dtypes named."""
+    inputs = list(qkv().values())
+    d_out = torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _run(inputs, d_out, span_attention, is_causal=True, config=EXACT) if grad else \
+            (span_attention(*inputs, is_causal=True, config=EXACT), ())
+        expected, expected_grads = _run(inputs, d_out, lambda *x, **k: sdpa(dict(zip(QKV, x), **k)), is_causal=True)
+        assert out.dtype == torch.float64
+        for got, want in ((out, expected), *zip(grads, expected_grads)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match=r"share a dtype.*under autocast torch.float64, torch.bfloat16"):
+            span_attention(inputs[0], *(x.float().requires_grad_(grad) for x in inputs[1:]), config=EXACT)

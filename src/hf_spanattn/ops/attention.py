@@ -88,9 +88,7 @@ def span_attention(
         raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, "
                         f"got {type(probe).__name__}")
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    device = query.device.type
-    autocast = device != "meta" and torch.is_autocast_enabled(device)  # as SDPA under autocast: its dtype
-    dtype = torch.get_autocast_dtype(device) if autocast else query.dtype
+    device, dtype = query.device.type, layout.dtype  # as SDPA under autocast: its dtype, float64 left as it is
     backend = _backend(backend, dtype, device, probe)  # checked with or without autograd
     dropout_p, scale = layout.dropout_p, layout.scale
     if is_causal and scale is not None and not scale > 0:
