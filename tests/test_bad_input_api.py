@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
 from hf_spanattn.integration.registry import config_of
-from hf_spanattn.training import Keyframe, Schedule, SpanAttentionCallback
+from hf_spanattn.training import Keyframe, OrderRecorder, Schedule, SpanAttentionCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -222,6 +222,9 @@ CASES = [
      "label='score: 1000': expected '<method>:<alphas>"),
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
+    ("span_attention probe a class", lambda t: span_attention(*qkv(), probe=OrderRecorder), TypeError,
+     "span_attention: probe must be callable (an OrderRecorder) or None, got the class OrderRecorder (pass an "
+     "instance)"),
     ("unpatch_model of a string", lambda t: unpatch_model("model"), TypeError,
      "unpatch_model needs a transformers PreTrainedModel"),
     ("load_pretrained model_class a string", lambda t: load_pretrained(str(saved_model(t)), model_class="gpt2"),
@@ -248,6 +251,12 @@ CASES = [
     ("config alphas a bool", lambda t: SpanAttentionConfig(alphas=(True, False, False, False)), ValueError,
      "alphas=(True, False, False, False): expected a sequence of 4 numbers"),
     ("config alphas inf", lambda t: SpanAttentionConfig(alphas=(1, float("inf"), 0, 0)), ValueError, "finite"),
+    ("config alphas a 0-d tensor", lambda t: SpanAttentionConfig(method="simple", alphas=torch.tensor(1.0)), ValueError,
+     "alphas=tensor(1.): expected a sequence of 2 numbers (α∥, α⊥)"),
+    ("config qkv_alphas a 0-d array", lambda t: SpanAttentionConfig(qkv_alphas=np.array(1.0)), ValueError,
+     "qkv_alphas=array(1.): expected a sequence of 3 numbers (α_Q, α_K, α_V)"),
+    ("config alphas a set (no order)", lambda t: SpanAttentionConfig(method="simple", alphas={1, 0}), ValueError,
+     "alphas={0, 1}: expected a sequence of 2 numbers"),
     ("config layers a string", lambda t: SpanAttentionConfig(layers="0,1"), ValueError, "layers='0,1'"),
     ("config layers floats", lambda t: SpanAttentionConfig(layers=[0.0, 1.0]), ValueError, "layers=[0.0, 1.0]"),
     ("config method in capitals", lambda t: SpanAttentionConfig(method="Score"), ValueError,
@@ -278,6 +287,9 @@ CASES = [
     ("from_pretrained deeply nested JSON",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "[" * 100_000 + "]" * 100_000)),
      ValueError, "{tmp}/c.json: not valid JSON (RecursionError"),
+    ("from_pretrained an integer too long to read",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"layers": [' + "9" * 5000 + "]}")), ValueError,
+     "{tmp}/c.json: not valid JSON (ValueError: Exceeds the limit (4300 digits)"),
     ("from_pretrained a field of the wrong type",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": "1000"}')), ValueError,
      "{tmp}/c.json: alphas='1000': expected a sequence of 4 numbers"),

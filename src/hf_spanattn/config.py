@@ -24,7 +24,7 @@ import numbers
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
@@ -44,8 +44,11 @@ _LABEL = re.compile(rf"^(?P<method>[a-z]+):(?P<alphas>{_NUMBERS}*?)(?:\+?QKV(?P<
 
 def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
     alphas = None
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
-        alphas = tuple(as_float(a) for a in value)
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping, Set)):  # a set has no order
+        try:
+            alphas = tuple(as_float(a) for a in value)
+        except TypeError:  # iterable by type only, such as a 0-d tensor or array
+            alphas = None
     if alphas is None or None in alphas:
         raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None
     if len(alphas) != count:
@@ -116,7 +119,7 @@ def _read_json(path: str) -> Any:
     try:
         with open(path) as f:
             return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, an int too long to read
         raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
 
 

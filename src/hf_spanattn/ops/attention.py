@@ -84,9 +84,9 @@ def span_attention(
     if set, else fused on accelerators and tiles on the CPU or for float64.
     """
     config = _config(config)
-    if probe is not None and not callable(probe):
-        raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, "
-                        f"got {type(probe).__name__}")
+    if probe is not None and (not callable(probe) or isinstance(probe, type)):
+        got = f"the class {probe.__name__} (pass an instance)" if isinstance(probe, type) else type(probe).__name__
+        raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, got {got}")
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     device, dtype = query.device.type, layout.dtype  # as SDPA under autocast: its dtype, float64 left as it is
     backend = _backend(backend, dtype, device, probe)  # checked with or without autograd
