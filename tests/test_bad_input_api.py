@@ -468,12 +468,15 @@ def set_in_config(model, settings):
     set_in_config,
 ], ids=["set, then patch_model", "config.update, then patch_model", "set on a patched model, a training step",
         "GPT2Config(span_attention=...), attn_implementation, a training step"])
-def test_a_settings_object_put_on_the_model_config_saves_as_its_dict(how, tmp_path):
-    """A SpanAttentionConfig put on model.config by hand is stored as the dict patch_model writes as soon as the
-    package reads it, so that save_pretrained writes it (Transformers' JSON takes JSON types only) and it reloads
-    equal."""
+@pytest.mark.parametrize("kind", ["object", "numpy dict"])
+def test_a_settings_object_put_on_the_model_config_saves_as_its_dict(how, kind, tmp_path):
+    """A SpanAttentionConfig, or a dict of fields with NumPy values, put on model.config by hand is stored as the
+    dict patch_model writes as soon as the package reads it, so that save_pretrained writes it (Transformers' JSON
+    takes JSON types only) and it reloads equal."""
     settings = SpanAttentionConfig.from_label("score:1100", layers=[1])
-    model = how(tiny("gpt2"), settings)
+    by_hand = settings if kind == "object" else {"method": np.str_("score"), "alphas": np.array([1.0, 1, 0, 0]),
+                                                  "layers": [np.int64(1)], "qkv_alphas": np.ones(3, np.float32)}
+    model = how(tiny("gpt2"), by_hand)
     assert model.config.span_attention == settings.to_dict()
     model.save_pretrained(tmp_path / "model")
     saved = json.loads((tmp_path / "model" / "config.json").read_text())["span_attention"]

@@ -41,8 +41,9 @@ def register() -> None:
 
 
 # The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
-# which compare equal), so that the per-call lookup is one dict read and a changed dict is parsed afresh.
-_PARSED: dict[str, SpanAttentionConfig] = {}
+# which compare equal), so that the per-call lookup is one dict read and a changed dict is parsed afresh; with
+# whether the section saves as JSON as it is.
+_PARSED: dict[str, tuple[SpanAttentionConfig, bool]] = {}
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
@@ -54,20 +55,30 @@ def config_of(model_config: Any) -> SpanAttentionConfig | None:
     if isinstance(data, SpanAttentionConfig):
         return _store(model_config, data)
     key = repr(data)
-    config = _PARSED.get(key)
-    if config is None:
+    entry = _PARSED.get(key)
+    if entry is None:
         if len(_PARSED) >= 64:
             _PARSED.clear()
-        config = _PARSED[key] = _parse(data, model_config)
-    return config
+        entry = _PARSED[key] = (_parse(data, model_config), _saves_as_json(data))
+    config, saves = entry
+    return config if saves else _store(model_config, config)
 
 
 @torch.compiler.disable  # once, outside any graph
 def _store(model_config: Any, config: SpanAttentionConfig) -> SpanAttentionConfig:
-    """Settings set on the model config by hand as a SpanAttentionConfig, stored as the dict patch_model
-    writes, so that the config saves as JSON (Transformers' `to_json_string` takes JSON types only)."""
+    """Settings set on the model config by hand as a SpanAttentionConfig, or as a dict with values JSON does not
+    take (NumPy numbers and arrays), stored as the dict patch_model writes, so that the config saves as JSON
+    (Transformers' `to_json_string` takes JSON types only)."""
     setattr(model_config, CONFIG_KEY, config.to_dict())
     return config
+
+
+def _saves_as_json(data: Any) -> bool:
+    try:
+        json.dumps(data, sort_keys=True)  # as Transformers' to_json_string
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 @torch.compiler.disable  # parsed once, outside any graph (it reads files for its messages)
