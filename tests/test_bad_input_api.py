@@ -530,3 +530,73 @@ def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
     assert config_of(peft_model.get_base_model().config) == SpanAttentionConfig.from_label("score:1100", layers=[1])
     with pytest.raises(ValueError, match=r"layers=\[5\]: GPT2LMHeadModel has layers 0..1"):
         load_pretrained(folder, layers=[5])
+
+
+def unnumbered(family: str):
+    """A tiny model whose attention modules carry no layer index, with an input batch (head dim 4 < T: the keys
+    do not span the head space, so span rules differ from the standard gradient)."""
+    from transformers import DistilBertConfig, DistilBertModel, ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    if family == "distilbert":
+        model = DistilBertModel(DistilBertConfig(dim=32, n_heads=8, n_layers=2, hidden_dim=64, vocab_size=VOCAB,
+                                                 max_position_embeddings=16, dropout=0.0, attention_dropout=0.0))
+        return model, {"input_ids": torch.randint(0, VOCAB, (2, 12), generator=gen)}
+    model = ViTModel(ViTConfig(hidden_size=32, num_attention_heads=8, num_hidden_layers=2, intermediate_size=64,
+                               image_size=24, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return model, {"pixel_values": torch.randn(2, 3, 24, 24, generator=gen)}
+
+
+@pytest.mark.parametrize("family", ["distilbert", "vit"])
+def test_layers_select_the_layers_of_a_model_whose_attention_carries_no_layer_index(family):
+    """DistilBERT's and ViT's attention modules have no layer_idx: `layers` still selects layers (it selected none,
+    silently). Layer 1's query weights get the span gradient under layers=[1] as under all layers, the stock
+    gradient under layers=[0]."""
+    import copy
+
+    stock, batch = unnumbered(family)
+    weights = torch.randn(stock(**batch).last_hidden_state.shape, generator=torch.Generator().manual_seed(1))
+
+    def query_grad(layers):
+        model = copy.deepcopy(stock)
+        if layers != "stock":
+            patch_model(model, "score:1000", layers=layers)
+        (model.train()(**batch).last_hidden_state * weights).sum().backward()
+        (layer1,) = [p.grad for n, p in model.named_parameters() if n.endswith(("1.attention.q_lin.weight",
+                                                                                 "1.attention.q_proj.weight"))]
+        return layer1
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    stock_grad, all_layers = query_grad("stock"), query_grad(None)
+    assert rel(all_layers, stock_grad) > 1e-2
+    assert rel(query_grad([1]), all_layers) < 1e-5
+    assert rel(query_grad(np.array([0])), stock_grad) < 1e-5
+
+
+def test_layers_of_a_model_whose_layers_cannot_be_found_get_a_clear_error():
+    model, _ = unnumbered("distilbert")
+    model.config.n_layers = 3  # no list of 3 layers to number
+    with pytest.raises(ValueError, match=r"layers=\[0\]: the attention modules of DistilBertModel carry no layer "
+                                         r"index and its layers could not be found.*layers=None"):
+        patch_model(model, "score:1000", layers=[0])
+
+
+def test_layers_on_an_unnumbered_model_set_up_without_patch_model_warn(caplog):
+    """attn_implementation='span_attention' and settings with layers put on the config by hand: nothing numbers the
+    layers, so a one-time warning says that the selection does not reach them and what does."""
+    import logging
+
+    from hf_spanattn.integration import registry
+
+    model, batch = unnumbered("distilbert")
+    model.config.span_attention = SpanAttentionConfig(layers=[1]).to_dict()
+    registry.register()
+    model.set_attn_implementation("span_attention")
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model.train()(**batch).last_hidden_state.sum().backward()
+    assert any("DistilBertSelfAttention carries no layer index, so layers=[1] cannot select it" in r.getMessage()
+               and "hf_spanattn.patch_model(model) numbers the layers" in r.getMessage() for r in caplog.records)

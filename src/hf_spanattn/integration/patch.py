@@ -20,7 +20,9 @@ from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
+    LAYER_ATTR,
     PROBE_ATTR,
+    attention_modules,
     config_of,
     documents_of,
     keeps_sdpa,
@@ -88,6 +90,10 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
+    if not attention_modules(base) and config.layers is not None:  # numbered here where the modules carry no index
+        raise ValueError(f"layers={list(config.layers)}: the attention modules of {type(base).__name__} carry no layer "
+                         "index and its layers could not be found, so a selection cannot be applied; patch every "
+                         "layer (layers=None)")
 
     if not hasattr(base, _ORIGINAL):
         original = {"attn_implementation": base.config._attn_implementation, "reorder_and_upcast_attn": None}
@@ -118,6 +124,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
     card.set_tags(base, None)
+    for module in base.modules():
+        module.__dict__.pop(LAYER_ATTR, None)
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"

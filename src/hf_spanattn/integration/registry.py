@@ -27,6 +27,7 @@ ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
 OVERRIDE_ATTR = "span_attention_override"  # module attribute: settings set at run time (schedules)
 PROBE_ATTR = "span_attention_probe"  # module attribute: diagnostics probe for the backward pass
+LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, where the model's modules carry none
 logger = logging.get_logger("hf_spanattn")
 
 
@@ -142,7 +143,7 @@ def stored_source(model_config: Any) -> str:
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
-    for name in ("layer_idx", "layer_id"):
+    for name in ("layer_idx", "layer_id", LAYER_ATTR):
         value = getattr(module, name, None)
         if isinstance(value, int):
             return value
@@ -150,7 +151,22 @@ def layer_index(module: torch.nn.Module) -> int | None:
 
 
 def attention_modules(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
-    """The modules of each decoder layer that carry its index (where overrides and probes go)."""
+    """The modules of each decoder layer that carry its index (where overrides and probes go). Where none
+    does (DistilBERT's and ViT's attention), the modules of each entry of the model's one list of layers are
+    given its index first (`LAYER_ATTR`), so that `layers` selects them."""
+    layers = _indexed(model)
+    if not layers:
+        n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers]
+        for index, layer in enumerate(lists[0] if len(lists) == 1 else ()):
+            for module in layer.modules():
+                if hasattr(module, "config"):
+                    setattr(module, LAYER_ATTR, index)
+        layers = _indexed(model)
+    return layers
+
+
+def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     layers: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         index = layer_index(module)
@@ -175,6 +191,11 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
         )
         config = SpanAttentionConfig()
     if config.layers is not None and layer_index(module) not in config.layers:
+        if layer_index(module) is None:
+            logger.warning_once(
+                f"span_attention: {type(module).__name__} carries no layer index, so layers={list(config.layers)} "
+                "cannot select it and it keeps stock gradients; hf_spanattn.patch_model(model) numbers the layers of "
+                "models whose attention carries none.")
         return None
     return config
 
