@@ -600,3 +600,21 @@ def test_layers_on_an_unnumbered_model_set_up_without_patch_model_warn(caplog):
         model.train()(**batch).last_hidden_state.sum().backward()
     assert any("DistilBertSelfAttention carries no layer index, so layers=[1] cannot select it" in r.getMessage()
                and "hf_spanattn.patch_model(model) numbers the layers" in r.getMessage() for r in caplog.records)
+
+
+def test_a_schedule_and_diagnostics_reach_the_layers_of_a_model_whose_attention_carries_no_layer_index(tmp_path):
+    """The callback found no layer of DistilBERT: its layer table and diagnostics did nothing, without a word."""
+    from transformers import DistilBertConfig, DistilBertForMaskedLM, Trainer, TrainingArguments
+
+    model = DistilBertForMaskedLM(DistilBertConfig(dim=32, n_heads=8, n_layers=2, hidden_dim=64, vocab_size=VOCAB,
+                                                   max_position_embeddings=16))
+    patch_model(model, "score:1000")
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(model=model, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
+                      args=TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                                             use_cpu=True, save_strategy="no", disable_tqdm=True),
+                      callbacks=[SpanAttentionCallback([Keyframe(0, {"1": "score:1100"})], diagnostics_every=1)])
+    trainer.train()
+    logged = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("span/layer")}
+    assert (logged["span/layer0/alpha1"], logged["span/layer1/alpha1"]) == (0.0, 1.0)
+    assert logged["span/layer0/dq_share0"] == 1.0 and 0 < logged["span/layer1/dq_share0"] < 1
