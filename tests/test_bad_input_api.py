@@ -618,3 +618,23 @@ def test_a_schedule_and_diagnostics_reach_the_layers_of_a_model_whose_attention_
     logged = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("span/layer")}
     assert (logged["span/layer0/alpha1"], logged["span/layer1/alpha1"]) == (0.0, 1.0)
     assert logged["span/layer0/dq_share0"] == 1.0 and 0 < logged["span/layer1/dq_share0"] < 1
+
+
+def test_a_settings_save_cut_short_leaves_the_saved_settings_whole(tmp_path, monkeypatch):
+    """A kill while span_attention_config.json is written (here: an interrupt from inside json.dump, after part of
+    the text) leaves the file saved before it as it was."""
+    SpanAttentionConfig.from_label("score:1100", layers=[1]).save_pretrained(tmp_path)
+    before = (tmp_path / "span_attention_config.json").read_text()
+
+    def cut_short(data, f, **kwargs):
+        f.write('{"method": "sim')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / "span_attention_config.json").read_text() == before
+    assert SpanAttentionConfig.from_pretrained(tmp_path) == SpanAttentionConfig.from_label("score:1100", layers=[1])
+    SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)  # the rerun saves
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "simple:10"

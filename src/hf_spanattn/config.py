@@ -268,9 +268,10 @@ class SpanAttentionConfig:
                                   f"is a file; expected a folder ({CONFIG_NAME} is written into it)")
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
-        with open(path, "w") as f:
+        with open(f"{path}.partial", "w") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
+        os.replace(f"{path}.partial", path)  # a save cut short leaves the settings saved before it whole
         if push_to_hub:
             self.push_to_hub(hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory))), **hub_kwargs)
         return path
