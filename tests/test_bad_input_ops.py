@@ -154,6 +154,10 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "key_value_lengths_differ": (lambda: with_(qkv(), value=qkv(t=5)["value"]), (ValueError, "sequence length")),
     "one_dimensional": (lambda: {k: x[0, 0, 0] for k, x in qkv().items()}, (ValueError, "at least 2 dimensions")),
     "int_inputs": (lambda: {k: x.long() for k, x in qkv().items()}, (ValueError, "query must be a floating-point")),
+    "sparse_key": (lambda: with_(qkv(), key=qkv()["key"].to_sparse()),
+                   (TypeError, "key must be a dense tensor.*sparse_coo")),
+    "sparse_mask": (lambda: with_(qkv(), attn_mask=left_padding(0.0).to_sparse()),
+                    (TypeError, "attn_mask must be a dense tensor.*sparse_coo")),
     "dtypes_differ": (lambda: with_(qkv(), key=qkv()["key"].float()), (ValueError, "share a dtype")),
     "heads_not_a_multiple": (lambda: qkv(h_q=3, h_kv=2), (ValueError, "multiple")),
     "batches_do_not_broadcast": (lambda: with_(qkv(), key=qkv(b=3)["key"], value=qkv(b=3)["value"]),
@@ -517,3 +521,22 @@ def test_float64_inside_autocast_runs_in_float64_as_sdpa(grad):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         with pytest.raises(ValueError, match=r"share a dtype.*under autocast torch.float64, torch.bfloat16"):
             span_attention(inputs[0], *(x.float().requires_grad_(grad) for x in inputs[1:]), config=EXACT)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")  # torch's, from inside SDPA
+def test_nested_tensors_get_sdpas_result_or_say_span_gradients_need_dense_ones():
+    """Ragged (jagged nested) batches: SDPA's output without autograd and under the plain standard rule (with
+    its gradients); span gradients an error that says how to pad them."""
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 5, 8])
+    ragged = [torch.nested.nested_tensor_from_jagged(torch.randn(8, 2, 8, generator=gen), offsets).transpose(1, 2)
+              for _ in range(3)]
+    expected = F.scaled_dot_product_attention(*ragged)
+    torch.testing.assert_close(span_attention(*ragged).values(), expected.values(), rtol=0, atol=0)
+    leaves = [x.detach().requires_grad_(True) for x in ragged]
+    out = span_attention(*leaves, config="standard:QKV111")
+    torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=0)
+    out.values().sum().backward()
+    assert all(x.grad is not None for x in leaves)
+    with pytest.raises(TypeError, match=r"nested tensors do not take span gradients; pad them \(to_padded_tensor\)"):
+        span_attention(*leaves, config="score:1000")

@@ -110,6 +110,8 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     for name, x in named.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"span_attention: {name} must be a tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise TypeError(f"span_attention: {name} must be a dense tensor (as in SDPA), got layout {x.layout}")
         if not x.is_floating_point():
             raise ValueError(f"span_attention: {name} must be a floating-point tensor, got {x.dtype}")
         if x.dim() < 2:
@@ -167,6 +169,9 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"span_attention: attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.layout != torch.strided:
+            raise TypeError(f"span_attention: attn_mask must be a dense tensor (as in SDPA), got layout "
+                            f"{attn_mask.layout}")
         allowed = {torch.bool, torch.float32, query.dtype, dtypes[0]}
         if attn_mask.dtype not in allowed:
             raise ValueError(f"span_attention: attn_mask must be bool (True = attend) or an additive float mask in "
