@@ -64,7 +64,8 @@ def span_attention(
     not to Q and K (as under the bool mask), on the fused kernels what SDPA's backward gives it.
     Span rules need self-attention (T == S).
     Without autograd, with the plain standard gradient (`standard:QKV111`), or with nothing to
-    take spans of (an empty dimension, the meta device), this is SDPA itself. Bad input gets a
+    take spans of (an empty dimension, the meta device), this is SDPA itself; so it is for nested
+    (ragged) tensors, whose span gradients need them padded and masked. Bad input gets a
     ValueError or TypeError that names the argument; NaN or inf in the input gives NaN
     gradients for the (batch, head) it reaches, as in SDPA.
 
