@@ -638,3 +638,60 @@ def test_a_settings_save_cut_short_leaves_the_saved_settings_whole(tmp_path, mon
     assert SpanAttentionConfig.from_pretrained(tmp_path) == SpanAttentionConfig.from_label("score:1100", layers=[1])
     SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)  # the rerun saves
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "simple:10"
+
+
+def custom_model():
+    """A model of one's own, through the attention registry, whose config does not say num_hidden_layers."""
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    class Attention(torch.nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.config, self.layer_idx, self.is_causal = config, layer_idx, True
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 4, 4)).permute(2, 0, 3, 1, 4)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
+            return attend(self, q, k, v, None)[0].flatten(-2)
+
+    class Model(PreTrainedModel):
+        config_class = PretrainedConfig
+        _supports_attention_backend = _supports_sdpa = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.layers = torch.nn.ModuleList([Attention(config, i) for i in range(2)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    torch.manual_seed(0)
+    return Model(PretrainedConfig())
+
+
+def test_a_custom_model_whose_config_does_not_say_its_layer_count_patches_and_selects_layers():
+    """patch_model failed with AttributeError: 'PretrainedConfig' object has no attribute 'num_hidden_layers'. The
+    layers are those the attention modules carry; layer 1's weights get the span gradient under layers=[1] as under
+    all layers."""
+    import copy
+
+    stock = custom_model()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+
+    def layer1_grad(layers):
+        model = copy.deepcopy(stock)
+        if layers != "stock":
+            patch_model(model, "score:1000", layers=layers)
+        model.train()(x).square().sum().backward()
+        return model.layers[1].qkv.weight.grad
+
+    all_layers, stock_grad = layer1_grad(None), layer1_grad("stock")
+    assert (all_layers - stock_grad).norm() > 1e-2 * stock_grad.norm()
+    assert (layer1_grad([1]) - all_layers).norm() < 1e-5 * all_layers.norm()
+    with pytest.raises(ValueError, match=r"layers=\[2\]: Model has layers 0..1"):
+        patch_model(copy.deepcopy(stock), "score:1000", layers=[2])

@@ -156,7 +156,7 @@ def attention_modules(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]
     given its index first (`LAYER_ATTR`), so that `layers` selects them."""
     layers = _indexed(model)
     if not layers:
-        n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        n_layers = _configured_layers(model)
         lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers]
         for index, layer in enumerate(lists[0] if len(lists) == 1 else ()):
             for module in layer.modules():
@@ -164,6 +164,19 @@ def attention_modules(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]
                     setattr(module, LAYER_ATTR, index)
         layers = _indexed(model)
     return layers
+
+
+def layer_count(model: torch.nn.Module) -> int:
+    """The model's number of layers: its config's `num_hidden_layers`, else (a config that does not say, as a
+    custom model's may) one more than the highest layer index its attention modules carry."""
+    n_layers = _configured_layers(model)
+    return n_layers if n_layers is not None else max(attention_modules(model), default=-1) + 1
+
+
+def _configured_layers(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    n_layers = getattr(config.get_text_config(), "num_hidden_layers", None) if config is not None else None
+    return n_layers if isinstance(n_layers, int) else None
 
 
 def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:

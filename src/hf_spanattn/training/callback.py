@@ -17,7 +17,14 @@ from transformers.trainer_utils import has_length
 
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration.patch import base_model
-from hf_spanattn.integration.registry import OVERRIDE_ATTR, PROBE_ATTR, attention_modules, config_of, settings_for
+from hf_spanattn.integration.registry import (
+    OVERRIDE_ATTR,
+    PROBE_ATTR,
+    attention_modules,
+    config_of,
+    layer_count,
+    settings_for,
+)
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
 
@@ -121,7 +128,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
         self._alphas_logged_at = None
         if self.schedule is not None:
-            n_layers = base.config.get_text_config().num_hidden_layers
+            n_layers = layer_count(base)
             steps_per_epoch = None  # as the Trainer counts them: a last partial accumulation is a step
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
