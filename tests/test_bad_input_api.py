@@ -635,6 +635,7 @@ def test_a_settings_save_cut_short_leaves_the_saved_settings_whole(tmp_path, mon
         SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)
     monkeypatch.undo()
     assert (tmp_path / "span_attention_config.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["span_attention_config.json"]  # nothing left beside it
     assert SpanAttentionConfig.from_pretrained(tmp_path) == SpanAttentionConfig.from_label("score:1100", layers=[1])
     SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)  # the rerun saves
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "simple:10"

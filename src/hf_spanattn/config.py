@@ -16,6 +16,7 @@ form (`repr`), so that every label reads back as the same setting: `score:1,0.5,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -268,10 +269,15 @@ class SpanAttentionConfig:
                                   f"is a file; expected a folder ({CONFIG_NAME} is written into it)")
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
-        with open(f"{path}.partial", "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(f"{path}.partial", path)  # a save cut short leaves the settings saved before it whole
+        try:  # a save cut short leaves the settings saved before it whole
+            with open(f"{path}.partial", "w") as f:
+                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.replace(f"{path}.partial", path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(f"{path}.partial")
+            raise
         if push_to_hub:
             self.push_to_hub(hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory))), **hub_kwargs)
         return path
