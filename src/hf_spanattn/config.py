@@ -269,14 +269,15 @@ class SpanAttentionConfig:
                                   f"is a file; expected a folder ({CONFIG_NAME} is written into it)")
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
+        partial = f"{path}.{os.getpid()}.partial"  # one per process: two saving at once each replace the file whole
         try:  # a save cut short leaves the settings saved before it whole
-            with open(f"{path}.partial", "w") as f:
+            with open(partial, "w") as f:
                 json.dump(self.to_dict(), f, indent=2, sort_keys=True)
                 f.write("\n")
-            os.replace(f"{path}.partial", path)
+            os.replace(partial, path)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.remove(f"{path}.partial")
+                os.remove(partial)
             raise
         if push_to_hub:
             self.push_to_hub(hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory))), **hub_kwargs)
