@@ -696,3 +696,27 @@ def test_a_custom_model_whose_config_does_not_say_its_layer_count_patches_and_se
     assert (layer1_grad([1]) - all_layers).norm() < 1e-5 * all_layers.norm()
     with pytest.raises(ValueError, match=r"layers=\[2\]: Model has layers 0..1"):
         patch_model(copy.deepcopy(stock), "score:1000", layers=[2])
+
+
+def test_two_settings_saves_at_once_each_leave_a_whole_file(tmp_path, monkeypatch):
+    """A second process saves into the folder while the first is halfway through its write: whichever replaces
+    the file last, it is whole (each writes its own partial file)."""
+    import os
+
+    dump, first, second = json.dump, SpanAttentionConfig.from_label("score:1100"), SpanAttentionConfig()
+
+    def halfway(data, f, **kwargs):
+        f.write('{"method": "sco')
+        f.flush()
+        with monkeypatch.context() as other_process:
+            other_process.setattr(json, "dump", dump)
+            other_process.setattr(os, "getpid", lambda: -1)
+            second.save_pretrained(tmp_path)
+        f.seek(0)
+        dump(data, f, **kwargs)
+
+    monkeypatch.setattr(json, "dump", halfway)
+    first.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert SpanAttentionConfig.from_pretrained(tmp_path) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["span_attention_config.json"]
