@@ -16,6 +16,7 @@ form (`repr`), so that every label reads back as the same setting: `score:1,0.5,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import decimal
 import difflib
@@ -25,8 +26,8 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Mapping, Sequence, Set
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from typing import Any, TextIO
 
 from packaging.version import Version
 
@@ -46,7 +47,10 @@ _LABEL = re.compile(rf"^(?P<method>[a-z]+):(?P<alphas>{_NUMBERS}*?)(?:\+?QKV(?P<
 def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
     alphas = None
     if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping, Set)):  # a set has no order
-        alphas = tuple(float(a) if isinstance(a, decimal.Decimal) else as_float(a) for a in value)
+        try:
+            alphas = tuple(float(a) if isinstance(a, decimal.Decimal) else as_float(a) for a in value)
+        except TypeError:  # iterable by type only, such as a 0-d tensor or array
+            alphas = None
     if alphas is None or None in alphas:
         raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None
     if len(alphas) != count:
@@ -134,20 +138,23 @@ def _read_json(path: str) -> Any:
         raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
 
 
-def write_whole(path: str, data: str | bytes) -> None:
-    """`data` (text as UTF-8) into `path`, whole or not at all: a run stopped while writing leaves the file as it
-    was. A symbolic link stays one; the file it points to is replaced."""
+def write_whole(path: str, write: Callable[[TextIO], Any]) -> None:
+    """The file at `path` as `write(f)` writes it, whole or not at all: a save cut short leaves the file saved
+    before it whole, and two processes saving at once each replace it whole (each writes its own partial file
+    beside it first). A symbolic link stays one (the file it points to is replaced) and the file keeps its
+    permissions. Text is UTF-8; bytes that are not pass through as `surrogateescape` escapes."""
     path = os.path.realpath(path)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")  # one per process
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        with open(partial, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+            write(f)
         if os.path.exists(path):
-            shutil.copymode(path, tmp)  # the file keeps its permissions
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+            shutil.copymode(path, partial)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
 
 
 def _path_argument(value: Any, caller: str, name: str, expected: str) -> str:
@@ -305,7 +312,12 @@ class SpanAttentionConfig:
                                   f"a folder ({CONFIG_NAME} is written into it)")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, CONFIG_NAME)
-        write_whole(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+        def write(f: TextIO) -> None:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+        write_whole(path, write)
         if push_to_hub:
             self.push_to_hub(hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory))), **hub_kwargs)
         return path

@@ -21,10 +21,13 @@ from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
+    LAYER_ATTR,
     PROBE_ATTR,
+    attention_modules,
     config_of,
     documents_of,
     keeps_sdpa,
+    layer_count,
     register,
     settings_for,
     stored_source,
@@ -85,7 +88,11 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
                          "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
                          f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
-    n_layers = base.config.get_text_config().num_hidden_layers
+    if not attention_modules(base) and config.layers is not None:  # numbered here where the modules carry no index
+        raise ValueError(f"layers={list(config.layers)}: the attention modules of {type(base).__name__} carry no layer "
+                         "index and its layers could not be found, so a selection cannot be applied; patch every "
+                         "layer (layers=None)")
+    n_layers = layer_count(base)
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
@@ -119,6 +126,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
     card.set_tags(base, None)
+    for module in base.modules():
+        module.__dict__.pop(LAYER_ATTR, None)
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"

@@ -16,7 +16,14 @@ from transformers.trainer_utils import has_length
 
 from hf_spanattn.config import SpanAttentionConfig, write_whole
 from hf_spanattn.integration.patch import base_model
-from hf_spanattn.integration.registry import OVERRIDE_ATTR, PROBE_ATTR, attention_modules, config_of, settings_for
+from hf_spanattn.integration.registry import (
+    OVERRIDE_ATTR,
+    PROBE_ATTR,
+    attention_modules,
+    config_of,
+    layer_count,
+    settings_for,
+)
 from hf_spanattn.ops.inputs import as_int
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
@@ -107,7 +114,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
         self._alphas_logged_at = None
         if self.schedule is not None:
-            n_layers = base.config.get_text_config().num_hidden_layers
+            n_layers = layer_count(base)
             steps_per_epoch = None  # as the Trainer counts them: a last partial accumulation is a step
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
@@ -328,7 +335,7 @@ def _start_records(path: str, step: int, log_history: list) -> None:
         if whole.startswith(data):
             os.truncate(path, len(data))  # one step: a stop leaves the file whole
         else:
-            write_whole(path, data)
+            write_whole(path, lambda f: f.write(data.decode("utf-8", "surrogateescape")))
 
 
 def _record(line: bytes) -> dict | None:
