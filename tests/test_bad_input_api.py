@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
 from hf_spanattn.integration.registry import config_of
-from hf_spanattn.training import Keyframe, Schedule, SpanAttentionCallback
+from hf_spanattn.training import Keyframe, OrderRecorder, Schedule, SpanAttentionCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -148,6 +149,26 @@ def trainer_with(tmp: Path, *callbacks):
                    callbacks=list(callbacks))
 
 
+def beside(folder: Path, name: str, text: str) -> Path:
+    """`folder` with its file `name` replaced by `text` (a hand edit)."""
+    write(folder / name, text)
+    return folder
+
+
+def edited_text(folder: Path, old: str, new: str) -> Path:
+    """`folder` with the first `old` in its config.json replaced by `new` (a hand edit that JSON tools would undo)."""
+    path = folder / "config.json"
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new, 1))
+    return folder
+
+
+def set_after(callback: SpanAttentionCallback, **attributes) -> SpanAttentionCallback:
+    for name, value in attributes.items():
+        setattr(callback, name, value)
+    return callback
+
+
 def sinks_forward() -> None:
     """GPT-OSS set to span_attention without patch_model (as from_pretrained(attn_implementation=...) does)."""
     from hf_spanattn.integration import register
@@ -222,6 +243,9 @@ CASES = [
      "label='score: 1000': expected '<method>:<alphas>"),
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
+    ("span_attention probe a class", lambda t: span_attention(*qkv(), probe=OrderRecorder), TypeError,
+     "span_attention: probe must be callable (an OrderRecorder) or None, got the class OrderRecorder (pass an "
+     "instance)"),
     ("unpatch_model of a string", lambda t: unpatch_model("model"), TypeError,
      "unpatch_model needs a transformers PreTrainedModel"),
     ("load_pretrained model_class a string", lambda t: load_pretrained(str(saved_model(t)), model_class="gpt2"),
@@ -248,6 +272,12 @@ CASES = [
     ("config alphas a bool", lambda t: SpanAttentionConfig(alphas=(True, False, False, False)), ValueError,
      "alphas=(True, False, False, False): expected a sequence of 4 numbers"),
     ("config alphas inf", lambda t: SpanAttentionConfig(alphas=(1, float("inf"), 0, 0)), ValueError, "finite"),
+    ("config alphas a 0-d tensor", lambda t: SpanAttentionConfig(method="simple", alphas=torch.tensor(1.0)), ValueError,
+     "alphas=tensor(1.): expected a sequence of 2 numbers (α∥, α⊥)"),
+    ("config qkv_alphas a 0-d array", lambda t: SpanAttentionConfig(qkv_alphas=np.array(1.0)), ValueError,
+     "qkv_alphas=array(1.): expected a sequence of 3 numbers (α_Q, α_K, α_V)"),
+    ("config alphas a set (no order)", lambda t: SpanAttentionConfig(method="simple", alphas={1, 0}), ValueError,
+     "alphas={0, 1}: expected a sequence of 2 numbers"),
     ("config layers a string", lambda t: SpanAttentionConfig(layers="0,1"), ValueError, "layers='0,1'"),
     ("config layers floats", lambda t: SpanAttentionConfig(layers=[0.0, 1.0]), ValueError, "layers=[0.0, 1.0]"),
     ("config method in capitals", lambda t: SpanAttentionConfig(method="Score"), ValueError,
@@ -273,11 +303,14 @@ CASES = [
     ("from_pretrained empty file", lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "")),
      ValueError, "{tmp}/c.json: not valid JSON"),
     ("from_pretrained binary file",
-     lambda t: SpanAttentionConfig.from_pretrained([(t / "c.json").write_bytes(b"\xff\xfe\x00{"), t / "c.json"][1]),
+     lambda t: SpanAttentionConfig.from_pretrained([(t / "c.json").write_bytes(b"\x80\x81{"), t / "c.json"][1]),
      ValueError, "{tmp}/c.json: not valid JSON (UnicodeDecodeError"),
     ("from_pretrained deeply nested JSON",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", "[" * 100_000 + "]" * 100_000)),
      ValueError, "{tmp}/c.json: not valid JSON (RecursionError"),
+    ("from_pretrained an integer too long to read",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"layers": [' + "9" * 5000 + "]}")), ValueError,
+     "{tmp}/c.json: not valid JSON (ValueError: Exceeds the limit (4300 digits)"),
     ("from_pretrained a field of the wrong type",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": "1000"}')), ValueError,
      "{tmp}/c.json: alphas='1000': expected a sequence of 4 numbers"),
@@ -382,6 +415,50 @@ CASES = [
     ("resume a run with a truncated run_config.json",
      lambda t: [write(t / "out" / "run_config.json", '{"model'), resume_with_saved(t, None, RUN, False)],
      ValueError, "{tmp}/out/run_config.json: not valid JSON"),
+    # saved settings, adapters and callback state edited by hand or hostile
+    ("stored version past Python's digit limit", lambda t: config_of(stored_with(hf_spanattn_version="9" * 5000)),
+     ValueError, "field 'span_attention': hf_spanattn_version='9999"),
+    ("from_pretrained a key given twice",
+     lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": [1, 0, 0, 0], "alphas": [0]}')),
+     ValueError, "{tmp}/c.json: not valid JSON (ValueError: the key 'alphas' is given twice; keep one)"),
+    ("from_pretrained neither file nor folder", lambda t: SpanAttentionConfig.from_pretrained("/dev/null"),
+     FileNotFoundError, "/dev/null: not a file or a folder; expected a folder or a span_attention_config.json file"),
+    ("from_pretrained a name with a NUL", lambda t: SpanAttentionConfig.from_pretrained("run\0s/a"), TypeError,
+     "SpanAttentionConfig.from_pretrained: name_or_path='run\\x00s/a': expected a folder"),
+    ("save_pretrained a name with a NUL", lambda t: SpanAttentionConfig().save_pretrained(f"{t}/a\0b"), TypeError,
+     "SpanAttentionConfig.save_pretrained: save_directory='{tmp}/a\\x00b': expected a folder"),
+    ("save_pretrained push_to_hub a string", lambda t: SpanAttentionConfig().save_pretrained(t, push_to_hub="no"),
+     TypeError, "SpanAttentionConfig.save_pretrained: push_to_hub='no': expected True or False"),
+    ("save_pretrained into a broken link",
+     lambda t: [(t / "link").symlink_to(t / "gone"), SpanAttentionConfig().save_pretrained(t / "link")],
+     FileExistsError, "save_directory='{tmp}/link' is a symbolic link to nothing; expected a folder"),
+    ("load_pretrained of None", lambda t: load_pretrained(None), TypeError,
+     "load_pretrained: name_or_path=None: expected a saved model's folder, a PEFT adapter's folder or a Hub"),
+    ("load_pretrained of a number", lambda t: load_pretrained(5), TypeError, "load_pretrained: name_or_path=5"),
+    ("adapter settings whose layers are outside the base model",
+     lambda t: load_pretrained(beside(adapter(t), "span_attention_config.json", '{"layers": [5]}')), ValueError,
+     "{tmp}/adapter/span_attention_config.json: layers=[5]: GPT2LMHeadModel has layers 0..1"),
+    ("adapter_config.json truncated", lambda t: load_pretrained(beside(adapter(t), "adapter_config.json", '{"base_mo')),
+     ValueError, "{tmp}/adapter/adapter_config.json: PEFT cannot read it as an adapter config (JSONDecodeError"),
+    ("adapter_config.json a list", lambda t: load_pretrained(beside(adapter(t), "adapter_config.json", "[]")),
+     ValueError, "{tmp}/adapter/adapter_config.json: PEFT cannot read it as an adapter config (TypeError"),
+    ("config.json whose settings give a key twice",
+     lambda t: load_pretrained(edited_text(saved_model(t), '"method": "score"', '"method": "simple", "method": "score"'
+                                           )),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': the key 'method' is given twice; keep one"),
+    ("config.json that gives the settings twice",
+     lambda t: load_pretrained(edited_text(saved_model(t), '"span_attention": {',
+                                           '"span_attention": {}, "span_attention": {')),
+     ValueError, "{tmp}/model/config.json, field 'span_attention': the key 'span_attention' is given twice"),
+    ("layer range far past the model", lambda t: Keyframe(0, {"0-99999999999": "score:1000"}).settings(2), ValueError,
+     "layer spec '0-99999999999': layers 0-99999999999 are outside 0..1"),
+    ("callback diagnostics_every set to a string after it was made",
+     lambda t: trainer_with(t, set_after(SpanAttentionCallback(diagnostics_every=1), diagnostics_every="1")).train(),
+     ValueError, "SpanAttentionCallback: diagnostics_every='1': expected an integer >= 0 (0 = off) (an attribute set "
+     "after the callback was made, or restored from a checkpoint's trainer_state.json"),
+    ("callback schedule set to a label after it was made",
+     lambda t: trainer_with(t, set_after(SpanAttentionCallback(), schedule="score:1000")).train(), ValueError,
+     "SpanAttentionCallback: schedule='score:1000': expected a Schedule or a list of keyframes"),
 ]
 
 
@@ -456,12 +533,15 @@ def set_in_config(model, settings):
     set_in_config,
 ], ids=["set, then patch_model", "config.update, then patch_model", "set on a patched model, a training step",
         "GPT2Config(span_attention=...), attn_implementation, a training step"])
-def test_a_settings_object_put_on_the_model_config_saves_as_its_dict(how, tmp_path):
-    """A SpanAttentionConfig put on model.config by hand is stored as the dict patch_model writes as soon as the
-    package reads it, so that save_pretrained writes it (Transformers' JSON takes JSON types only) and it reloads
-    equal."""
+@pytest.mark.parametrize("kind", ["object", "numpy dict"])
+def test_a_settings_object_put_on_the_model_config_saves_as_its_dict(how, kind, tmp_path):
+    """A SpanAttentionConfig, or a dict of fields with NumPy values, put on model.config by hand is stored as the
+    dict patch_model writes as soon as the package reads it, so that save_pretrained writes it (Transformers' JSON
+    takes JSON types only) and it reloads equal."""
     settings = SpanAttentionConfig.from_label("score:1100", layers=[1])
-    model = how(tiny("gpt2"), settings)
+    by_hand = settings if kind == "object" else {"method": np.str_("score"), "alphas": np.array([1.0, 1, 0, 0]),
+                                                  "layers": [np.int64(1)], "qkv_alphas": np.ones(3, np.float32)}
+    model = how(tiny("gpt2"), by_hand)
     assert model.config.span_attention == settings.to_dict()
     model.save_pretrained(tmp_path / "model")
     saved = json.loads((tmp_path / "model" / "config.json").read_text())["span_attention"]
@@ -515,3 +595,355 @@ def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
     assert config_of(peft_model.get_base_model().config) == SpanAttentionConfig.from_label("score:1100", layers=[1])
     with pytest.raises(ValueError, match=r"layers=\[5\]: GPT2LMHeadModel has layers 0..1"):
         load_pretrained(folder, layers=[5])
+
+
+def test_integers_as_numpy_or_0d_tensors_and_decimal_alphas_are_taken_as_numbers():
+    """An integer tensor's elements as layers, a 0-d tensor as a keyframe step or diagnostics interval, Decimal
+    alphas: the same settings as with Python numbers, and the callback's state stays JSON."""
+    from decimal import Decimal
+
+    config = SpanAttentionConfig(alphas=[Decimal("1"), Decimal("0.5"), 0, 0], layers=torch.tensor([1, 0]))
+    assert config == SpanAttentionConfig(alphas=(1, 0.5, 0, 0), layers=[0, 1])
+    assert type(config.layers[0]) is int and type(config.alphas[1]) is float
+    callback = SpanAttentionCallback(schedule=[Keyframe(torch.tensor(3), "score:1000")],
+                                     diagnostics_every=torch.tensor(2))
+    assert json.loads(json.dumps(callback.state()))["args"]["schedule"][0]["at"] == 3
+    assert callback.diagnostics_every == 2 and callback.schedule.keyframes[0].step(10, None) == 3
+    for refused in (torch.tensor([True]), torch.tensor([1.0])):
+        with pytest.raises(ValueError, match="expected None \\(all layers\\) or a sequence of non-negative integer"):
+            SpanAttentionConfig(layers=refused)
+
+
+@pytest.mark.parametrize("encode", [lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16")],
+                         ids=["UTF-8 with a byte order mark", "UTF-16"])
+def test_a_settings_file_saved_by_an_editor_reads_as_written(encode, tmp_path):
+    """Windows editors write a byte order mark (Notepad) or UTF-16; the settings read as they were written."""
+    settings = SpanAttentionConfig.from_label("score:1100", layers=[1])
+    (tmp_path / "span_attention_config.json").write_bytes(encode(json.dumps(settings.to_dict())))
+    assert SpanAttentionConfig.from_pretrained(tmp_path) == settings
+
+
+def failing_writes(monkeypatch, folder: Path) -> None:
+    """Every file opened for writing under `folder` takes half of its first write, then the disk is full (as a
+    stop in the middle of a save leaves it)."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if any(c in mode for c in "wax") and str(file).startswith(str(folder)):
+            write = f.write
+
+            def half(data):
+                write(data[: len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            f.write = half
+        return f
+
+    monkeypatch.setattr(builtins, "open", open_)
+
+
+def test_a_hub_id_whose_settings_cannot_be_fetched_is_named(monkeypatch):
+    """Offline, or a repository without the file: the name and the file, not only the Hub client's words."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(OSError, match="someone/settings: no such local file or folder, and span_attention_config.json "
+                                      "could not be fetched from a Hub repository of that name \\(LocalEntryNotFound"):
+        SpanAttentionConfig.from_pretrained("someone/settings")
+
+
+@pytest.mark.parametrize("text", ['{"meth', "[]", '{"alphas": "1000"}'])
+def test_a_plain_peft_load_of_an_adapter_with_unreadable_settings_warns_and_loads(text, tmp_path):
+    """PEFT itself needs nothing of the settings saved beside an adapter: a plain load into an unpatched model
+    loads, and the warning that it trains with the standard gradient names the file and why it cannot be read."""
+    from peft import PeftModel
+
+    folder = beside(adapter(tmp_path), "span_attention_config.json", text)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with pytest.warns(UserWarning, match=f"{folder} holds span attention settings that cannot be read "
+                                         f"\\({folder}/span_attention_config.json: .*not patched"):
+        PeftModel.from_pretrained(base, folder)
+
+
+def diagnosed_run(out: Path, max_steps: int, resume: str | None = None, learning_rate: float = 1e-2,
+                  save_steps: int | None = 2) -> None:
+    """A tiny GPT-2 trained with diagnostics every step, a checkpoint every `save_steps` (None: none)."""
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))  # more keys than head dims
+    args = TrainingArguments(str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=learning_rate,
+                             report_to=[], use_cpu=True, disable_tqdm=True, seed=0, logging_steps=1,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1)
+    trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1100"), args=args,
+                      train_dataset=[{"input_ids": i, "labels": i} for i in ids])
+    SpanAttentionCallback(diagnostics_every=1).add_to(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory) -> Path:
+    """Diagnostics of steps 1-4, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("stopped") / "out"
+    diagnosed_run(out, 4)
+    return out
+
+
+def copy_of(run: Path, tmp: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run, tmp / "out"))
+
+
+def steps_in(path: Path) -> list:
+    steps = []
+    for line in path.read_bytes().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return steps
+
+
+def test_a_resumed_run_keeps_lines_of_the_diagnostics_file_that_are_not_records(stopped_run, tmp_path):
+    """A note, a line of other JSON and bytes that are not UTF-8, written into the diagnostics file by hand (or by a
+    symbolic link to another file), and a byte order mark that an editor put before the first record: a resumed run
+    keeps each as it is, says so, and drops only its records past the step it resumes from."""
+    out = copy_of(stopped_run, tmp_path)
+    path = out / "span_diagnostics.jsonl"
+    records = path.read_bytes().splitlines(keepends=True)
+    records[0] = b"\xef\xbb\xbf" + records[0]
+    others = [b"my note\n", b'{"note": "steps 3-4 looked odd"}\n', b"\xff\xfe not text\n"]
+    path.write_bytes(others[0] + b"".join(records[:4]) + others[1] + b"".join(records[4:]) + others[2])
+    with pytest.warns(UserWarning, match=f"{path}: line\\(s\\) 1, 6, 11 are not diagnostics records; kept as they are"):
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"))
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert [line for line in lines if line in others] == others
+    assert steps_in(path) == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_a_rewrite_of_the_diagnostics_file_stopped_midway_leaves_it_whole(stopped_run, tmp_path, monkeypatch):
+    """Records past the resume step above a line that is kept: the file is written anew, whole or not at all."""
+    out = copy_of(stopped_run, tmp_path)
+    path = out / "span_diagnostics.jsonl"
+    path.write_bytes(path.read_bytes() + b"my note\n")
+    before = path.read_bytes()
+    failing_writes(monkeypatch, out)
+    with pytest.raises(OSError, match="No space left"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # that the note is kept: the test above
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), save_steps=None)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+
+
+def test_another_runs_diagnostics_are_moved_aside_when_a_run_resumes(stopped_run, tmp_path):
+    """A second run in the same folder (another learning rate) stopped before its first checkpoint; resuming the
+    first from its checkpoint finds the second's records up to its step: they are moved aside, not mixed in."""
+    out = copy_of(stopped_run, tmp_path)
+    with pytest.warns(UserWarning, match="earlier run"):
+        diagnosed_run(out, 2, learning_rate=0.5, save_steps=None)
+    second = (out / "span_diagnostics.jsonl").read_bytes()
+    with pytest.warns(UserWarning, match=f"{out}/span_diagnostics.jsonl holds diagnostics that this run's checkpoint "
+                                         "did not log \\(step 2\\), so they are another run's; this run resumes at "
+                                         f"step 4, so they are moved to {out}/span_diagnostics.jsonl.replaced-2"):
+        diagnosed_run(out, 5, resume=str(out / "checkpoint-4"))
+    assert (out / "span_diagnostics.jsonl.replaced-2").read_bytes() == second
+    assert steps_in(out / "span_diagnostics.jsonl") == [5, 5]
+    assert steps_in(out / "span_diagnostics.jsonl.replaced-1") == [1, 1, 2, 2, 3, 3, 4, 4]  # the first run's
+
+
+def unnumbered(family: str):
+    """A tiny model whose attention modules carry no layer index, with an input batch (head dim 4 < T: the keys
+    do not span the head space, so span rules differ from the standard gradient)."""
+    from transformers import DistilBertConfig, DistilBertModel, ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    if family == "distilbert":
+        model = DistilBertModel(DistilBertConfig(dim=32, n_heads=8, n_layers=2, hidden_dim=64, vocab_size=VOCAB,
+                                                 max_position_embeddings=16, dropout=0.0, attention_dropout=0.0))
+        return model, {"input_ids": torch.randint(0, VOCAB, (2, 12), generator=gen)}
+    model = ViTModel(ViTConfig(hidden_size=32, num_attention_heads=8, num_hidden_layers=2, intermediate_size=64,
+                               image_size=24, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return model, {"pixel_values": torch.randn(2, 3, 24, 24, generator=gen)}
+
+
+@pytest.mark.parametrize("family", ["distilbert", "vit"])
+def test_layers_select_the_layers_of_a_model_whose_attention_carries_no_layer_index(family):
+    """DistilBERT's and ViT's attention modules have no layer_idx: `layers` still selects layers (it selected none,
+    silently). Layer 1's query weights get the span gradient under layers=[1] as under all layers, the stock
+    gradient under layers=[0]."""
+    import copy
+
+    stock, batch = unnumbered(family)
+    weights = torch.randn(stock(**batch).last_hidden_state.shape, generator=torch.Generator().manual_seed(1))
+
+    def query_grad(layers):
+        model = copy.deepcopy(stock)
+        if layers != "stock":
+            patch_model(model, "score:1000", layers=layers)
+        (model.train()(**batch).last_hidden_state * weights).sum().backward()
+        (layer1,) = [p.grad for n, p in model.named_parameters() if n.endswith(("1.attention.q_lin.weight",
+                                                                                 "1.attention.q_proj.weight"))]
+        return layer1
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    stock_grad, all_layers = query_grad("stock"), query_grad(None)
+    assert rel(all_layers, stock_grad) > 1e-2
+    assert rel(query_grad([1]), all_layers) < 1e-5
+    assert rel(query_grad(np.array([0])), stock_grad) < 1e-5
+
+
+def test_layers_of_a_model_whose_layers_cannot_be_found_get_a_clear_error():
+    model, _ = unnumbered("distilbert")
+    model.config.n_layers = 3  # no list of 3 layers to number
+    with pytest.raises(ValueError, match=r"layers=\[0\]: the attention modules of DistilBertModel carry no layer "
+                                         r"index and its layers could not be found.*layers=None"):
+        patch_model(model, "score:1000", layers=[0])
+
+
+def test_layers_on_an_unnumbered_model_set_up_without_patch_model_warn(caplog):
+    """attn_implementation='span_attention' and settings with layers put on the config by hand: nothing numbers the
+    layers, so a one-time warning says that the selection does not reach them and what does."""
+    import logging
+
+    from hf_spanattn.integration import registry
+
+    model, batch = unnumbered("distilbert")
+    model.config.span_attention = SpanAttentionConfig(layers=[1]).to_dict()
+    registry.register()
+    model.set_attn_implementation("span_attention")
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model.train()(**batch).last_hidden_state.sum().backward()
+    assert any("DistilBertSelfAttention carries no layer index, so layers=[1] cannot select it" in r.getMessage()
+               and "hf_spanattn.patch_model(model) numbers the layers" in r.getMessage() for r in caplog.records)
+
+
+def test_a_schedule_and_diagnostics_reach_the_layers_of_a_model_whose_attention_carries_no_layer_index(tmp_path):
+    """The callback found no layer of DistilBERT: its layer table and diagnostics did nothing, without a word."""
+    from transformers import DistilBertConfig, DistilBertForMaskedLM, Trainer, TrainingArguments
+
+    model = DistilBertForMaskedLM(DistilBertConfig(dim=32, n_heads=8, n_layers=2, hidden_dim=64, vocab_size=VOCAB,
+                                                   max_position_embeddings=16))
+    patch_model(model, "score:1000")
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(model=model, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
+                      args=TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                                             use_cpu=True, save_strategy="no", disable_tqdm=True),
+                      callbacks=[SpanAttentionCallback([Keyframe(0, {"1": "score:1100"})], diagnostics_every=1)])
+    trainer.train()
+    logged = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k.startswith("span/layer")}
+    assert (logged["span/layer0/alpha1"], logged["span/layer1/alpha1"]) == (0.0, 1.0)
+    assert logged["span/layer0/dq_share0"] == 1.0 and 0 < logged["span/layer1/dq_share0"] < 1
+
+
+def test_a_settings_save_cut_short_leaves_the_saved_settings_whole(tmp_path, monkeypatch):
+    """A kill while span_attention_config.json is written (here: an interrupt from inside json.dump, after part of
+    the text) leaves the file saved before it as it was."""
+    SpanAttentionConfig.from_label("score:1100", layers=[1]).save_pretrained(tmp_path)
+    before = (tmp_path / "span_attention_config.json").read_text()
+
+    def cut_short(data, f, **kwargs):
+        f.write('{"method": "sim')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / "span_attention_config.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["span_attention_config.json"]  # nothing left beside it
+    assert SpanAttentionConfig.from_pretrained(tmp_path) == SpanAttentionConfig.from_label("score:1100", layers=[1])
+    SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)  # the rerun saves
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "simple:10"
+
+
+def custom_model():
+    """A model of one's own, through the attention registry, whose config does not say num_hidden_layers."""
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    class Attention(torch.nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.config, self.layer_idx, self.is_causal = config, layer_idx, True
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 4, 4)).permute(2, 0, 3, 1, 4)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
+            return attend(self, q, k, v, None)[0].flatten(-2)
+
+    class Model(PreTrainedModel):
+        config_class = PretrainedConfig
+        _supports_attention_backend = _supports_sdpa = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.layers = torch.nn.ModuleList([Attention(config, i) for i in range(2)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    torch.manual_seed(0)
+    return Model(PretrainedConfig())
+
+
+def test_a_custom_model_whose_config_does_not_say_its_layer_count_patches_and_selects_layers():
+    """patch_model failed with AttributeError: 'PretrainedConfig' object has no attribute 'num_hidden_layers'. The
+    layers are those the attention modules carry; layer 1's weights get the span gradient under layers=[1] as under
+    all layers."""
+    import copy
+
+    stock = custom_model()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+
+    def layer1_grad(layers):
+        model = copy.deepcopy(stock)
+        if layers != "stock":
+            patch_model(model, "score:1000", layers=layers)
+        model.train()(x).square().sum().backward()
+        return model.layers[1].qkv.weight.grad
+
+    all_layers, stock_grad = layer1_grad(None), layer1_grad("stock")
+    assert (all_layers - stock_grad).norm() > 1e-2 * stock_grad.norm()
+    assert (layer1_grad([1]) - all_layers).norm() < 1e-5 * all_layers.norm()
+    with pytest.raises(ValueError, match=r"layers=\[2\]: Model has layers 0..1"):
+        patch_model(copy.deepcopy(stock), "score:1000", layers=[2])
+
+
+def test_two_settings_saves_at_once_each_leave_a_whole_file(tmp_path, monkeypatch):
+    """A second process saves into the folder while the first is halfway through its write: whichever replaces
+    the file last, it is whole (each writes its own partial file)."""
+    import os
+
+    dump, first, second = json.dump, SpanAttentionConfig.from_label("score:1100"), SpanAttentionConfig()
+
+    def halfway(data, f, **kwargs):
+        f.write('{"method": "sco')
+        f.flush()
+        with monkeypatch.context() as other_process:
+            other_process.setattr(json, "dump", dump)
+            other_process.setattr(os, "getpid", lambda: -1)
+            second.save_pretrained(tmp_path)
+        f.seek(0)
+        dump(data, f, **kwargs)
+
+    monkeypatch.setattr(json, "dump", halfway)
+    first.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert SpanAttentionConfig.from_pretrained(tmp_path) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["span_attention_config.json"]

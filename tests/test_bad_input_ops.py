@@ -19,6 +19,7 @@ from hf_spanattn import SpanAttentionConfig, span_attention
 from hf_spanattn.ops.inputs import MASKED_AT
 
 SDPA = "matches SDPA"
+QKV = ("query", "key", "value")
 EXACT = SpanAttentionConfig.from_label("score:1111")
 F64_MIN = torch.finfo(torch.float64).min
 
@@ -153,6 +154,10 @@ CASES: dict[str, tuple[Callable[[], dict], object]] = {
     "key_value_lengths_differ": (lambda: with_(qkv(), value=qkv(t=5)["value"]), (ValueError, "sequence length")),
     "one_dimensional": (lambda: {k: x[0, 0, 0] for k, x in qkv().items()}, (ValueError, "at least 2 dimensions")),
     "int_inputs": (lambda: {k: x.long() for k, x in qkv().items()}, (ValueError, "query must be a floating-point")),
+    "sparse_key": (lambda: with_(qkv(), key=qkv()["key"].to_sparse()),
+                   (TypeError, "key must be a dense tensor.*sparse_coo")),
+    "sparse_mask": (lambda: with_(qkv(), attn_mask=left_padding(0.0).to_sparse()),
+                    (TypeError, "attn_mask must be a dense tensor.*sparse_coo")),
     "dtypes_differ": (lambda: with_(qkv(), key=qkv()["key"].float()), (ValueError, "share a dtype")),
     "heads_not_a_multiple": (lambda: qkv(h_q=3, h_kv=2), (ValueError, "multiple")),
     "batches_do_not_broadcast": (lambda: with_(qkv(), key=qkv(b=3)["key"], value=qkv(b=3)["value"]),
@@ -499,3 +504,39 @@ def test_a_value_head_dim_unlike_the_query_s_runs_on_the_fused_kernels(label, d_
     for g, r, std in zip(grads, ref_grads, std_grads):
         assert g.shape == r.shape  # relative to the larger of the rule's and the standard gradient
         assert (g.double() - r).norm() / max(r.norm(), std.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_float64_inside_autocast_runs_in_float64_as_sdpa(grad):
+    """Autocast leaves float64 alone: SDPA's float64 output and (at score:1111) gradients, with or without
+    autograd; float64 beside a tensor autocast casts gets SDPA's refusal, with the dtypes named."""
+    inputs = list(qkv().values())
+    d_out = torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _run(inputs, d_out, span_attention, is_causal=True, config=EXACT) if grad else \
+            (span_attention(*inputs, is_causal=True, config=EXACT), ())
+        expected, expected_grads = _run(inputs, d_out, lambda *x, **k: sdpa(dict(zip(QKV, x), **k)), is_causal=True)
+        assert out.dtype == torch.float64
+        for got, want in ((out, expected), *zip(grads, expected_grads)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match=r"share a dtype.*under autocast torch.float64, torch.bfloat16"):
+            span_attention(inputs[0], *(x.float().requires_grad_(grad) for x in inputs[1:]), config=EXACT)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")  # torch's, from inside SDPA
+def test_nested_tensors_get_sdpas_result_or_say_span_gradients_need_dense_ones():
+    """Ragged (jagged nested) batches: SDPA's output without autograd and under the plain standard rule (with
+    its gradients); span gradients an error that says how to pad them."""
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 5, 8])
+    ragged = [torch.nested.nested_tensor_from_jagged(torch.randn(8, 2, 8, generator=gen), offsets).transpose(1, 2)
+              for _ in range(3)]
+    expected = F.scaled_dot_product_attention(*ragged)
+    torch.testing.assert_close(span_attention(*ragged).values(), expected.values(), rtol=0, atol=0)
+    leaves = [x.detach().requires_grad_(True) for x in ragged]
+    out = span_attention(*leaves, config="standard:QKV111")
+    torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=0)
+    out.values().sum().backward()
+    assert all(x.grad is not None for x in leaves)
+    with pytest.raises(TypeError, match=r"nested tensors do not take span gradients; pad them \(to_padded_tensor\)"):
+        span_attention(*leaves, config="score:1000")

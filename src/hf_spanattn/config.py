@@ -16,20 +16,22 @@ form (`repr`), so that every label reads back as the same setting: `score:1,0.5,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import decimal
 import difflib
 import json
 import math
-import numbers
 import os
 import re
+import shutil
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from typing import Any, TextIO
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
-from hf_spanattn.ops.inputs import as_float
+from hf_spanattn.ops.inputs import as_float, as_int
 from hf_spanattn.ops.rules import RULES, Rule
 
 CONFIG_NAME = "span_attention_config.json"
@@ -44,8 +46,11 @@ _LABEL = re.compile(rf"^(?P<method>[a-z]+):(?P<alphas>{_NUMBERS}*?)(?:\+?QKV(?P<
 
 def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, ...]:
     alphas = None
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
-        alphas = tuple(as_float(a) for a in value)
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping, Set)):  # a set has no order
+        try:
+            alphas = tuple(float(a) if isinstance(a, decimal.Decimal) else as_float(a) for a in value)
+        except TypeError:  # iterable by type only, such as a 0-d tensor or array
+            alphas = None
     if alphas is None or None in alphas:
         raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None
     if len(alphas) != count:
@@ -71,16 +76,18 @@ def _parse_alphas(text: str, label: str) -> tuple[float, ...]:
 
 
 def _layers_field(value: Any) -> tuple[int, ...] | None:
-    """Layer indices as sorted distinct ints (NumPy integers included), or None if they are not that."""
+    """Layer indices as sorted distinct ints (NumPy integers and 0-d tensors included), or None if they are not
+    that."""
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
         return None
     try:
         layers = list(value)
     except TypeError:  # iterable by type only, such as a 0-d tensor
         return None
-    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in layers):
+    indices = [as_int(i) for i in layers]
+    if None in indices or min(indices, default=0) < 0:
         return None
-    return tuple(sorted({int(i) for i in layers}))
+    return tuple(sorted(set(indices)))
 
 
 def _version_field(value: Any, source: str) -> None:
@@ -89,7 +96,7 @@ def _version_field(value: Any, source: str) -> None:
 
     try:
         written = Version(value) if isinstance(value, str) else None
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a number past Python's digit limit
         written = None
     if written is None:
         raise ValueError(f"{source}{VERSION_KEY}={value!r}: expected the version string of the hf_spanattn that "
@@ -112,12 +119,50 @@ def as_config(config: Any, caller: str, none: str) -> SpanAttentionConfig | None
                     f"label string such as 'score:1000', or None ({none}){hint}")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"the key {key!r} is given twice; keep one")
+        data[key] = value
+    return data
+
+
 def _read_json(path: str) -> Any:
+    """A JSON file as written by hand too: UTF-8 with or without a byte order mark (or UTF-16/32, which
+    `json.loads` tells from its first bytes); a key given twice is refused rather than the first one dropped."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        with open(path, "rb") as f:
+            return json.loads(f.read(), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
+
+
+def write_whole(path: str, write: Callable[[TextIO], Any]) -> None:
+    """The file at `path` as `write(f)` writes it, whole or not at all: a save cut short leaves the file saved
+    before it whole, and two processes saving at once each replace it whole (each writes its own partial file
+    beside it first). A symbolic link stays one (the file it points to is replaced) and the file keeps its
+    permissions. Text is UTF-8; bytes that are not pass through as `surrogateescape` escapes."""
+    path = os.path.realpath(path)
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+            write(f)
+        if os.path.exists(path):
+            shutil.copymode(path, partial)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
+
+
+def _path_argument(value: Any, caller: str, name: str, expected: str) -> str:
+    """A path argument as a string: a non-empty str or os.PathLike without NUL characters."""
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise TypeError(f"{caller}: {name}={value!r}: expected {expected}")
+    return path
 
 
 def _looks_local(path: str) -> bool:
@@ -257,17 +302,22 @@ class SpanAttentionConfig:
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs: Any) -> str:
         """Write `span_attention_config.json` into `save_directory` (and push it if asked)."""
-        if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory):
-            raise TypeError(f"SpanAttentionConfig.save_pretrained: save_directory={save_directory!r}: expected a "
-                            f"folder (created if missing; {CONFIG_NAME} is written into it)")
-        if os.path.isfile(save_directory):
-            raise FileExistsError(f"SpanAttentionConfig.save_pretrained: save_directory={os.fspath(save_directory)!r} "
-                                  f"is a file; expected a folder ({CONFIG_NAME} is written into it)")
-        os.makedirs(save_directory, exist_ok=True)
-        path = os.path.join(save_directory, CONFIG_NAME)
-        with open(path, "w") as f:
+        folder = _path_argument(save_directory, "SpanAttentionConfig.save_pretrained", "save_directory",
+                                f"a folder (created if missing; {CONFIG_NAME} is written into it)")
+        if not isinstance(push_to_hub, bool):
+            raise TypeError(f"SpanAttentionConfig.save_pretrained: push_to_hub={push_to_hub!r}: expected True or False")
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            what = "a file" if os.path.exists(folder) else "a symbolic link to nothing"
+            raise FileExistsError(f"SpanAttentionConfig.save_pretrained: save_directory={folder!r} is {what}; expected "
+                                  f"a folder ({CONFIG_NAME} is written into it)")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, CONFIG_NAME)
+
+        def write(f: TextIO) -> None:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
+
+        write_whole(path, write)
         if push_to_hub:
             self.push_to_hub(hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory))), **hub_kwargs)
         return path
@@ -275,23 +325,27 @@ class SpanAttentionConfig:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs: Any) -> SpanAttentionConfig:
         """Read the settings from a local folder (or file), or from a Hub repository."""
-        if not isinstance(name_or_path, (str, os.PathLike)) or not os.fspath(name_or_path):
-            raise TypeError(f"SpanAttentionConfig.from_pretrained: name_or_path={name_or_path!r}: expected a folder, "
-                            f"a {CONFIG_NAME} file or a Hub repository id ('owner/name')")
-        path = os.fspath(name_or_path)
+        path = _path_argument(name_or_path, "SpanAttentionConfig.from_pretrained", "name_or_path",
+                              f"a folder, a {CONFIG_NAME} file or a Hub repository id ('owner/name')")
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
                 model = " (a saved model keeps its settings in config.json: hf_spanattn.load_pretrained reads them)" \
                     if os.path.isfile(os.path.join(path, "config.json")) else ""
                 raise FileNotFoundError(f"{path}: the folder has no {CONFIG_NAME} (written by save_pretrained){model}")
             path = os.path.join(path, CONFIG_NAME)
+        elif os.path.exists(path) and not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: not a file or a folder; expected a folder or a {CONFIG_NAME} file")
         elif not os.path.isfile(path):
             if _looks_local(path):
                 raise FileNotFoundError(f"{path}: no such file or folder (a local path; a Hub repository id "
                                         "reads 'owner/name')")
             from huggingface_hub import hf_hub_download
 
-            path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
+            try:
+                path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
+            except (OSError, ValueError) as err:  # not found, offline, not a repository id, ...
+                raise OSError(f"{path}: no such local file or folder, and {CONFIG_NAME} could not be fetched from a "
+                              f"Hub repository of that name ({type(err).__name__}: {err})") from err
         data = _read_json(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of SpanAttentionConfig fields, got {data!r}")

@@ -64,10 +64,13 @@ def install() -> None:
         if is_adapter_folder(folder) and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
             base = peft_model.get_base_model()
             if config_of(base.config) is None or not _patched(base):
-                saved = SpanAttentionConfig.from_pretrained(folder)
-                warnings.warn(f"{folder} holds span attention settings ({saved.label}) but the model it was loaded "
-                              "into is not patched, so it trains with the standard gradient. Load it with "
-                              f"hf_spanattn.load_pretrained({os.fspath(folder)!r}), or call "
+                try:  # only to name them: PEFT's load itself needs nothing of them
+                    saved = f"span attention settings ({SpanAttentionConfig.from_pretrained(folder).label})"
+                except (ValueError, TypeError) as err:
+                    saved = f"span attention settings that cannot be read ({err})"
+                warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
+                              f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
+                              f"{os.fspath(folder)!r}), or call "
                               "hf_spanattn.patch_model(model, SpanAttentionConfig.from_pretrained(folder)).",
                               stacklevel=2)
         return peft_model
@@ -103,8 +106,20 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
 
     from hf_spanattn.integration.patch import patch_model
 
-    base = model_class.from_pretrained(_base_model_of(folder, PeftConfig.from_pretrained(folder)), **kwargs)
-    if config is None and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+    try:
+        peft_config = PeftConfig.from_pretrained(folder)
+    except (ValueError, TypeError, KeyError, AttributeError) as err:  # PEFT names neither the file nor the cause
+        raise ValueError(f"{os.path.join(folder, ADAPTER_CONFIG)}: PEFT cannot read it as an adapter config "
+                         f"({type(err).__name__}: {err})") from None
+    base = model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs)
+    saved = os.path.join(folder, CONFIG_NAME)
+    from_file = config is None and os.path.isfile(saved)
+    if from_file:
         config = SpanAttentionConfig.from_pretrained(folder)
-    patch_model(base, config, layers)
+    try:
+        patch_model(base, config, layers)
+    except ValueError as err:  # the settings saved beside the adapter do not fit its base model
+        if not from_file or layers is not None:
+            raise
+        raise ValueError(f"{saved}: {err}") from None
     return PeftModel.from_pretrained(base, folder, is_trainable=is_trainable)

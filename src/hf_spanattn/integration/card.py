@@ -8,6 +8,9 @@ model was loaded from a Hub repository), and PEFT into an adapter's card (with `
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from packaging.version import Version
 from transformers import PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig
@@ -24,14 +27,26 @@ def tags(config: SpanAttentionConfig) -> list[str]:
 
 
 def ours(tag: object) -> bool:
-    return isinstance(tag, str) and (tag == TAG or tag.startswith((RULE_PREFIX, VERSION_PREFIX)))
+    """A tag that `tags` writes (this version or another); a user's own tag that only begins as ours do, such as
+    'span_attention:notes', is not."""
+    if not isinstance(tag, str):
+        return False
+    try:
+        if tag.startswith(RULE_PREFIX):
+            return SpanAttentionConfig.from_label(tag[len(RULE_PREFIX):]) is not None
+        if tag.startswith(VERSION_PREFIX):
+            return Version(tag[len(VERSION_PREFIX):]) is not None
+    except ValueError:
+        return False
+    return tag == TAG
 
 
 def set_tags(model: PreTrainedModel, config: SpanAttentionConfig | None) -> None:
     """Replace the model's hf_spanattn tags by those of `config` (none for None), keeping the others
-    (one tag set as a string is one tag, as `add_model_tags` takes it)."""
+    (one tag set as a string is one tag, as `add_model_tags` takes it; so are bytes and a number)."""
     if model.model_tags:
-        existing = [model.model_tags] if isinstance(model.model_tags, str) else model.model_tags
+        held = model.model_tags
+        existing = held if isinstance(held, Iterable) and not isinstance(held, (str, bytes)) else [held]
         model.model_tags = [tag for tag in existing if not ours(tag)] or None
     if config is not None:
         model.add_model_tags(tags(config))

@@ -8,6 +8,7 @@ registry, gets a small adapter on its attention modules.
 from __future__ import annotations
 
 import functools
+import os
 import types
 import warnings
 from typing import Any
@@ -15,15 +16,18 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_spanattn.config import SpanAttentionConfig, as_config
+from hf_spanattn.config import SpanAttentionConfig, _path_argument, as_config
 from hf_spanattn.integration import adapters, card, packing
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
+    LAYER_ATTR,
     PROBE_ATTR,
+    attention_modules,
     config_of,
     documents_of,
     keeps_sdpa,
+    layer_count,
     register,
     settings_for,
     stored_source,
@@ -84,7 +88,11 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
                          "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
                          f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
-    n_layers = base.config.get_text_config().num_hidden_layers
+    if not attention_modules(base) and config.layers is not None:  # numbered here where the modules carry no index
+        raise ValueError(f"layers={list(config.layers)}: the attention modules of {type(base).__name__} carry no layer "
+                         "index and its layers could not be found, so a selection cannot be applied; patch every "
+                         "layer (layers=None)")
+    n_layers = layer_count(base)
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
@@ -118,6 +126,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
     card.set_tags(base, None)
+    for module in base.modules():
+        module.__dict__.pop(LAYER_ATTR, None)
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"
@@ -162,7 +172,7 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     return out.to(value.dtype), None
 
 
-def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None = None,
+def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig | str | None = None,
                     model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
                     layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module:
     """Load a model and patch it: with `config` if given, else with the settings saved in its config;
@@ -172,6 +182,8 @@ def load_pretrained(name_or_path: str, config: SpanAttentionConfig | str | None 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
     (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
     patched with the settings saved beside the adapter (else those of the base model's config)."""
+    name_or_path = _path_argument(name_or_path, "load_pretrained", "name_or_path",
+                                  "a saved model's folder, a PEFT adapter's folder or a Hub repository id")
     config = as_config(config, "load_pretrained", "the settings saved with the model")
     if not isinstance(is_trainable, bool):
         raise TypeError(f"load_pretrained: is_trainable={is_trainable!r}: expected True or False")

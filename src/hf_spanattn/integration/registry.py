@@ -27,6 +27,7 @@ ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
 OVERRIDE_ATTR = "span_attention_override"  # module attribute: settings set at run time (schedules)
 PROBE_ATTR = "span_attention_probe"  # module attribute: diagnostics probe for the backward pass
+LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, where the model's modules carry none
 logger = logging.get_logger("hf_spanattn")
 
 
@@ -41,8 +42,10 @@ def register() -> None:
 
 
 # The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
-# which compare equal), so that the per-call lookup is one dict read and a changed dict is parsed afresh.
-_PARSED: dict[str, SpanAttentionConfig] = {}
+# which compare equal) and the folder it was loaded from (whose config.json is checked and named), so that the
+# per-call lookup is one dict read and a changed dict, or one read from another file, is parsed afresh; with
+# whether the section saves as JSON as it is.
+_PARSED: dict[tuple[str, str], tuple[SpanAttentionConfig, bool]] = {}
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
@@ -53,27 +56,40 @@ def config_of(model_config: Any) -> SpanAttentionConfig | None:
         return None
     if isinstance(data, SpanAttentionConfig):
         return _store(model_config, data)
-    key = repr(data)
-    config = _PARSED.get(key)
-    if config is None:
+    key = (repr(data), str(getattr(model_config, "_name_or_path", "")))  # and the file it may come from
+    entry = _PARSED.get(key)
+    if entry is None:
         if len(_PARSED) >= 64:
             _PARSED.clear()
-        config = _PARSED[key] = _parse(data, model_config)
-    return config
+        entry = _PARSED[key] = (_parse(data, model_config), _saves_as_json(data))
+    config, saves = entry
+    return config if saves else _store(model_config, config)
 
 
 @torch.compiler.disable  # once, outside any graph
 def _store(model_config: Any, config: SpanAttentionConfig) -> SpanAttentionConfig:
-    """Settings set on the model config by hand as a SpanAttentionConfig, stored as the dict patch_model
-    writes, so that the config saves as JSON (Transformers' `to_json_string` takes JSON types only)."""
+    """Settings set on the model config by hand as a SpanAttentionConfig, or as a dict with values JSON does not
+    take (NumPy numbers and arrays), stored as the dict patch_model writes, so that the config saves as JSON
+    (Transformers' `to_json_string` takes JSON types only)."""
     setattr(model_config, CONFIG_KEY, config.to_dict())
     return config
+
+
+def _saves_as_json(data: Any) -> bool:
+    try:
+        json.dumps(data, sort_keys=True)  # as Transformers' to_json_string
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 @torch.compiler.disable  # parsed once, outside any graph (it reads files for its messages)
 def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
     """A stored section parsed; layers outside the model whose config holds it warn (once per section)."""
-    source = stored_source(model_config)
+    path, twice = _stored_file(model_config)
+    source = f"{path}, field {CONFIG_KEY!r}" if path else f"model config field {CONFIG_KEY!r}"
+    if twice:  # Transformers read the file keeping the last of the two; which one was meant is not known
+        raise ValueError(f"{source}: the key {twice[0]!r} is given twice; keep one")
     n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(data, dict):
         raise TypeError(f"{source} = {data!r}: expected a dict of SpanAttentionConfig fields as patch_model writes "
@@ -109,7 +125,13 @@ def check_once(model_config: Any) -> None:
 def stored_source(model_config: Any) -> str:
     """Where the stored settings came from, for messages: the config.json the model was loaded from, when
     that file holds these settings (a local folder, or the Hub's local cache), else the model config."""
-    field = f"model config field {CONFIG_KEY!r}"
+    path, _ = _stored_file(model_config)
+    return f"{path}, field {CONFIG_KEY!r}" if path else f"model config field {CONFIG_KEY!r}"
+
+
+def _stored_file(model_config: Any) -> tuple[str | None, list[str]]:
+    """The config.json the model was loaded from, when that file holds the settings on `model_config` (else None),
+    and the keys given twice in its settings (the section's own name among them, if the file gives it twice)."""
     name = str(getattr(model_config, "_name_or_path", "") or "")
     path = os.path.join(name, CONFIG_NAME) if os.path.isdir(name) else None
     if path is None and name and not os.path.exists(name):
@@ -120,18 +142,31 @@ def stored_source(model_config: Any) -> str:
             path = cached if isinstance(cached, str) else None
         except Exception:  # not a repository id
             path = None
+    twice: list[tuple[dict, str]] = []  # (object, key) for each key an object gives again
+
+    def keep_twice(pairs: list[tuple[str, Any]]) -> dict:
+        data: dict = {}
+        for key, value in pairs:
+            if key in data:
+                twice.append((data, key))
+            data[key] = value
+        return data
+
     try:
-        with open(path) as f:
-            saved = json.load(f).get(CONFIG_KEY)
+        with open(path, "rb") as f:
+            top = json.loads(f.read(), object_pairs_hook=keep_twice)
+        saved = top.get(CONFIG_KEY)
         same = json.dumps(saved, sort_keys=True) == json.dumps(getattr(model_config, CONFIG_KEY, None),
                                                                sort_keys=True, default=repr)
     except Exception:  # no file, or not the file these settings came from
-        same = False
-    return f"{path}, field {CONFIG_KEY!r}" if same else field
+        return None, []
+    if not same:
+        return None, []
+    return path, [key for data, key in twice if data is saved or (data is top and key == CONFIG_KEY)]
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
-    for name in ("layer_idx", "layer_id"):
+    for name in ("layer_idx", "layer_id", LAYER_ATTR):
         value = getattr(module, name, None)
         if isinstance(value, int):
             return value
@@ -139,7 +174,35 @@ def layer_index(module: torch.nn.Module) -> int | None:
 
 
 def attention_modules(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
-    """The modules of each decoder layer that carry its index (where overrides and probes go)."""
+    """The modules of each decoder layer that carry its index (where overrides and probes go). Where none
+    does (DistilBERT's and ViT's attention), the modules of each entry of the model's one list of layers are
+    given its index first (`LAYER_ATTR`), so that `layers` selects them."""
+    layers = _indexed(model)
+    if not layers:
+        n_layers = _configured_layers(model)
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers]
+        for index, layer in enumerate(lists[0] if len(lists) == 1 else ()):
+            for module in layer.modules():
+                if hasattr(module, "config"):
+                    setattr(module, LAYER_ATTR, index)
+        layers = _indexed(model)
+    return layers
+
+
+def layer_count(model: torch.nn.Module) -> int:
+    """The model's number of layers: its config's `num_hidden_layers`, else (a config that does not say, as a
+    custom model's may) one more than the highest layer index its attention modules carry."""
+    n_layers = _configured_layers(model)
+    return n_layers if n_layers is not None else max(attention_modules(model), default=-1) + 1
+
+
+def _configured_layers(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    n_layers = getattr(config.get_text_config(), "num_hidden_layers", None) if config is not None else None
+    return n_layers if isinstance(n_layers, int) else None
+
+
+def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     layers: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         index = layer_index(module)
@@ -164,6 +227,11 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
         )
         config = SpanAttentionConfig()
     if config.layers is not None and layer_index(module) not in config.layers:
+        if layer_index(module) is None:
+            logger.warning_once(
+                f"span_attention: {type(module).__name__} carries no layer index, so layers={list(config.layers)} "
+                "cannot select it and it keeps stock gradients; hf_spanattn.patch_model(model) numbers the layers of "
+                "models whose attention carries none.")
         return None
     return config
 

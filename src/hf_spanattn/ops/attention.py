@@ -64,7 +64,8 @@ def span_attention(
     not to Q and K (as under the bool mask), on the fused kernels what SDPA's backward gives it.
     Span rules need self-attention (T == S).
     Without autograd, with the plain standard gradient (`standard:QKV111`), or with nothing to
-    take spans of (an empty dimension, the meta device), this is SDPA itself. Bad input gets a
+    take spans of (an empty dimension, the meta device), this is SDPA itself; so it is for nested
+    (ragged) tensors, whose span gradients need them padded and masked. Bad input gets a
     ValueError or TypeError that names the argument; NaN or inf in the input gives NaN
     gradients for the (batch, head) it reaches, as in SDPA.
 
@@ -84,13 +85,20 @@ def span_attention(
     if set, else fused on accelerators and tiles on the CPU or for float64.
     """
     config = _config(config)
-    if probe is not None and not callable(probe):
-        raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, "
-                        f"got {type(probe).__name__}")
+    if probe is not None and (not callable(probe) or isinstance(probe, type)):
+        got = f"the class {probe.__name__} (pass an instance)" if isinstance(probe, type) else type(probe).__name__
+        raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, got {got}")
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (query, key, value))
+    plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None
+    if any(getattr(x, "is_nested", False) for x in (query, key, value)):  # SDPA's ragged batches
+        if needs_grad and not plain:
+            raise TypeError("span_attention: nested tensors do not take span gradients; pad them (to_padded_tensor) "
+                            "and pass the padding as a bool attn_mask, or use config='standard:QKV111', which is SDPA "
+                            "itself (nested tensors included)")
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    device = query.device.type
-    autocast = device != "meta" and torch.is_autocast_enabled(device)  # as SDPA under autocast: its dtype
-    dtype = torch.get_autocast_dtype(device) if autocast else query.dtype
+    device, dtype = query.device.type, layout.dtype  # as SDPA under autocast: its dtype, float64 left as it is
     backend = _backend(backend, dtype, device, probe)  # checked with or without autograd
     dropout_p, scale = layout.dropout_p, layout.scale
     if is_causal and scale is not None and not scale > 0:
@@ -98,11 +106,9 @@ def span_attention(
         # kernel with the causal mask given explicitly, the softmax of the scaled scores
         attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
         is_causal = False
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     query, key, value, attn_mask = broadcast_inputs(layout, query, key, value, attn_mask)
     b, h_q, t, d = query.shape
     h_kv, s = key.shape[1], key.shape[2]
-    plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None
     # nothing to take spans of: no data (the meta device) or an empty dimension
     shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d, value.shape[-1])
     if not needs_grad or plain or shape_only:

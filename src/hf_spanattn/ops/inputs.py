@@ -78,11 +78,35 @@ def as_float(value: Any, bools: bool = False) -> float | None:
         return None
 
 
+def as_int(value: Any) -> int | None:
+    """An integer as Python, NumPy or a 0-d integer tensor holds it (a 0-d NumPy array too), as a Python int;
+    None for anything else: bools, and floats even when whole."""
+    if isinstance(value, torch.Tensor):
+        ok = value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype != torch.bool and value.device.type != "meta"
+        return int(value) if ok else None
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        value = value.item()
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        return None
+    return int(value)
+
+
+def run_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA runs x in: under autocast on x's device the autocast dtype, except for float64, which
+    autocast leaves as it is; else x's own."""
+    device = x.device.type
+    if device != "meta" and torch.is_autocast_enabled(device) and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the inputs broadcast, as in SDPA: the batch dimensions (all before the heads, dim −3), the
     query heads after broadcasting, the key/value heads, and the output's shape; `dropout_p` and
-    `scale` as Python floats."""
+    `scale` as Python floats; the dtype the attention runs in (`run_dtype`)."""
 
     batch: tuple[int, ...]
     h_q: int
@@ -90,6 +114,7 @@ class Layout:
     out_shape: tuple[int, ...]
     dropout_p: float
     scale: float | None
+    dtype: torch.dtype
 
 
 def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -100,6 +125,8 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     for name, x in named.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"span_attention: {name} must be a tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise TypeError(f"span_attention: {name} must be a dense tensor (as in SDPA), got layout {x.layout}")
         if not x.is_floating_point():
             raise ValueError(f"span_attention: {name} must be a floating-point tensor, got {x.dtype}")
         if x.dim() < 2:
@@ -108,10 +135,11 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     if len({x.device for x in named.values()}) > 1:
         raise ValueError(f"span_attention: query, key and value must be on one device, got {query.device}, "
                          f"{key.device}, {value.device}")
-    autocast = query.device.type != "meta" and torch.is_autocast_enabled(query.device.type)
-    if not autocast and not query.dtype == key.dtype == value.dtype:
-        raise ValueError(f"span_attention: query, key and value must share a dtype, got "
-                         f"{query.dtype}, {key.dtype}, {value.dtype}")
+    dtypes = [run_dtype(x) for x in named.values()]
+    if len(set(dtypes)) > 1:
+        cast = [x.dtype for x in named.values()] != dtypes
+        raise ValueError(f"span_attention: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+                         f"{value.dtype}" + (f" (under autocast {', '.join(map(str, dtypes))})" if cast else ""))
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"span_attention: query and key must have the same head dim (last dimension), got "
                          f"{query.shape[-1]} and {key.shape[-1]}")
@@ -156,9 +184,10 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             raise ValueError("span_attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"span_attention: attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
-        allowed = {torch.bool, torch.float32, query.dtype}
-        if autocast:
-            allowed.add(torch.get_autocast_dtype(query.device.type))
+        if attn_mask.layout != torch.strided:
+            raise TypeError(f"span_attention: attn_mask must be a dense tensor (as in SDPA), got layout "
+                            f"{attn_mask.layout}")
+        allowed = {torch.bool, torch.float32, query.dtype, dtypes[0]}
         if attn_mask.dtype not in allowed:
             raise ValueError(f"span_attention: attn_mask must be bool (True = attend) or an additive float mask in "
                              f"{' or '.join(sorted({str(d) for d in allowed - {torch.bool}}))}, "
@@ -169,7 +198,7 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
         if attn_mask.dim() < 2 or not _broadcasts_to(tuple(attn_mask.shape), full):
             raise ValueError(f"span_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(batch…, heads, T, S) = {full}")
-    return Layout(batch, h_q, h_kv, out_shape, p, scale_f)
+    return Layout(batch, h_q, h_kv, out_shape, p, scale_f, dtypes[0])
 
 
 def _kind(value: Any) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import numbers
 import os
 import sys
 import warnings
@@ -15,9 +14,17 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import has_length
 
-from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.config import SpanAttentionConfig, write_whole
 from hf_spanattn.integration.patch import base_model
-from hf_spanattn.integration.registry import OVERRIDE_ATTR, PROBE_ATTR, attention_modules, config_of, settings_for
+from hf_spanattn.integration.registry import (
+    OVERRIDE_ATTR,
+    PROBE_ATTR,
+    attention_modules,
+    config_of,
+    layer_count,
+    settings_for,
+)
+from hf_spanattn.ops.inputs import as_int
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
 
@@ -71,24 +78,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     def __init__(self, schedule: Schedule | list | None = None, diagnostics_every: int = 0,
                  diagnostics_per_head: bool = False, diagnostics_file: str | None = None) -> None:
-        if isinstance(schedule, (list, tuple)):
-            schedule = Schedule(list(schedule))
-        if schedule is not None and not isinstance(schedule, Schedule):
-            raise ValueError(f"schedule={schedule!r}: expected a Schedule or a list of keyframes")
-        if not isinstance(diagnostics_every, numbers.Integral) or isinstance(diagnostics_every, bool) \
-                or diagnostics_every < 0:
-            raise ValueError(f"diagnostics_every={diagnostics_every!r}: expected an integer >= 0 (0 = off)")
-        if not isinstance(diagnostics_per_head, bool):
-            raise ValueError(f"diagnostics_per_head={diagnostics_per_head!r}: expected True or False")
-        if diagnostics_file is not None and (not isinstance(diagnostics_file, (str, os.PathLike)) or (
-                os.fspath(diagnostics_file) and _names_a_folder(os.fspath(diagnostics_file)))
-                or "\0" in str(os.fspath(diagnostics_file))):
-            raise ValueError(f"diagnostics_file={diagnostics_file!r}: expected a file name (a path relative to the "
-                             "Trainer's output_dir) or None")
-        self.schedule = schedule
-        self.diagnostics_every = int(diagnostics_every)
-        self.diagnostics_per_head = diagnostics_per_head
-        self.diagnostics_file = None if diagnostics_file is None else os.fspath(diagnostics_file)  # JSON in the state
+        # diagnostics_file: kept as a string, JSON in the state
+        self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file = _checked(
+            schedule, diagnostics_every, diagnostics_per_head, diagnostics_file)
         self._frames: list | None = None
         self._layers: dict[int, list] = {}
         self._per_layer = False
@@ -110,6 +102,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     # -- the Trainer's events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        self._check()
         self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
@@ -121,7 +114,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
         self._alphas_logged_at = None
         if self.schedule is not None:
-            n_layers = base.config.get_text_config().num_hidden_layers
+            n_layers = layer_count(base)
             steps_per_epoch = None  # as the Trainer counts them: a last partial accumulation is a step
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
@@ -133,7 +126,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
                              "folder; expected the name of the JSONL file to write")
         if self.diagnostics_every and state.is_world_process_zero:
-            _start_records(self._path, state.global_step)
+            _start_records(self._path, state.global_step, state.log_history)
         self._apply(state.global_step)
 
     def _move_first(self) -> None:
@@ -238,14 +231,42 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     module.__dict__.pop(OVERRIDE_ATTR, None)
         self._applied = settings
 
+    def _check(self) -> None:
+        """The settings checked again: code may have set them since, and so may a checkpoint's trainer_state.json
+        that the Trainer restored this callback from."""
+        try:
+            self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file = _checked(
+                self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file)
+        except ValueError as err:
+            raise ValueError(f"SpanAttentionCallback: {err} (an attribute set after the callback was made, or "
+                             "restored from a checkpoint's trainer_state.json, field stateful_callbacks)") from None
+
     # -- checkpoints ------------------------------------------------------------------------
     def state(self) -> dict:
+        self._check()  # the Trainer asks for it before training starts, and writes it into trainer_state.json
         keyframes = [vars(k) for k in self.schedule.keyframes] if self.schedule else None
         return {"args": {"schedule": keyframes, "diagnostics_every": self.diagnostics_every,
                          "diagnostics_per_head": self.diagnostics_per_head,
                          "diagnostics_file": self.diagnostics_file},
                 "attributes": {"last_step": self.last_step}}
 
+
+
+def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Schedule | None, int, bool, str | None]:
+    """The callback's settings, validated: (schedule, diagnostics_every, diagnostics_per_head, diagnostics_file)."""
+    if isinstance(schedule, (list, tuple)):
+        schedule = Schedule(list(schedule))
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise ValueError(f"schedule={schedule!r}: expected a Schedule or a list of keyframes")
+    if as_int(every) is None or as_int(every) < 0:
+        raise ValueError(f"diagnostics_every={every!r}: expected an integer >= 0 (0 = off)")
+    if not isinstance(per_head, bool):
+        raise ValueError(f"diagnostics_per_head={per_head!r}: expected True or False")
+    if file is not None and (not isinstance(file, (str, os.PathLike)) or not isinstance(os.fspath(file), str)
+                             or (os.fspath(file) and _names_a_folder(os.fspath(file))) or "\0" in os.fspath(file)):
+        raise ValueError(f"diagnostics_file={file!r}: expected a file name (a path relative to the Trainer's "
+                         "output_dir) or None")
+    return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
 
 
 def _calling_handler_callbacks(callback: SpanAttentionCallback) -> list | None:
@@ -277,32 +298,78 @@ def _inside(output_dir: str, path: str) -> str:
     return full
 
 
-def _start_records(path: str, step: int) -> None:
-    """Where training starts at `step`, so that no step is written twice: a resumed run keeps the records
-    up to its step; a fresh one (step 0) moves an earlier run's records aside, to <file>.replaced-<n>."""
+def _start_records(path: str, step: int, log_history: list) -> None:
+    """Where training starts at `step`, so that no step is written twice and nothing else is lost. A fresh run
+    (step 0) moves an earlier run's records aside, to <file>.replaced-<n>; so does a resumed run whose records up
+    to its step are not those its checkpoint logged (`log_history`): the file is another run's. Otherwise a resumed
+    run drops the records past its step (with a line a stop cut short), and keeps every line that is not a record
+    as it is, saying so. The file is cut or replaced whole, never left half-written."""
     if not os.path.isfile(path):
         return
     if step == 0:
         if os.path.getsize(path):
-            n = 1
-            while os.path.exists(f"{path}.replaced-{n}"):
-                n += 1
-            os.replace(path, f"{path}.replaced-{n}")
-            warnings.warn(f"SpanAttentionCallback: {path} holds the diagnostics of an earlier run; this run starts at "
-                          f"step 0, so they are moved to {path}.replaced-{n} and the new run writes its own",
-                          stacklevel=4)
+            _move_aside(path, "holds the diagnostics of an earlier run; this run starts at step 0")
         return
-    with open(path) as f:
-        lines = f.readlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        except (ValueError, KeyError, TypeError):
-            pass  # a line cut short when the run was stopped
-    if len(kept) != len(lines):
-        logger.info("%s: dropped %d records past step %d, where training resumes", path, len(lines) - len(kept),
-                    step)
-        with open(path, "w") as f:
-            f.writelines(kept)
+    with open(path, "rb") as f:
+        whole = f.read()
+    lines = whole.splitlines(keepends=True)
+    records = [_record(line) for line in lines]
+    foreign = _not_logged(step, [r for r in records if r is not None and r["step"] <= step], log_history)
+    if foreign is not None:
+        _move_aside(path, f"holds diagnostics that this run's checkpoint did not log (step {foreign}), so they are "
+                          f"another run's; this run resumes at step {step}")
+        return
+    cut = len(lines) - 1 if lines and records[-1] is None and not lines[-1].endswith(b"\n") else None
+    other = [n + 1 for n, (line, r) in enumerate(zip(lines, records)) if r is None and line.strip() and n != cut]
+    kept = [line for n, (line, r) in enumerate(zip(lines, records)) if n != cut and (r is None or r["step"] <= step)]
+    if kept and not kept[-1].endswith(b"\n"):
+        kept[-1] += b"\n"  # the next record goes on a line of its own
+    data = b"".join(kept)
+    if other:
+        warnings.warn(f"SpanAttentionCallback: {path}: line(s) {', '.join(map(str, other[:10]))}"
+                      f"{' ...' if len(other) > 10 else ''} are not diagnostics records; kept as they are",
+                      stacklevel=4)
+    if data != whole:
+        logger.info("%s: dropped %d records past step %d, where training resumes", path,
+                    len(lines) - len(kept), step)
+        if whole.startswith(data):
+            os.truncate(path, len(data))  # one step: a stop leaves the file whole
+        else:
+            write_whole(path, lambda f: f.write(data.decode("utf-8", "surrogateescape")))
+
+
+def _record(line: bytes) -> dict | None:
+    """A diagnostics record (a JSON object with a finite number as its step), or None."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    ok = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
+    return record if ok else None
+
+
+def _not_logged(step: int, records: list[dict], log_history: list) -> Any:
+    """The step of the first record whose dq shares differ from those `log_history` holds for its step and layer,
+    or None (records the history does not mention are taken as they are)."""
+    logged: dict[Any, dict] = {}
+    for entry in log_history:
+        if isinstance(entry, dict):
+            logged.setdefault(entry.get("step"), {}).update(entry)
+    for record in records:
+        shares = record.get("dq_share")
+        entry = logged.get(record["step"], {})
+        for order, share in enumerate(shares if isinstance(shares, list) else ()):
+            figure = entry.get(f"span/layer{record.get('layer')}/dq_share{order}")
+            if figure is not None and figure != share and not (figure != figure and share != share):  # NaN = NaN
+                return record["step"]
+    return None
+
+
+def _move_aside(path: str, why: str) -> None:
+    n = 1
+    while os.path.lexists(f"{path}.replaced-{n}"):
+        n += 1
+    os.replace(path, f"{path}.replaced-{n}")
+    warnings.warn(f"SpanAttentionCallback: {path} {why}, so they are moved to {path}.replaced-{n} and this run "
+                  "writes its own", stacklevel=5)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any
 
 from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.ops.inputs import as_int
 
 LayerSettings = dict[int, SpanAttentionConfig]
 
@@ -31,8 +31,8 @@ class Keyframe:
     def __post_init__(self) -> None:
         if not isinstance(self.ramp, bool):
             raise ValueError(f"keyframe ramp={self.ramp!r}: expected True or False")
-        if isinstance(self.at, numbers.Integral) and not isinstance(self.at, bool):
-            object.__setattr__(self, "at", int(self.at))  # a NumPy integer too; the callback's state is JSON
+        if as_int(self.at) is not None:
+            object.__setattr__(self, "at", as_int(self.at))  # a NumPy integer or 0-d tensor too; the state is JSON
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Keyframe:
@@ -89,20 +89,20 @@ class Keyframe:
 def _layer_list(spec: str, n_layers: int) -> list[int]:
     if spec.strip() == "*":
         return list(range(n_layers))
-    indices = []
+    ranges = []
     try:
         for part in spec.split(","):
             lo, dash, hi = part.partition("-")
             first, last = int(lo), int(hi) if dash else int(lo)
             if last < first:
                 raise ValueError
-            indices += range(first, last + 1)
+            ranges.append((first, last))
     except ValueError:
         raise ValueError(f"layer spec {spec!r}: expected '*', 'a-b' with a <= b, or 'a,b,c'") from None
-    bad = [i for i in indices if not 0 <= i < n_layers]
-    if bad:
-        raise ValueError(f"layer spec {spec!r}: layers {bad} are outside 0..{n_layers - 1}")
-    return indices
+    bad = [f"{a}-{b}" if a != b else str(a) for a, b in ranges if a < 0 or b >= n_layers]
+    if bad:  # said before the ranges are counted out, which a hand-edited '0-99999999999' would make endless
+        raise ValueError(f"layer spec {spec!r}: layers {', '.join(bad)} are outside 0..{n_layers - 1}")
+    return [i for first, last in ranges for i in range(first, last + 1)]
 
 
 @dataclasses.dataclass
