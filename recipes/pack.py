@@ -14,6 +14,8 @@ A finished run writes one JSON (`result_record`) as <results>/<name>.json and/or
 metrics.json in the sweep's tree (<output_dir>/<shape>/<span>/seed<k>, where recipes/merge.py
 puts merged results). A new run starts only while the budget left is at least the longest
 run this command has finished (or --estimate before one has); the first run always starts.
+While it runs, `<results>.lock` and `<jsonl>.lock` keep a second command off the same results; a
+kill (SIGTERM, as `timeout` sends) stops its runs too.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@
 
 The YAML holds `output_dir`, `args` (run_clm.py arguments shared by every run), `spans`,
 `seeds` and `shapes` (a list of run_clm.py arguments such as {n_head: 4, n_layer: 6}), each key
-once; the sweep gives each run its span, seed and output_dir, so args and shapes do not. Each
+once; the sweep gives each run its span, seed and output_dir, so args and shapes do not. An
+argument set to null is left out (run_clm.py's default); a list is passed comma-separated, a
+mapping (or a list of them) as JSON. Each
 run lives in <output_dir>/<shape>/<span>/seed<k>: a run with a metrics.json is finished and
 skipped; an interrupted one resumes from its last checkpoint. Both only where the run's recorded
 configuration (model, data source and token limits, span settings, training arguments; see
