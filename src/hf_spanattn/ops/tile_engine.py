@@ -81,14 +81,14 @@ def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-                  dtype: torch.dtype, device: torch.device, rows: int | None = None) -> _Mask:
+                  dtype: torch.dtype, device: torch.device, rows: int | None = None, merged: int = 0) -> _Mask:
     """The mask of a call with q (B, H_kv, g, T, ·) for keys (…, S, ·) as `shape` = (B, H_kv, g, T, S);
     `rows`: the rows per tile, if fixed."""
     _, h_kv, groups, t, s = shape
     if is_causal:
-        return _causal_mask(t, s, dtype, device, rows)
+        return _causal_mask(t, s, dtype, device, rows, merged)
     if attn_mask is None:
-        tiles = row_tiles(None, t, s, rows)
+        tiles = row_tiles(None, t, s, rows, merged)
         return _Mask(tiles, [cols for *_, cols in tiles], [None] * len(tiles), None, None)
     attend, additive = _attend(attn_mask, dtype)
     while attend.dim() < 4:
@@ -104,7 +104,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     defined = ((additive > -math.inf) | additive.isnan()).any(dim=-1, keepdim=True)
     dead_rows, idle_rows = ~defined, defined & ~attend.any(dim=-1, keepdim=True)
     reach = attend | idle_rows
-    tiles = row_tiles(reach, t, s, rows) or [(0, t, s)]  # no row attends: one tile of rows that give 0
+    tiles = row_tiles(reach, t, s, rows, merged) or [(0, t, s)]  # no row attends: one tile of rows that give 0
     masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
     first_masked, parts = [], []
     for start, end, cols in tiles:
@@ -119,13 +119,13 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
 _CAUSAL_MASKS: dict[tuple, _Mask] = {}  # a dict, not lru_cache: Dynamo traces it without a warning
 
 
-def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows: int | None) -> _Mask:
+def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows: int | None, merged: int) -> _Mask:
     """The causal mask (row i attends keys ≤ i), built once per shape (the last few kept) from the
     tiles alone: only their parts that are not zero, the squares on the diagonal (T × rows per tile
     numbers rather than T·S); nothing reads them but to add them."""
-    key = (t, s, dtype, device, rows)
+    key = (t, s, dtype, device, rows, merged)
     if key not in _CAUSAL_MASKS:
-        tiles = reach_tiles([min(i + 1, s) for i in range(t)], rows)
+        tiles = reach_tiles([min(i + 1, s) for i in range(t)], rows, merged)
         first_masked, additive = [], []
         for start, end, cols in tiles:
             lo = min(start + 1, cols)  # row `start` attends no key past itself
@@ -451,6 +451,10 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if any(end - start > rows for start, end, _ in mask.tiles):
             mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows)
             kept_tiles = _kept_tiles(mask, shape, budget)
+            kept_rows = max((end for (_, end, _), kept in zip(mask.tiles, kept_tiles) if kept), default=0)
+            if kept_rows:
+                mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows, kept_rows)
+                kept_tiles = _kept_tiles(mask, shape, budget)
     learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
     out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), learnable, mask, dropout_p, scale, config, probe,
                                       kept_tiles)
