@@ -39,8 +39,9 @@ _BACKWARD_CHUNKS, _FEW_KEPT = 8, 5
 # of them up to 1024 keys under a causal mask at d = 64 (9·T·d there), where keeping them is faster,
 # and up to 576 keys without one. The tiles past that are recomputed there, one at a time, for one
 # more product QKᵀ each: what is kept stays O(d) per head at any T, at most 9 times Q, and the peak
-# within 4× SDPA's. Tiles then have at most _RECOMPUTED_ROWS head dims of query rows (at least 16),
-# which bounds the one in memory.
+# within 4× SDPA's. The recomputed tiles then have at most _RECOMPUTED_ROWS head dims of query rows (at
+# least 16), which bounds the one in memory; the kept ones merge where they reach as far, as without a
+# budget (fewer, larger products).
 _KEPT_ROWS, _KEPT_PER_ROW, _RECOMPUTED_ROWS = 9216, 9, 2
 
 
@@ -83,7 +84,7 @@ def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
                   dtype: torch.dtype, device: torch.device, rows: int | None = None, merged: int = 0) -> _Mask:
     """The mask of a call with q (B, H_kv, g, T, ·) for keys (…, S, ·) as `shape` = (B, H_kv, g, T, S);
-    `rows`: the rows per tile, if fixed."""
+    `rows`: the rows per tile, if fixed (but merged up to row `merged`, see `row_tiles`)."""
     _, h_kv, groups, t, s = shape
     if is_causal:
         return _causal_mask(t, s, dtype, device, rows, merged)
@@ -450,11 +451,10 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         rows = max(16, int(_RECOMPUTED_ROWS * query.shape[-1]))
         if any(end - start > rows for start, end, _ in mask.tiles):
             mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows)
+            kept = [end for (_, end, _), keep in zip(mask.tiles, _kept_tiles(mask, shape, budget)) if keep]
+            if kept:  # the kept rows in tiles as large as without a budget
+                mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows, kept[-1])
             kept_tiles = _kept_tiles(mask, shape, budget)
-            kept_rows = max((end for (_, end, _), kept in zip(mask.tiles, kept_tiles) if kept), default=0)
-            if kept_rows:
-                mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows, kept_rows)
-                kept_tiles = _kept_tiles(mask, shape, budget)
     learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
     out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), learnable, mask, dropout_p, scale, config, probe,
                                       kept_tiles)

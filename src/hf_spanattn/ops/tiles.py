@@ -21,8 +21,8 @@ _TILE_ROWS, _MAX_TILES = 64, 8  # rows per tile: at least 64, and at most 8 tile
 
 def row_tiles(attend: torch.Tensor | None, t: int, s: int, rows: int | None = None, merged: int = 0) -> list[Tile]:
     """The tiles of T query rows over S keys for a bool mask (…, T, S), True = attend; a tile's
-    rows attend only keys < its columns. Neighbouring tiles that reach as far merge (unless `rows`,
-    the rows per tile, is given), and rows that attend nothing are in no tile."""
+    rows attend only keys < its columns. Neighbouring tiles that reach as far merge (given `rows`, the
+    rows per tile, only those that end by row `merged`), and rows that attend nothing are in no tile."""
     if attend is None:
         return reach_tiles([s] * t, rows, merged)
     attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0).expand(-1, s)  # a mask may broadcast over the keys
