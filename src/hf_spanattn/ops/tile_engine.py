@@ -452,7 +452,8 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if any(end - start > rows for start, end, _ in mask.tiles):
             mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows)
             kept = [end for (_, end, _), keep in zip(mask.tiles, _kept_tiles(mask, shape, budget)) if keep]
-            if kept:  # the kept rows in tiles as large as without a budget
+            if kept and not config.rule.per_block:  # the kept rows in tiles as large as without a budget
+                # (not for the per-block rule: it forms ∂L/∂P a tile at a time beside its stacks)
                 mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows, kept[-1])
             kept_tiles = _kept_tiles(mask, shape, budget)
     learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
