@@ -176,6 +176,11 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
     return Tiled(mask.tiles, Recomputed(part, len(mask.tiles), select), q.shape[-2], k.shape[-2], q.dtype)
 
 
+def _recomputed_rows(d: int) -> int:
+    """The query rows of a recomputed tile (and of the backward pass's T×T temporaries) at head dim d."""
+    return max(16, int(_RECOMPUTED_ROWS * d))
+
+
 def _kept_tiles(mask: _Mask, shape: tuple[int, ...], budget: int) -> list[bool]:
     """Which tiles of P the forward pass keeps, from the first, within `budget` elements; `shape`:
     (B, H_kv, g, T, S)."""
@@ -383,6 +388,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
     taken from it while it is in memory (the first call also gives dV): no T×T buffer but one tile."""
     v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
     scaled_d_out = d_out * scale
+    rows = _recomputed_rows(batch.q.shape[-1])
     dv: list[torch.Tensor] = []
 
     def products(needs: rules.Operands) -> rules.Products:
@@ -390,18 +396,22 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
         gx = None if x is None else x.new_zeros(*d_out.shape[:-1], x.shape[-1])
         gy = None if y is None else y.new_zeros(*y.shape[:-2], probs.s, y.shape[-1])
         d_v = None if dv else d_out.new_zeros(*d_out.shape[:-2], probs.s, d_out.shape[-1])
-        for i, (start, end, cols) in enumerate(probs.tiles):  # by index: zip would hold the last tile too
-            p = probs.parts[i]
-            kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
-            if d_v is not None:
-                d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]
-            g = _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols))
-            g = torch.ops.aten._softmax_backward_data.out(g, p, -1, g.dtype, grad_input=g)
-            if gx is not None:
-                gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
-            if gy is not None:
-                gy[..., :cols, :] += rules.matmul(g.mT, y[..., start:end, :])
-            del p, kept, g  # before the next tile is recomputed: one in memory, not two
+        for i, (tile_start, tile_end, cols) in enumerate(probs.tiles):  # by index: zip would hold the last tile too
+            tile = probs.parts[i]
+            for start in range(tile_start, tile_end, rows):  # rows at a time: the temporaries O(T·d) per head
+                end = min(start + rows, tile_end)
+                p = tile[..., start - tile_start:end - tile_start, :]
+                kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
+                if d_v is not None:
+                    d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]
+                g = _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols))
+                g = torch.ops.aten._softmax_backward_data.out(g, p, -1, g.dtype, grad_input=g)
+                if gx is not None:
+                    gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
+                if gy is not None:
+                    gy[..., :cols, :] += rules.matmul(g.mT, y[..., start:end, :])
+                del p, kept, g
+            del tile  # before the next tile is recomputed: one in memory, not two
         if d_v is not None:
             dv.append(rules.group_sum(d_v))
         return rules.Products(_named(gx, needs.query) if gx is not None else {},
@@ -448,7 +458,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     mask = _prepare_mask(detached, is_causal, shape, work, query.device)
     kept_tiles = _kept_tiles(mask, shape, budget)
     if not all(kept_tiles):  # tiles small enough that the one in memory is O(T·d)
-        rows = max(16, int(_RECOMPUTED_ROWS * query.shape[-1]))
+        rows = _recomputed_rows(query.shape[-1])
         if any(end - start > rows for start, end, _ in mask.tiles):
             mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows)
             kept = [end for (_, end, _), keep in zip(mask.tiles, _kept_tiles(mask, shape, budget)) if keep]
