@@ -39,8 +39,9 @@ _BACKWARD_CHUNKS, _FEW_KEPT = 8, 5
 # of them up to 1024 keys under a causal mask at d = 64 (9·T·d there), where keeping them is faster,
 # and up to 576 keys without one. The tiles past that are recomputed there, one at a time, for one
 # more product QKᵀ each: what is kept stays O(d) per head at any T, at most 9 times Q, and the peak
-# within 4× SDPA's. Tiles then have at most _RECOMPUTED_ROWS head dims of query rows (at least 16),
-# which bounds the one in memory.
+# within 4× SDPA's. The recomputed tiles then have at most _RECOMPUTED_ROWS head dims of query rows (at
+# least 16), which bounds the one in memory; the kept ones merge where they reach as far, as without a
+# budget (fewer, larger products).
 _KEPT_ROWS, _KEPT_PER_ROW, _RECOMPUTED_ROWS = 9216, 9, 2
 
 
@@ -81,14 +82,14 @@ def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-                  dtype: torch.dtype, device: torch.device, rows: int | None = None) -> _Mask:
+                  dtype: torch.dtype, device: torch.device, rows: int | None = None, merged: int = 0) -> _Mask:
     """The mask of a call with q (B, H_kv, g, T, ·) for keys (…, S, ·) as `shape` = (B, H_kv, g, T, S);
-    `rows`: the rows per tile, if fixed."""
+    `rows`: the rows per tile, if fixed (but merged up to row `merged`, see `row_tiles`)."""
     _, h_kv, groups, t, s = shape
     if is_causal:
-        return _causal_mask(t, s, dtype, device, rows)
+        return _causal_mask(t, s, dtype, device, rows, merged)
     if attn_mask is None:
-        tiles = row_tiles(None, t, s, rows)
+        tiles = row_tiles(None, t, s, rows, merged)
         return _Mask(tiles, [cols for *_, cols in tiles], [None] * len(tiles), None, None)
     attend, additive = _attend(attn_mask, dtype)
     while attend.dim() < 4:
@@ -104,7 +105,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
     defined = ((additive > -math.inf) | additive.isnan()).any(dim=-1, keepdim=True)
     dead_rows, idle_rows = ~defined, defined & ~attend.any(dim=-1, keepdim=True)
     reach = attend | idle_rows
-    tiles = row_tiles(reach, t, s, rows) or [(0, t, s)]  # no row attends: one tile of rows that give 0
+    tiles = row_tiles(reach, t, s, rows, merged) or [(0, t, s)]  # no row attends: one tile of rows that give 0
     masked = (additive != 0).reshape(-1, *additive.shape[-2:]).any(dim=0).expand(t, s)
     first_masked, parts = [], []
     for start, end, cols in tiles:
@@ -119,13 +120,13 @@ def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[
 _CAUSAL_MASKS: dict[tuple, _Mask] = {}  # a dict, not lru_cache: Dynamo traces it without a warning
 
 
-def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows: int | None) -> _Mask:
+def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows: int | None, merged: int) -> _Mask:
     """The causal mask (row i attends keys ≤ i), built once per shape (the last few kept) from the
     tiles alone: only their parts that are not zero, the squares on the diagonal (T × rows per tile
     numbers rather than T·S); nothing reads them but to add them."""
-    key = (t, s, dtype, device, rows)
+    key = (t, s, dtype, device, rows, merged)
     if key not in _CAUSAL_MASKS:
-        tiles = reach_tiles([min(i + 1, s) for i in range(t)], rows)
+        tiles = reach_tiles([min(i + 1, s) for i in range(t)], rows, merged)
         first_masked, additive = [], []
         for start, end, cols in tiles:
             lo = min(start + 1, cols)  # row `start` attends no key past itself
@@ -173,6 +174,11 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
         return kept[i]
 
     return Tiled(mask.tiles, Recomputed(part, len(mask.tiles), select), q.shape[-2], k.shape[-2], q.dtype)
+
+
+def _recomputed_rows(d: int) -> int:
+    """The query rows of a recomputed tile (and of the backward pass's T×T temporaries) at head dim d."""
+    return max(16, int(_RECOMPUTED_ROWS * d))
 
 
 def _kept_tiles(mask: _Mask, shape: tuple[int, ...], budget: int) -> list[bool]:
@@ -382,6 +388,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
     taken from it while it is in memory (the first call also gives dV): no T×T buffer but one tile."""
     v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
     scaled_d_out = d_out * scale
+    rows = _recomputed_rows(batch.q.shape[-1])
     dv: list[torch.Tensor] = []
 
     def products(needs: rules.Operands) -> rules.Products:
@@ -389,18 +396,22 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
         gx = None if x is None else x.new_zeros(*d_out.shape[:-1], x.shape[-1])
         gy = None if y is None else y.new_zeros(*y.shape[:-2], probs.s, y.shape[-1])
         d_v = None if dv else d_out.new_zeros(*d_out.shape[:-2], probs.s, d_out.shape[-1])
-        for i, (start, end, cols) in enumerate(probs.tiles):  # by index: zip would hold the last tile too
-            p = probs.parts[i]
-            kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
-            if d_v is not None:
-                d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]
-            g = _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols))
-            g = torch.ops.aten._softmax_backward_data.out(g, p, -1, g.dtype, grad_input=g)
-            if gx is not None:
-                gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
-            if gy is not None:
-                gy[..., :cols, :] += rules.matmul(g.mT, y[..., start:end, :])
-            del p, kept, g  # before the next tile is recomputed: one in memory, not two
+        for i, (tile_start, tile_end, cols) in enumerate(probs.tiles):  # by index: zip would hold the last tile too
+            tile = probs.parts[i]
+            for start in range(tile_start, tile_end, rows):  # rows at a time: the temporaries O(T·d) per head
+                end = min(start + rows, tile_end)
+                p = tile[..., start - tile_start:end - tile_start, :]
+                kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
+                if d_v is not None:
+                    d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]
+                g = _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols))
+                g = torch.ops.aten._softmax_backward_data.out(g, p, -1, g.dtype, grad_input=g)
+                if gx is not None:
+                    gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
+                if gy is not None:
+                    gy[..., :cols, :] += rules.matmul(g.mT, y[..., start:end, :])
+                del p, kept, g
+            del tile  # before the next tile is recomputed: one in memory, not two
         if d_v is not None:
             dv.append(rules.group_sum(d_v))
         return rules.Products(_named(gx, needs.query) if gx is not None else {},
@@ -447,9 +458,13 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     mask = _prepare_mask(detached, is_causal, shape, work, query.device)
     kept_tiles = _kept_tiles(mask, shape, budget)
     if not all(kept_tiles):  # tiles small enough that the one in memory is O(T·d)
-        rows = max(16, int(_RECOMPUTED_ROWS * query.shape[-1]))
+        rows = _recomputed_rows(query.shape[-1])
         if any(end - start > rows for start, end, _ in mask.tiles):
             mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows)
+            kept = [end for (_, end, _), keep in zip(mask.tiles, _kept_tiles(mask, shape, budget)) if keep]
+            if kept and not config.rule.per_block:  # the kept rows in tiles as large as without a budget
+                # (not for the per-block rule: it forms ∂L/∂P a tile at a time beside its stacks)
+                mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows, kept[-1])
             kept_tiles = _kept_tiles(mask, shape, budget)
     learnable = attn_mask if attn_mask is not None and attn_mask.requires_grad else None
     out = SpanAttentionFunction.apply(q, k, value.unsqueeze(2), learnable, mask, dropout_p, scale, config, probe,

@@ -19,18 +19,18 @@ Tile = tuple[int, int, int]  # (first row, end row, key columns)
 _TILE_ROWS, _MAX_TILES = 64, 8  # rows per tile: at least 64, and at most 8 tiles
 
 
-def row_tiles(attend: torch.Tensor | None, t: int, s: int, rows: int | None = None) -> list[Tile]:
+def row_tiles(attend: torch.Tensor | None, t: int, s: int, rows: int | None = None, merged: int = 0) -> list[Tile]:
     """The tiles of T query rows over S keys for a bool mask (…, T, S), True = attend; a tile's
-    rows attend only keys < its columns. Neighbouring tiles that reach as far merge (unless `rows`,
-    the rows per tile, is given), and rows that attend nothing are in no tile."""
+    rows attend only keys < its columns. Neighbouring tiles that reach as far merge (given `rows`, the
+    rows per tile, only those that end by row `merged`), and rows that attend nothing are in no tile."""
     if attend is None:
-        return [(start, min(start + rows, t), s) for start in range(0, t, rows)] if rows else [(0, t, s)]
+        return reach_tiles([s] * t, rows, merged)
     attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0).expand(-1, s)  # a mask may broadcast over the keys
     last = attend.flip(-1).to(torch.uint8).argmax(dim=-1)  # from the end: the last key attended
-    return reach_tiles(torch.where(attend.any(dim=-1), s - last, 0).expand(t).tolist(), rows)
+    return reach_tiles(torch.where(attend.any(dim=-1), s - last, 0).expand(t).tolist(), rows, merged)
 
 
-def reach_tiles(reach: list[int], rows: int | None = None) -> list[Tile]:
+def reach_tiles(reach: list[int], rows: int | None = None, merged: int = 0) -> list[Tile]:
     """`row_tiles` of the query rows whose row i attends only keys < reach[i] (0: none)."""
     t, fixed = len(reach), rows is not None
     rows = rows or max(_TILE_ROWS, -(-t // _MAX_TILES))
@@ -38,7 +38,7 @@ def reach_tiles(reach: list[int], rows: int | None = None) -> list[Tile]:
     for start in range(0, t, rows):
         end = min(start + rows, t)
         cols = max(reach[start:end])
-        if tiles and tiles[-1][2] == cols and tiles[-1][1] == start and not fixed:
+        if tiles and tiles[-1][2] == cols and tiles[-1][1] == start and (not fixed or end <= merged):
             tiles[-1] = (tiles[-1][0], end, cols)
         elif cols:
             tiles.append((start, end, cols))
