@@ -43,6 +43,9 @@ _BACKWARD_CHUNKS, _FEW_KEPT = 8, 5
 # least 16), which bounds the one in memory; the kept ones merge where they reach as far, as without a
 # budget (fewer, larger products).
 _KEPT_ROWS, _KEPT_PER_ROW, _RECOMPUTED_ROWS = 9216, 9, 2
+# The one-pass backward takes each tile _BACKWARD_ROWS head dims of query rows at a time (at least 16), so
+# that its T×T temporaries (∂L/∂P, G) are O(T·d) per head beside the kept P; fewer rows cost speed.
+_BACKWARD_ROWS = 4
 
 
 @dataclass
@@ -176,9 +179,9 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
     return Tiled(mask.tiles, Recomputed(part, len(mask.tiles), select), q.shape[-2], k.shape[-2], q.dtype)
 
 
-def _recomputed_rows(d: int) -> int:
-    """The query rows of a recomputed tile (and of the backward pass's T×T temporaries) at head dim d."""
-    return max(16, int(_RECOMPUTED_ROWS * d))
+def _rows(head_dims: float, d: int) -> int:
+    """`head_dims` head dims d of query rows, at least 16."""
+    return max(16, int(head_dims * d))
 
 
 def _kept_tiles(mask: _Mask, shape: tuple[int, ...], budget: int) -> list[bool]:
@@ -388,7 +391,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
     taken from it while it is in memory (the first call also gives dV): no T×T buffer but one tile."""
     v, keep, d_out, probs, mask = batch.v, batch.keep, batch.d_out, batch.probs, batch.mask
     scaled_d_out = d_out * scale
-    rows = _recomputed_rows(batch.q.shape[-1])
+    rows = _rows(_BACKWARD_ROWS, batch.q.shape[-1])
     dv: list[torch.Tensor] = []
 
     def products(needs: rules.Operands) -> rules.Products:
@@ -398,7 +401,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
         d_v = None if dv else d_out.new_zeros(*d_out.shape[:-2], probs.s, d_out.shape[-1])
         for i, (tile_start, tile_end, cols) in enumerate(probs.tiles):  # by index: zip would hold the last tile too
             tile = probs.parts[i]
-            for start in range(tile_start, tile_end, rows):  # rows at a time: the temporaries O(T·d) per head
+            for start in range(tile_start, tile_end, rows):  # rows at a time (see _BACKWARD_ROWS)
                 end = min(start + rows, tile_end)
                 p = tile[..., start - tile_start:end - tile_start, :]
                 kept = p * keep[..., start:end, :cols] * _keep_scale(dropout_p) if keep is not None else p
@@ -458,7 +461,7 @@ def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     mask = _prepare_mask(detached, is_causal, shape, work, query.device)
     kept_tiles = _kept_tiles(mask, shape, budget)
     if not all(kept_tiles):  # tiles small enough that the one in memory is O(T·d)
-        rows = _recomputed_rows(query.shape[-1])
+        rows = _rows(_RECOMPUTED_ROWS, query.shape[-1])
         if any(end - start > rows for start, end, _ in mask.tiles):
             mask = _prepare_mask(detached, is_causal, shape, work, query.device, rows)
             kept = [end for (_, end, _), keep in zip(mask.tiles, _kept_tiles(mask, shape, budget)) if keep]
