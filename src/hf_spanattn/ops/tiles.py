@@ -23,8 +23,10 @@ def row_tiles(attend: torch.Tensor | None, t: int, s: int, rows: int | None = No
     """The tiles of T query rows over S keys for a bool mask (…, T, S), True = attend; a tile's
     rows attend only keys < its columns. Neighbouring tiles that reach as far merge (given `rows`, the
     rows per tile, only those that end by row `merged`), and rows that attend nothing are in no tile."""
-    if attend is None:
-        return reach_tiles([s] * t, rows, merged)
+    if attend is None:  # every row reaches all S keys: the tiles directly, without a reach per row
+        if not rows:
+            return [(0, t, s)]
+        return [(0, merged, s)] * bool(merged) + [(start, min(start + rows, t), s) for start in range(merged, t, rows)]
     attend = attend.reshape(-1, *attend.shape[-2:]).any(dim=0).expand(-1, s)  # a mask may broadcast over the keys
     last = attend.flip(-1).to(torch.uint8).argmax(dim=-1)  # from the end: the last key attended
     return reach_tiles(torch.where(attend.any(dim=-1), s - last, 0).expand(t).tolist(), rows, merged)
