@@ -179,6 +179,14 @@ def sinks_forward() -> None:
     model(torch.zeros(1, 4, dtype=torch.long))
 
 
+def record_with_one_recorder(*calls) -> None:
+    """Backward passes of span_attention with (heads, label) each, all probed by one OrderRecorder."""
+    recorder = OrderRecorder()
+    for heads, label in calls:
+        leaves = [x.detach().repeat(1, heads // 2, 1, 1).requires_grad_() for x in qkv()]
+        span_attention(*leaves, config=label, probe=recorder).sum().backward()
+
+
 RUN = {"model": {"n_embd": 32}, "data": {"block_size": 32}, "span": {"span": "standard:QKV111"},
        "training": {"seed": 0, "learning_rate": 1e-3, "output_dir": "a"}}
 
@@ -243,6 +251,23 @@ CASES = [
      "label='score: 1000': expected '<method>:<alphas>"),
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
+    ("span_attention float8 with span gradients", lambda t: span_attention(*[x.to(torch.float8_e5m2) for x in qkv()]),
+     ValueError, "span gradients take float16, bfloat16, float32 or float64 query, key and value, got "
+     "torch.float8_e5m2"),
+    ("span_attention probe with more keys than queries",
+     lambda t: span_attention(qkv(3)[0], *qkv(6)[1:], config="standard:QKV110", probe=OrderRecorder()), ValueError,
+     "a probe splits the gradient into the orders of span violation, which needs self-attention with as many "
+     "queries as keys, got 3 queries and 6 keys"),
+    ("one OrderRecorder for layers of two head counts",
+     lambda t: record_with_one_recorder((2, "score:1000"), (4, "score:1000")), ValueError,
+     "OrderRecorder: a recorder gathers one layer's figures under one rule; it holds 2 heads and 4 orders, and this "
+     "call has 4 heads and 4 orders"),
+    ("one OrderRecorder for two rules", lambda t: record_with_one_recorder((2, "score:1000"), (2, "simple:10")),
+     ValueError, "it holds 2 heads and 4 orders, and this call has 2 heads and 2 orders"),
+    ("load_pretrained of a folder that is not there", lambda t: load_pretrained(t / "no-such-model"),
+     FileNotFoundError, "load_pretrained: {tmp}/no-such-model: no such folder; expected a saved model's folder"),
+    ("load_pretrained of a model's config.json", lambda t: load_pretrained(saved_model(t) / "config.json"),
+     FileNotFoundError, "load_pretrained: {tmp}/model/config.json: a file; expected a saved model's folder"),
     ("span_attention probe a class", lambda t: span_attention(*qkv(), probe=OrderRecorder), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got the class OrderRecorder (pass an "
      "instance)"),
@@ -947,3 +972,109 @@ def test_two_settings_saves_at_once_each_leave_a_whole_file(tmp_path, monkeypatc
     monkeypatch.undo()
     assert SpanAttentionConfig.from_pretrained(tmp_path) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["span_attention_config.json"]
+
+
+def eager_gpt2():
+    model = tiny("gpt2")
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("steps,expected", [
+    ([lambda m: patch_model(m.transformer, "score:1000"), unpatch_model], "eager"),
+    ([lambda m: patch_model(m, "score:1000"), lambda m: unpatch_model(m.transformer)], "eager"),
+    ([lambda m: patch_model(m, "score:1000"), lambda m: m.set_attn_implementation("sdpa"),
+      lambda m: patch_model(m, "score:1100"), unpatch_model], "sdpa"),
+], ids=["patched inside, unpatched around", "patched around, unpatched inside", "set to sdpa, patched again"])
+def test_unpatch_model_gives_back_the_attention_the_model_had(steps, expected):
+    """Through GPT2LMHeadModel or the GPT2Model inside it, which share one config: unpatching the one that was not
+    patched gave SDPA in place of eager attention, without a word."""
+    model = eager_gpt2()
+    for step in steps:
+        step(model)
+    assert model.config._attn_implementation == expected
+    assert not hasattr(model.config, "span_attention")
+    assert not any(hasattr(m, "_hf_spanattn_original") for m in model.modules())
+    assert not [tag for m in (model, model.transformer) for tag in m.model_tags or () if "span" in tag]
+
+
+def test_unpatch_model_of_a_model_loaded_with_span_attention_gives_it_sdpa(tmp_path):
+    """from_pretrained(attn_implementation="span_attention"), then patch_model and unpatch_model: the span gradients
+    stayed on (the default rule, the settings gone)."""
+    tiny("gpt2").save_pretrained(tmp_path / "plain")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", attn_implementation="span_attention")
+    unpatch_model(patch_model(model, "score:1100"))
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "span_attention")
+
+
+class StopAtFirstStep:
+    """A training run stopped midway (Ctrl-C in a notebook): KeyboardInterrupt at the end of step 1."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                raise KeyboardInterrupt
+
+        return Stop()
+
+
+def test_a_schedule_left_on_the_layers_by_a_stopped_run_gives_way(tmp_path):
+    """A run with a schedule stopped midway leaves its setting on the layers (the Trainer calls no event then).
+    patch_model(model, rule) afterwards trained with the schedule's rule, and the callback given to a new trainer of
+    another model did not apply its schedule, both without a word."""
+    from transformers import TrainerCallback
+
+    from hf_spanattn.integration.registry import attention_modules, settings_for
+
+    callback = SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1)
+    stopped = trainer_with(tmp_path, callback, StopAtFirstStep())
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    patch_model(stopped.model, "standard:QKV111")
+    assert {settings_for(m).label for ms in attention_modules(stopped.model).values() for m in ms} == {
+        "standard:QKV111"}
+
+    seen = []
+
+    class Spy(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            seen.extend((settings_for(m).label, hasattr(m, "span_attention_probe"))
+                        for ms in attention_modules(model).values() for m in ms)
+
+    callback.diagnostics_every = 0
+    trainer_with(tmp_path / "again", callback, Spy()).train()
+    assert seen == [("score:1100", False)] * 2
+
+
+def test_diagnostics_leave_out_calls_with_more_keys_than_queries():
+    """A training step over past_key_values (prefix tuning) under the standard rule with a probe on the layers failed
+    inside the backward pass ("Expected size for first two dimensions of batch2 tensor"): such calls record nothing,
+    as the span rules' do (they run SDPA)."""
+    from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules
+
+    model = patch_model(tiny("llama"), "standard:QKV110").train()
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        past = model(ids[:, :3], use_cache=True).past_key_values
+    recorders = {index: OrderRecorder() for index in attention_modules(model)}
+    for index, modules in attention_modules(model).items():
+        for module in modules:
+            setattr(module, PROBE_ATTR, recorders[index])
+    model(ids[:, 3:], past_key_values=past, use_cache=True).logits.sum().backward()
+    assert all(r.summary() == {} for r in recorders.values())
+    model(ids).logits.sum().backward()  # self-attention is recorded
+    assert all(r.summary()["dq_share"][0] == 1.0 for r in recorders.values())
+
+
+def test_gpt_neo_in_float64_keeps_its_outputs_on_padded_rows():
+    """GPT-Neo's adapter cast float64's padding mask value to float32 (−inf), so the rows of left padding got 0
+    rather than the stock attention's output (logits off by 0.05); its scores now run in float64."""
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, :4] = 0
+    model = tiny("gpt_neo").double().train()
+    stock = model(input_ids=ids, attention_mask=padding).logits
+    patch_model(model, "score:1111")
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=padding).logits, stock, rtol=0, atol=1e-8)

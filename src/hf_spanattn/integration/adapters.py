@@ -63,7 +63,7 @@ def install() -> None:
         folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
         if is_adapter_folder(folder) and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
             base = peft_model.get_base_model()
-            if config_of(base.config) is None or not _patched(base):
+            if config_of(base.config) is None or not is_patched(base):
                 try:  # only to name them: PEFT's load itself needs nothing of them
                     saved = f"span attention settings ({SpanAttentionConfig.from_pretrained(folder).label})"
                 except (ValueError, TypeError) as err:
@@ -80,7 +80,8 @@ def install() -> None:
     PeftModel.from_pretrained = classmethod(from_pretrained)
 
 
-def _patched(base: torch.nn.Module) -> bool:
+def is_patched(base: torch.nn.Module) -> bool:
+    """Whether span_attention is in force: the registry's implementation, or GPT-Neo's adapter."""
     return base.config._attn_implementation == ATTN_IMPLEMENTATION or any(
         "_attn" in module.__dict__ for module in base.modules())  # GPT-Neo's adapter
 

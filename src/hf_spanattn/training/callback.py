@@ -110,6 +110,10 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         if config is None:
             raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
                              "config) before training")
+        for modules in self._layers.values():  # what a training run stopped midway left on the layers
+            for module in modules:
+                module.__dict__.pop(PROBE_ATTR, None)
+        self._applied, self._recorders = None, {}
         self._per_layer = config.layers is not None or (
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
         self._alphas_logged_at = None
