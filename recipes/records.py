@@ -164,6 +164,8 @@ def record_problems(data: Any, name: str | None = None) -> list[str]:
         problems.append(f"parallel={data['parallel']!r}: expected an integer >= 1 (runs at once on the device)")
     if data["device"] is not None and not isinstance(data["device"], str):
         problems.append(f"device={data['device']!r}: expected the device's name or null")
+    if data.get("backend") is not None and not isinstance(data["backend"], str):
+        problems.append(f"backend={data['backend']!r}"[:60] + ": expected the attention backend's name or null")
     problems += stopping_problems(data["early_stopping"])
     return problems
 

@@ -104,6 +104,7 @@ def a_record(**changes) -> dict:
      "early_stopping.stopped_early='yes': expected true or false"),
     ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
     ({"device": 5}, "device=5: expected the device's name or null"),
+    ({"backend": ["triton"]}, "backend=['triton']: expected the attention backend's name or null"),
     ({"seed": 2**32}, "seed=4294967296: expected an integer from 0 to 4294967295"),
     ({"seed": 10**300}, "expected an integer from 0 to 4294967295"),
     ({"seed": 1}, "seed=1: config.training.seed is 0, the seed the run was made with"),
@@ -151,14 +152,15 @@ def test_merge_reads_records_as_they_were_edited(edit, message, tmp_path):
         assert f"merge: {path} {message}" in str(err.value)
         return
     merge.main([str(path), "--out", str(tmp_path / "out")])
-    assert "| GPU / 80 GB x | 1 | 1 |" in (tmp_path / "out" / "report.md").read_text()  # one row of the table
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| GPU / 80 GB x | not recorded | 1 | 1 |" in report  # one row of the table
 
 
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
     path = tmp_path / "in.json"
     path.write_text(json.dumps(a_record(train_runtime_s=0.0)))
     merge.main([str(path), "--out", str(tmp_path / "out")])
-    assert "| cpu (x86_64) | 1 | 1 | 0.0 | – |" in (tmp_path / "out" / "report.md").read_text()
+    assert "| cpu (x86_64) | not recorded | 1 | 1 | 0.0 | – |" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("text", ["", "[]", "\n\n"])
