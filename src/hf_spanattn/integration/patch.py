@@ -7,6 +7,7 @@ registry, gets a small adapter on its attention modules.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import types
@@ -81,8 +82,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     adapters.install()
     base = base_model(model)
     config = as_config(config, "patch_model", "keep the model's settings")
+    keep = config is None and layers is None and config_of(base.config) is not None  # the section as it is stored
     if config is None:
-        config = config_of(base.config) or SpanAttentionConfig()
+        config = config_of(base.config) or _default_settings(base.config)
     if layers is not None:
         config = config.replace(layers=layers)
     neo = _neo_attentions(base)
@@ -118,7 +120,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _PATCHED.add(part)
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
         module.__dict__.pop(OVERRIDE_ATTR, None)
-    setattr(base.config, CONFIG_KEY, config.to_dict())
+    if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
+        setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
     if neo:
@@ -127,6 +130,17 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
+
+
+def _default_settings(model_config: Any) -> SpanAttentionConfig:
+    """The default settings, for a model config without any; a field named almost as the settings' (a hand edit
+    such as 'span_atention') warns that it is not read."""
+    names = [name for name in vars(model_config) if isinstance(name, str)]
+    for name in difflib.get_close_matches(CONFIG_KEY, names, n=1, cutoff=0.8):
+        warnings.warn(f"{stored_source(model_config)}: not given, but a field {name!r} is, which is not read; "
+                      f"patching with the default {SpanAttentionConfig().label} (name the field {CONFIG_KEY!r} to use "
+                      "its settings)", stacklevel=4)
+    return SpanAttentionConfig()
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
