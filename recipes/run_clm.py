@@ -443,13 +443,13 @@ def parse_args(argv: list[str] | None = None):
     return parsed
 
 
-def overflowing(given: dict[str, Any]) -> list[str]:
-    """'--name value' of the given numbers that are infinite or past 2^63."""
+def overflowing(given: dict[str, Any], form: str = "--{} {}") -> list[str]:
+    """'--name value' (or `form`) of the given numbers that are infinite or past 2^63."""
     out = []
     for name, value in given.items():
         try:
             if not abs(float(value)) < 2**63:
-                out.append(f"--{name} {value}")
+                out.append(form.format(name, value))
         except (ValueError, TypeError, OverflowError):
             continue
     return out
@@ -470,8 +470,9 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     except OverflowError as err:  # as on the command line
-        raise ValueError(f"{path}: {', '.join(overflowing(values)) or 'a number'}: past the integers the Trainer "
-                         f"counts steps in ({err}); give a finite number") from None
+        named = ", ".join(overflowing(values, "{}={}")) or "a number"
+        raise ValueError(f"{path}: {named}: past the integers the Trainer counts steps in ({err}); give a finite "
+                         "number") from None
 
 
 def typed(key: str, value: Any, path: Path) -> Any:

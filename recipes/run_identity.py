@@ -352,13 +352,12 @@ class RunLock:
         """Who holds the lock file `path` ("process N on host H since T"), or None where nobody does."""
         try:
             info = json.loads(path.read_text())
-            pid, host = int(info["pid"]), str(info["host"])
-            if not 0 < pid < 2**31:  # not a process id (0 and -1 would ask about whole groups of processes)
-                raise ValueError(pid)
+            pid, host = info["pid"], str(info["host"])
+            if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31:  # -1, 0: groups of processes
+                raise ValueError(f"pid {pid!r} is not a process id")
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError, KeyError, OverflowError):  # being written, cut short, edited:
-            # stale once it is old
+        except (OSError, ValueError, TypeError, KeyError):  # being written, cut short, edited: stale once it is old
             try:
                 return None if time.time() - path.stat().st_mtime > 10 else f"a process starting now ({path})"
             except FileNotFoundError:
