@@ -84,17 +84,19 @@ def notes(runs: dict[str, dict[str, dict[int, dict]]]) -> str:
         data[data_source(m["config"].get("data") or {})] += 1
         epochs = m.get("epochs_run") or (m["eval_history"][-1].get("epoch") if m.get("eval_history") else 0)
         if epochs and m.get("train_runtime_s") is not None:
-            speed[(m.get("device") or "?", m.get("parallel") or 1)].append(m["train_runtime_s"] / epochs)
+            key = (m.get("device") or "?", m.get("backend") or "not recorded", m.get("parallel") or 1)
+            speed[key].append(m["train_runtime_s"] / epochs)
     stopped = [(shape, span, seed, m) for shape, span, seed, m in keyed
                if (m.get("early_stopping") or {}).get("stopped_early")]
     lines = ["## Runs", "", "Data: " + "; ".join(f"{k} ({n} runs)" for k, n in sorted(data.items())) + ".", "",
-             "| device | runs at once | runs | s per epoch of a run (train + eval) | epochs per s on the device |",
-             "|---|---:|---:|---:|---:|"]
-    for (device, parallel), per_epoch in sorted(speed.items()):
+             "| device | attention backend | runs at once | runs | s per epoch of a run (train + eval) "
+             "| epochs per s on the device |",
+             "|---|---|---:|---:|---:|---:|"]
+    for (device, backend, parallel), per_epoch in sorted(speed.items()):
         mean = statistics.fmean(per_epoch)
         rate = f"{parallel / mean:.3f}" if mean else "–"  # a run that recorded no time
-        device = " ".join(device.replace("|", "/").split())  # one cell of the table
-        lines.append(f"| {device} | {parallel} | {len(per_epoch)} | {mean:.1f} | {rate} |")
+        device, backend = (" ".join(cell.replace("|", "/").split()) for cell in (device, backend))  # one cell each
+        lines.append(f"| {device} | {backend} | {parallel} | {len(per_epoch)} | {mean:.1f} | {rate} |")
     patience = sorted({(m["early_stopping"]["patience"], m["early_stopping"]["num_train_epochs"])
                        for m in records if m.get("early_stopping")})
     lines.append("")

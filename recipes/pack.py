@@ -179,7 +179,8 @@ def result_record(run: Run, metrics: dict, wall_s: float, parallel: int) -> dict
         "early_stopping": metrics.get("early_stopping"),
         "train_history": metrics["train_history"], "eval_history": metrics["eval_history"],
         "train_runtime_s": metrics["train_runtime_s"], "wall_s": wall_s, "parallel": parallel,
-        "device": metrics.get("device"), "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": metrics.get("device"), "backend": metrics.get("backend"),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 

@@ -124,6 +124,8 @@ def run_problems(data: dict) -> list[str]:
                         "device)")
     if data.get("device") is not None and not isinstance(data["device"], str):
         problems.append(f"device={data['device']!r}"[:80] + ": expected the device's name or null")
+    if data.get("backend") is not None and not isinstance(data["backend"], str):
+        problems.append(f"backend={data['backend']!r}"[:60] + ": expected the attention backend's name or null")
     problems += stopping_problems(data.get("early_stopping"))
     if isinstance(data.get("early_stopping"), dict) and data["early_stopping"].get("stopped_early") is True:
         problems += number(data.get("best_epoch"), "best_epoch", 0)  # the table of runs that stopped early shows it

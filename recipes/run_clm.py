@@ -940,6 +940,7 @@ def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> d
         "resumed_from": resumed_from,
         "world_size": training_args.world_size,
         "device": device_name(training_args.device),
+        "backend": os.environ.get("HF_SPANATTN_BACKEND") or "auto",
         "early_stopping": early_stopping(trainer, stop_args),
         "config": run_config(all_args, training_args.world_size),
     }

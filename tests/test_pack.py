@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -45,6 +46,7 @@ best = min(evals, key=lambda e: e["loss"])
 metrics = {"span": args["span"], "span_config": {}, "final_train_loss": train[-1]["loss"], "min_val_loss": best["loss"],
            "best_epoch": best["epoch"], "val_perplexity": 1.0, "val_accuracy": 0.1, "train_history": train,
            "eval_history": evals, "train_runtime_s": time.time() - start, "device": "fake",
+           "backend": "fake-backend",
            "early_stopping": {"patience": 1, "threshold": 0.0, "stopped_early": seed == 1,
                               "stopped_at_epoch": 2.0 if seed == 1 else None, "num_train_epochs": 3.0},
            "config": {"model": {}, "data": {"data_dir": "fake", "train_file": "t", "validation_file": "v"},
@@ -137,7 +139,8 @@ def test_several_documents_run_in_order_and_inherit(tmp_path):
     assert {r.args["n_embd"] for r in runs} == {"32"} and "output_dir" not in runs[0].args
 
 
-def test_early_stopping_records_its_epoch_and_keeps_the_full_schedule(tmp_path):
+def test_early_stopping_records_its_epoch_and_keeps_the_full_schedule(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "tiles")
     epochs, lr = 3, 1e-3
     # a threshold no loss can beat: every evaluation after the first counts as no better
     metrics = run_clm.main(flags({**TINY, "span": "score:1000", "output_dir": tmp_path, "num_train_epochs": epochs,
@@ -152,7 +155,7 @@ def test_early_stopping_records_its_epoch_and_keeps_the_full_schedule(tmp_path):
     for entry in metrics["train_history"]:
         # the rate of the step-th optimizer step: linear from lr to 0 over all epochs' steps
         assert entry["learning_rate"] == pytest.approx(lr * (total - entry["step"] + 1) / total, rel=1e-9)
-    assert metrics["device"].startswith("cpu")
+    assert metrics["device"].startswith("cpu") and metrics["backend"] == "tiles"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -211,6 +214,7 @@ def test_merge_writes_the_table_from_all_commands(tmp_path, fake):
     text = (out / "report.md").read_text()
     assert "| score:1100 | 3 |" in text
     assert "3 of 9 runs stopped early" in text  # seed 1 of each span
+    assert "| fake | fake-backend | 1 | 9 |" in text  # time per epoch by device and attention backend
     for span in ("standard:QKV111", "score:1000", "score:1100"):
         assert f"| H2xL1 | {span} | 1 | " in text and f"| H2xL1 | {span} | 0 | " not in text
     for png in ("loss_curves_H2xL1.png", "improvements_H2xL1.png"):
@@ -327,5 +331,6 @@ def test_real_runs_two_at_once_on_the_cpu_with_early_stopping(tmp_path, monkeypa
     assert full["config"]["args"]["early_stopping_patience"] == "5"
     for record in records.values():
         assert record["parallel"] == 2 and record["device"].startswith("cpu")
+        assert record["backend"] == (os.environ.get("HF_SPANATTN_BACKEND") or "auto")
         assert record["min_val_loss"] == min(e["loss"] for e in record["eval_history"])
     assert not list(scratch.iterdir()) and not (tmp_path / "tree").exists()

@@ -104,6 +104,7 @@ def a_record(**changes) -> dict:
      "early_stopping.stopped_early='yes': expected true or false"),
     ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
     ({"device": 5}, "device=5: expected the device's name or null"),
+    ({"backend": ["triton"]}, "backend=['triton']: expected the attention backend's name or null"),
     ({"seed": 2**32}, "seed=4294967296: expected an integer from 0 to 4294967295"),
     ({"seed": 10**300}, "expected an integer from 0 to 4294967295"),
     ({"seed": 1}, "seed=1: config.training.seed is 0, the seed the run was made with"),
@@ -151,13 +152,15 @@ def test_merge_reads_records_as_they_were_edited(edit, message, tmp_path):
         assert f"merge: {path} {message}" in str(err.value)
         return
     merge.main([str(path), "--out", str(tmp_path / "out")])
-    assert "| GPU / 80 GB x | 1 | 1 |" in (tmp_path / "out" / "report.md").read_text()  # one row of the table
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| GPU / 80 GB x | not recorded | 1 | 1 |" in report  # one row of the table
 
 
 @pytest.mark.parametrize("changes,message", [
     ({"early_stopping": "yes"}, "early_stopping='yes': expected an object or null"),
     ({"early_stopping": {**METRICS["early_stopping"], "patience": "1"}}, "early_stopping.patience='1': expected an"),
     ({"device": 5}, "device=5: expected the device's name or null"),
+    ({"backend": 5}, "backend=5: expected the attention backend's name or null"),
     ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
     ({"parallel": 0}, "parallel=0: expected an integer >= 1"),  # was: counted as 1 without a word
     ({"epochs_run": "3"}, "epochs_run is '3': expected a finite number"),
@@ -176,14 +179,15 @@ def test_merge_leaves_out_a_metrics_json_in_the_tree_with_hand_edited_run_fields
     merge.main([str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert f"report: leaving out {folder / 'metrics.json'}: " in err and message in err
-    assert "| cpu (x86_64) | 1 | 1 |" in (tmp_path / "out" / "report.md").read_text()  # the whole record alone
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "| cpu (x86_64) | not recorded | 1 | 1 |" in table  # the whole record alone
 
 
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
     path = tmp_path / "in.json"
     path.write_text(json.dumps(a_record(train_runtime_s=0.0)))
     merge.main([str(path), "--out", str(tmp_path / "out")])
-    assert "| cpu (x86_64) | 1 | 1 | 0.0 | – |" in (tmp_path / "out" / "report.md").read_text()
+    assert "| cpu (x86_64) | not recorded | 1 | 1 | 0.0 | – |" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("text", ["", "[]", "\n\n"])
