@@ -1201,6 +1201,7 @@ def test_plot_diagnostics_without_records_names_the_file(name, text, message, tm
     (["--parallel", "-1"], "--parallel -1: expected an integer >= 1"),
     (["--budget"], "--budget needs a value"),  # was: "$2: unbound variable"
     (["--accum", "3"], "--accum 3 must divide 128"),
+    (["--accum", str(2**64 + 128)], f"--accum {2**64 + 128} must divide 128"),  # was: read as 128 (wrapped), on
 ])
 def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message, tmp_path):
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_sweep.sh"), *argv], capture_output=True, text=True,
