@@ -163,6 +163,12 @@ def edited_text(folder: Path, old: str, new: str) -> Path:
     return folder
 
 
+def settings_replaced_by_a_folder(folder: Path) -> Path:
+    (folder / "span_attention_config.json").unlink()
+    (folder / "span_attention_config.json").mkdir()
+    return folder
+
+
 def set_after(callback: SpanAttentionCallback, **attributes) -> SpanAttentionCallback:
     for name, value in attributes.items():
         setattr(callback, name, value)
@@ -177,6 +183,14 @@ def sinks_forward() -> None:
     model = tiny("gpt_oss").eval()
     model.config._attn_implementation = "span_attention"
     model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def record_with_one_recorder(*calls) -> None:
+    """Backward passes of span_attention with (heads, label) each, all probed by one OrderRecorder."""
+    recorder = OrderRecorder()
+    for heads, label in calls:
+        leaves = [x.detach().repeat(1, heads // 2, 1, 1).requires_grad_() for x in qkv()]
+        span_attention(*leaves, config=label, probe=recorder).sum().backward()
 
 
 RUN = {"model": {"n_embd": 32}, "data": {"block_size": 32}, "span": {"span": "standard:QKV111"},
@@ -243,6 +257,23 @@ CASES = [
      "label='score: 1000': expected '<method>:<alphas>"),
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
+    ("span_attention float8 with span gradients", lambda t: span_attention(*[x.to(torch.float8_e5m2) for x in qkv()]),
+     ValueError, "span gradients take float16, bfloat16, float32 or float64 query, key and value, got "
+     "torch.float8_e5m2"),
+    ("span_attention probe with more keys than queries",
+     lambda t: span_attention(qkv(3)[0], *qkv(6)[1:], config="standard:QKV110", probe=OrderRecorder()), ValueError,
+     "a probe splits the gradient into the orders of span violation, which needs self-attention with as many "
+     "queries as keys, got 3 queries and 6 keys"),
+    ("one OrderRecorder for layers of two head counts",
+     lambda t: record_with_one_recorder((2, "score:1000"), (4, "score:1000")), ValueError,
+     "OrderRecorder: a recorder gathers one layer's figures under one rule; it holds 2 heads and 4 orders, and this "
+     "call has 4 heads and 4 orders"),
+    ("one OrderRecorder for two rules", lambda t: record_with_one_recorder((2, "score:1000"), (2, "simple:10")),
+     ValueError, "it holds 2 heads and 4 orders, and this call has 2 heads and 2 orders"),
+    ("load_pretrained of a folder that is not there", lambda t: load_pretrained(t / "no-such-model"),
+     FileNotFoundError, "load_pretrained: {tmp}/no-such-model: no such folder; expected a saved model's folder"),
+    ("load_pretrained of a model's config.json", lambda t: load_pretrained(saved_model(t) / "config.json"),
+     FileNotFoundError, "load_pretrained: {tmp}/model/config.json: a file; expected a saved model's folder"),
     ("span_attention probe a class", lambda t: span_attention(*qkv(), probe=OrderRecorder), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got the class OrderRecorder (pass an "
      "instance)"),
@@ -459,6 +490,23 @@ CASES = [
     ("callback schedule set to a label after it was made",
      lambda t: trainer_with(t, set_after(SpanAttentionCallback(), schedule="score:1000")).train(), ValueError,
      "SpanAttentionCallback: schedule='score:1000': expected a Schedule or a list of keyframes"),
+    ("settings read from a model's config.json", lambda t: SpanAttentionConfig.from_pretrained(
+        saved_model(t, alphas=[1, 1, 0, 0]) / "config.json"), ValueError,
+     "{tmp}/model/config.json: a model's config, not a span_attention_config.json; a saved model keeps its settings in "
+     "the field 'span_attention' of its config.json, which hf_spanattn.load_pretrained reads"),
+    ("settings file that is a folder", lambda t: SpanAttentionConfig.from_pretrained(
+        (t / "span_attention_config.json").mkdir() or t), FileNotFoundError,
+     "{tmp}/span_attention_config.json: not a file (a folder, a pipe or a symbolic link to nothing)"),
+    ("adapter settings file that is a folder", lambda t: load_pretrained(settings_replaced_by_a_folder(adapter(t))),
+     FileNotFoundError, "{tmp}/adapter/span_attention_config.json: not a file"),
+    ("settings saved through a link into a missing folder", lambda t: SpanAttentionConfig().save_pretrained(
+        (t / "span_attention_config.json").symlink_to(t / "gone" / "settings.json") or t), FileNotFoundError,
+     "{tmp}/span_attention_config.json (a symbolic link to {tmp}/gone/settings.json): the folder {tmp}/gone does not "
+     "exist"),
+    ("settings from a folder with a subfolder that is not there", lambda t: SpanAttentionConfig.from_pretrained(
+        t, subfolder="mine"), FileNotFoundError, "{tmp}/mine: no such folder"),
+    ("settings from a folder with a subfolder of another type", lambda t: SpanAttentionConfig.from_pretrained(
+        t, subfolder=3), TypeError, "subfolder=3: expected a folder inside {tmp}"),
 ]
 
 
@@ -660,13 +708,15 @@ def test_a_hub_id_whose_settings_cannot_be_fetched_is_named(monkeypatch):
         SpanAttentionConfig.from_pretrained("someone/settings")
 
 
-@pytest.mark.parametrize("text", ['{"meth', "[]", '{"alphas": "1000"}'])
+@pytest.mark.parametrize("text", ['{"meth', "[]", '{"alphas": "1000"}', "a folder"])
 def test_a_plain_peft_load_of_an_adapter_with_unreadable_settings_warns_and_loads(text, tmp_path):
     """PEFT itself needs nothing of the settings saved beside an adapter: a plain load into an unpatched model
-    loads, and the warning that it trains with the standard gradient names the file and why it cannot be read."""
+    loads, and the warning that it trains with the standard gradient names the file and why it cannot be read (a
+    folder in the file's place loaded without the warning)."""
     from peft import PeftModel
 
-    folder = beside(adapter(tmp_path), "span_attention_config.json", text)
+    folder = settings_replaced_by_a_folder(adapter(tmp_path)) if text == "a folder" else \
+        beside(adapter(tmp_path), "span_attention_config.json", text)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     with pytest.warns(UserWarning, match=f"{folder} holds span attention settings that cannot be read "
                                          f"\\({folder}/span_attention_config.json: .*not patched"):
@@ -674,17 +724,17 @@ def test_a_plain_peft_load_of_an_adapter_with_unreadable_settings_warns_and_load
 
 
 def diagnosed_run(out: Path, max_steps: int, resume: str | None = None, learning_rate: float = 1e-2,
-                  save_steps: int | None = 2) -> None:
+                  save_steps: int | None = 2, diagnostics_file: str | None = None, **arguments) -> None:
     """A tiny GPT-2 trained with diagnostics every step, a checkpoint every `save_steps` (None: none)."""
     from transformers import Trainer, TrainingArguments
 
     ids = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))  # more keys than head dims
     args = TrainingArguments(str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=learning_rate,
                              report_to=[], use_cpu=True, disable_tqdm=True, seed=0, logging_steps=1,
-                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1)
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1, **arguments)
     trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1100"), args=args,
                       train_dataset=[{"input_ids": i, "labels": i} for i in ids])
-    SpanAttentionCallback(diagnostics_every=1).add_to(trainer)
+    SpanAttentionCallback(diagnostics_every=1, diagnostics_file=diagnostics_file).add_to(trainer)
     trainer.train(resume_from_checkpoint=resume)
 
 
@@ -947,3 +997,182 @@ def test_two_settings_saves_at_once_each_leave_a_whole_file(tmp_path, monkeypatc
     monkeypatch.undo()
     assert SpanAttentionConfig.from_pretrained(tmp_path) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["span_attention_config.json"]
+
+
+def eager_gpt2():
+    model = tiny("gpt2")
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("steps,expected", [
+    ([lambda m: patch_model(m.transformer, "score:1000"), unpatch_model], "eager"),
+    ([lambda m: patch_model(m, "score:1000"), lambda m: unpatch_model(m.transformer)], "eager"),
+    ([lambda m: patch_model(m, "score:1000"), lambda m: m.set_attn_implementation("sdpa"),
+      lambda m: patch_model(m, "score:1100"), unpatch_model], "sdpa"),
+], ids=["patched inside, unpatched around", "patched around, unpatched inside", "set to sdpa, patched again"])
+def test_unpatch_model_gives_back_the_attention_the_model_had(steps, expected):
+    """Through GPT2LMHeadModel or the GPT2Model inside it, which share one config: unpatching the one that was not
+    patched gave SDPA in place of eager attention, without a word."""
+    model = eager_gpt2()
+    for step in steps:
+        step(model)
+    assert model.config._attn_implementation == expected
+    assert not hasattr(model.config, "span_attention")
+    assert not any(hasattr(m, "_hf_spanattn_original") for m in model.modules())
+    assert not [tag for m in (model, model.transformer) for tag in m.model_tags or () if "span" in tag]
+
+
+def test_unpatch_model_of_a_model_loaded_with_span_attention_gives_it_sdpa(tmp_path):
+    """from_pretrained(attn_implementation="span_attention"), then patch_model and unpatch_model: the span gradients
+    stayed on (the default rule, the settings gone)."""
+    tiny("gpt2").save_pretrained(tmp_path / "plain")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", attn_implementation="span_attention")
+    unpatch_model(patch_model(model, "score:1100"))
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "span_attention")
+
+
+class StopAtFirstStep:
+    """A training run stopped midway (Ctrl-C in a notebook): KeyboardInterrupt at the end of step 1."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                raise KeyboardInterrupt
+
+        return Stop()
+
+
+def test_a_schedule_left_on_the_layers_by_a_stopped_run_gives_way(tmp_path):
+    """A run with a schedule stopped midway leaves its setting on the layers (the Trainer calls no event then).
+    patch_model(model, rule) afterwards trained with the schedule's rule, and the callback given to a new trainer of
+    another model did not apply its schedule, both without a word."""
+    from transformers import TrainerCallback
+
+    from hf_spanattn.integration.registry import attention_modules, settings_for
+
+    callback = SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1)
+    stopped = trainer_with(tmp_path, callback, StopAtFirstStep())
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    patch_model(stopped.model, "standard:QKV111")
+    assert {settings_for(m).label for ms in attention_modules(stopped.model).values() for m in ms} == {
+        "standard:QKV111"}
+
+    seen = []
+
+    class Spy(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            seen.extend((settings_for(m).label, hasattr(m, "span_attention_probe"))
+                        for ms in attention_modules(model).values() for m in ms)
+
+    callback.diagnostics_every = 0
+    trainer_with(tmp_path / "again", callback, Spy()).train()
+    assert seen == [("score:1100", False)] * 2
+
+
+def test_diagnostics_leave_out_calls_with_more_keys_than_queries():
+    """A training step over past_key_values (prefix tuning) under the standard rule with a probe on the layers failed
+    inside the backward pass ("Expected size for first two dimensions of batch2 tensor"): such calls record nothing,
+    as the span rules' do (they run SDPA)."""
+    from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules
+
+    model = patch_model(tiny("llama"), "standard:QKV110").train()
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        past = model(ids[:, :3], use_cache=True).past_key_values
+    recorders = {index: OrderRecorder() for index in attention_modules(model)}
+    for index, modules in attention_modules(model).items():
+        for module in modules:
+            setattr(module, PROBE_ATTR, recorders[index])
+    model(ids[:, 3:], past_key_values=past, use_cache=True).logits.sum().backward()
+    assert all(r.summary() == {} for r in recorders.values())
+    model(ids).logits.sum().backward()  # self-attention is recorded
+    assert all(r.summary()["dq_share"][0] == 1.0 for r in recorders.values())
+
+
+def test_gpt_neo_in_float64_keeps_its_outputs_on_padded_rows():
+    """GPT-Neo's adapter cast float64's padding mask value to float32 (−inf), so the rows of left padding got 0
+    rather than the stock attention's output (logits off by 0.05); its scores now run in float64."""
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, :4] = 0
+    model = tiny("gpt_neo").double().train()
+    stock = model(input_ids=ids, attention_mask=padding).logits
+    patch_model(model, "score:1111")
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=padding).logits, stock, rtol=0, atol=1e-8)
+
+
+def test_settings_of_a_named_adapter_read_through_subfolder(tmp_path):
+    """SpanAttentionConfig.from_pretrained(folder, subfolder=name), as PEFT reads a named adapter: the settings of
+    folder/name (it read those of folder itself, without a word)."""
+    SpanAttentionConfig.from_label("score:1100").save_pretrained(tmp_path)
+    SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path / "mine ü")
+    assert SpanAttentionConfig.from_pretrained(tmp_path, subfolder="mine ü").label == "simple:10"
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1100"
+
+
+def test_a_field_of_a_newer_version_is_kept_when_the_loaded_model_is_saved_again(tmp_path):
+    """load_pretrained of settings written by a newer hf_spanattn (a field this version does not know) warns that
+    the field is ignored here; saving the model again kept neither the field nor the version that wrote it."""
+    folder = saved_model(tmp_path, alphas=[1, 1, 0, 0], new_field=[3], hf_spanattn_version="9.0")
+    with pytest.warns(UserWarning, match="ignoring unknown fields \\['new_field'\\]"):
+        model = load_pretrained(folder)
+    model.save_pretrained(folder)
+    section = json.loads((folder / "config.json").read_text())["span_attention"]
+    assert (section["new_field"], section["hf_spanattn_version"], section["alphas"]) == ([3], "9.0", [1, 1, 0, 0])
+    assert config_of(model.config).label == "score:1100"
+    patch_model(model, layers=[1])  # settings changed here are this version's
+    assert "new_field" not in model.config.span_attention
+
+
+def test_a_settings_field_named_almost_right_warns(tmp_path):
+    """A config.json whose settings field is misspelled by hand ('span_atention'): load_pretrained patched with the
+    default settings without a word."""
+    folder = saved_model(tmp_path, alphas=[1, 1, 0, 0])
+    config = json.loads((folder / "config.json").read_text())
+    config["span_atention"] = config.pop("span_attention")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=f"{folder}/config.json, field 'span_attention': not given, but a field "
+                                         "'span_atention' is, which is not read; patching with the default score:1000"):
+        load_pretrained(folder)
+
+
+def test_hostile_steps_in_the_diagnostics_file_and_the_log_history_do_not_stop_a_resumed_run(stopped_run, tmp_path):
+    """A record whose step has 400 digits (OverflowError) and a log_history entry of the checkpoint whose step is a
+    list (TypeError: unhashable) stopped the resumed run; the record is kept as it is, the entry is not compared."""
+    out = copy_of(stopped_run, tmp_path)
+    path = out / "span_diagnostics.jsonl"
+    path.write_bytes(b'{"step": -1' + b"0" * 400 + b', "note": "mine"}\n' + path.read_bytes())
+    state = out / "checkpoint-2" / "trainer_state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "log_history": [{"step": [1]}, {"step": {}}]}))
+    diagnosed_run(out, 4, resume=str(out / "checkpoint-2"))
+    assert steps_in(path) == [-10**400, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_a_file_that_is_not_a_diagnostics_file_is_refused_and_left_as_it_is(stopped_run, tmp_path):
+    """diagnostics_file naming a file of JSON that holds no record (here a checkpoint's trainer_state.json, written
+    on one line without a line end): a resumed run took its one line for a record cut short, rewrote the file without
+    it and appended its records; a fresh run moved it aside."""
+    out = copy_of(stopped_run, tmp_path)
+    state = out / "checkpoint-2" / "trainer_state.json"
+    state.write_text(json.dumps(json.loads(state.read_text())))
+    before = state.read_bytes()
+    for resume in (str(out / "checkpoint-2"), None):
+        with pytest.raises(ValueError, match=f"{state} holds no diagnostics records .* name another diagnostics_file"):
+            diagnosed_run(out, 4, resume=resume, diagnostics_file="checkpoint-2/trainer_state.json")
+        assert state.read_bytes() == before
+
+
+def test_hostile_attributes_restored_from_a_checkpoint_do_not_stop_the_run(stopped_run, tmp_path):
+    """The Trainer sets every attribute that trainer_state.json lists for the callback; the callback's own per-run
+    state set so by hand (`_frames`, `_pending`) stopped the resumed run with errors that named neither."""
+    out = copy_of(stopped_run, tmp_path)
+    state = out / "checkpoint-2" / "trainer_state.json"
+    data = json.loads(state.read_text())
+    data["stateful_callbacks"]["SpanAttentionCallback"]["attributes"].update(_frames="x", _pending=[1], _layers=5)
+    state.write_text(json.dumps(data))
+    diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), restore_callback_states_from_checkpoint=True)
+    assert steps_in(out / "span_diagnostics.jsonl") == [1, 1, 2, 2, 3, 3, 4, 4]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers.modelcard
@@ -111,11 +112,12 @@ def test_lora_adapter_card_names_the_method_and_the_base_model(tmp_path):
 @pytest.mark.parametrize("existing,kept", [("mine", ["mine"]), ([1, None, "mine"], [1, None, "mine"]),
                                            (("a", "hf_spanattn"), ["a"]), (5, [5]), (b"mine", [b"mine"]),
                                            (["span_attention:my notes", "hf_spanattn_version:mine"],
-                                            ["span_attention:my notes", "hf_spanattn_version:mine"])])
+                                            ["span_attention:my notes", "hf_spanattn_version:mine"]),
+                                           (np.array(["a", "hf_spanattn"]), ["a"])])
 def test_odd_existing_tags_are_kept_as_they_are(existing, kept):
     """A tag set as one string is one tag (as add_model_tags takes it), not one per character, and so are bytes
     and a number; tags that are not strings are left alone rather than failing the patch, and so are a user's own
-    tags that only begin as the package's do."""
+    tags that only begin as the package's do; an array of tags is a list of them."""
     model = fine_tuned()
     model.model_tags = existing
     hf_spanattn.patch_model(model, "score:1000")

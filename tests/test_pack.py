@@ -233,13 +233,15 @@ def test_the_merged_runs_of_the_paper_sweep_are_not_ignored_by_git():
     assert check.returncode == 1, check.stdout  # 0: ignored, by the rule it prints
 
 
-def test_the_paper_sweep_runs_the_comparisons_in_pairs_first():
-    """One run fits a GPU command: the paper's headline pair comes first, seed by seed, then the maths'
-    prediction, and the 4 × 6 table holds every setting of the paper's score comparison."""
+def test_the_paper_sweep_runs_the_comparisons_seed_by_seed_first():
+    """One run fits a GPU command: the paper's headline comes first, seed by seed ([1000] by both readings
+    against the standard gradient), then the maths' prediction, and the 4 × 6 table holds every setting of
+    the paper's score comparison."""
     runs = [r.name for r in pack.plan_runs(pack.load_sweeps(ROOT / "recipes/configs/paper_gpu.yaml"), {}, check=False)]
-    assert runs[:12] == [f"H4xL6__{span}__seed{seed}" for pair in (("standard-QKV111", "score-1000"),
-                                                                  ("score-1111_per_block", "score-1111"))
-                         for seed in range(3) for span in pair]
+    assert runs[:15] == [f"H4xL6__{span}__seed{seed}"
+                         for group in (("standard-QKV111", "score-1000_per_block", "score-1000"),
+                                       ("score-1111_per_block", "score-1111"))
+                         for seed in range(3) for span in group]
     table = {"standard-QKV111", "score-1000", "score-1100", "score-1000_per_block", "score-1111_per_block",
              "score-1111"}
     assert {f"H4xL6__{span}__seed{seed}" for span in table for seed in range(3)} <= set(runs)

@@ -143,7 +143,11 @@ def write_whole(path: str, write: Callable[[TextIO], Any]) -> None:
     before it whole, and two processes saving at once each replace it whole (each writes its own partial file
     beside it first). A symbolic link stays one (the file it points to is replaced) and the file keeps its
     permissions. Text is UTF-8; bytes that are not pass through as `surrogateescape` escapes."""
-    path = os.path.realpath(path)
+    target = os.path.realpath(path)
+    if not os.path.isdir(os.path.dirname(target)):  # else the error would name the partial file
+        link = f" (a symbolic link to {target})" if target != os.path.abspath(path) else ""
+        raise FileNotFoundError(f"{path}{link}: the folder {os.path.dirname(target)} does not exist")
+    path = target
     partial = f"{path}.{os.getpid()}.partial"
     try:
         with open(partial, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
@@ -327,7 +331,15 @@ class SpanAttentionConfig:
         """Read the settings from a local folder (or file), or from a Hub repository."""
         path = _path_argument(name_or_path, "SpanAttentionConfig.from_pretrained", "name_or_path",
                               f"a folder, a {CONFIG_NAME} file or a Hub repository id ('owner/name')")
+        if hub_kwargs.get("subfolder") and os.path.isdir(path):  # as PEFT and Transformers read a local folder
+            path = os.path.join(path, _path_argument(hub_kwargs["subfolder"], "SpanAttentionConfig.from_pretrained",
+                                                     "subfolder", f"a folder inside {path}"))
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"{path}: no such folder (name_or_path with subfolder=...)")
         if os.path.isdir(path):
+            if os.path.lexists(os.path.join(path, CONFIG_NAME)) and not os.path.isfile(os.path.join(path, CONFIG_NAME)):
+                raise FileNotFoundError(f"{os.path.join(path, CONFIG_NAME)}: not a file (a folder, a pipe or a "
+                                        "symbolic link to nothing); expected the settings save_pretrained writes")
             if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
                 model = " (a saved model keeps its settings in config.json: hf_spanattn.load_pretrained reads them)" \
                     if os.path.isfile(os.path.join(path, "config.json")) else ""
@@ -349,6 +361,10 @@ class SpanAttentionConfig:
         data = _read_json(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of SpanAttentionConfig fields, got {data!r}")
+        if {"model_type", "architectures", "span_attention"} & data.keys():
+            raise ValueError(f"{path}: a model's config, not a {CONFIG_NAME}; a saved model keeps its settings in "
+                             "the field 'span_attention' of its config.json, which hf_spanattn.load_pretrained "
+                             "reads (with the model)")
         return cls.from_dict(data, source=path)
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,

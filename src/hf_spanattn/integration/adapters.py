@@ -61,12 +61,12 @@ def install() -> None:
     def from_pretrained(cls, model: torch.nn.Module, model_id: Any, *args: Any, **kwargs: Any) -> Any:
         peft_model = load(cls, model, model_id, *args, **kwargs)
         folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
-        if is_adapter_folder(folder) and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        if is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME)):
             base = peft_model.get_base_model()
-            if config_of(base.config) is None or not _patched(base):
+            if config_of(base.config) is None or not is_patched(base):
                 try:  # only to name them: PEFT's load itself needs nothing of them
                     saved = f"span attention settings ({SpanAttentionConfig.from_pretrained(folder).label})"
-                except (ValueError, TypeError) as err:
+                except (ValueError, TypeError, OSError) as err:
                     saved = f"span attention settings that cannot be read ({err})"
                 warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
                               f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
@@ -80,7 +80,8 @@ def install() -> None:
     PeftModel.from_pretrained = classmethod(from_pretrained)
 
 
-def _patched(base: torch.nn.Module) -> bool:
+def is_patched(base: torch.nn.Module) -> bool:
+    """Whether span_attention is in force: the registry's implementation, or GPT-Neo's adapter."""
     return base.config._attn_implementation == ATTN_IMPLEMENTATION or any(
         "_attn" in module.__dict__ for module in base.modules())  # GPT-Neo's adapter
 
@@ -113,7 +114,7 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
                          f"({type(err).__name__}: {err})") from None
     base = model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs)
     saved = os.path.join(folder, CONFIG_NAME)
-    from_file = config is None and os.path.isfile(saved)
+    from_file = config is None and os.path.lexists(saved)  # a settings "file" that is not one is refused
     if from_file:
         config = SpanAttentionConfig.from_pretrained(folder)
     try:

@@ -43,8 +43,9 @@ def ours(tag: object) -> bool:
 
 def set_tags(model: PreTrainedModel, config: SpanAttentionConfig | None) -> None:
     """Replace the model's hf_spanattn tags by those of `config` (none for None), keeping the others
-    (one tag set as a string is one tag, as `add_model_tags` takes it; so are bytes and a number)."""
-    if model.model_tags:
+    (one tag set as a string is one tag, as `add_model_tags` takes it; so are bytes and a number; an
+    array of tags is a list of them)."""
+    if model.model_tags is not None:  # an array of tags has no truth value
         held = model.model_tags
         existing = held if isinstance(held, Iterable) and not isinstance(held, (str, bytes)) else [held]
         model.model_tags = [tag for tag in existing if not ours(tag)] or None

@@ -7,21 +7,25 @@ registry, gets a small adapter on its attention modules.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import types
 import warnings
+import weakref
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_spanattn.config import SpanAttentionConfig, _path_argument, as_config
+from hf_spanattn.config import SpanAttentionConfig, _looks_local, _path_argument, as_config
 from hf_spanattn.integration import adapters, card, packing
+from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
     LAYER_ATTR,
+    OVERRIDE_ATTR,
     PROBE_ATTR,
     attention_modules,
     config_of,
@@ -37,6 +41,7 @@ from hf_spanattn.ops.attention import span_attention
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
             "Qwen2, Mistral, ...) and GPT-Neo"
 _ORIGINAL = "_hf_spanattn_original"  # model attribute: what patch_model changed, for unpatch_model
+_PATCHED: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()  # the models patch_model was given (or found inside)
 
 
 def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTrainedModel:
@@ -70,14 +75,16 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
     `push_to_hub` carry them, and the model's tags name them for the Hub page (`card.py`).
-    Patching again replaces them. Returns `model`.
+    Patching again replaces them, and a setting that a schedule left on a layer (`SpanAttentionCallback`, in a
+    training run stopped midway). Returns `model`.
     """
     register()
     adapters.install()
     base = base_model(model)
     config = as_config(config, "patch_model", "keep the model's settings")
+    keep = config is None and layers is None and config_of(base.config) is not None  # the section as it is stored
     if config is None:
-        config = config_of(base.config) or SpanAttentionConfig()
+        config = config_of(base.config) or _default_settings(base.config)
     if layers is not None:
         config = config.replace(layers=layers)
     neo = _neo_attentions(base)
@@ -97,16 +104,24 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
 
-    if not hasattr(base, _ORIGINAL):
-        original = {"attn_implementation": base.config._attn_implementation, "reorder_and_upcast_attn": None}
+    original = _original(base)
+    if not is_patched(base) or original is None:  # else the record of the first patch_model stands
+        implementation = base.config._attn_implementation  # set to ours without patch_model: SDPA is its forward
+        original = {"attn_implementation": "sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
+                    "reorder_and_upcast_attn": None}
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
                           "precision). unpatch_model restores it.", stacklevel=2)
             original["reorder_and_upcast_attn"] = True
             _set_reorder(base, False)
-        setattr(base, _ORIGINAL, original)
-    setattr(base.config, CONFIG_KEY, config.to_dict())
+    for part in _sharing_config(base):
+        setattr(part, _ORIGINAL, original)
+        _PATCHED.add(part)
+    for module in base.modules():  # a schedule's setting left by a training run stopped midway
+        module.__dict__.pop(OVERRIDE_ATTR, None)
+    if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
+        setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
     if neo:
@@ -117,17 +132,36 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     return model
 
 
+def _default_settings(model_config: Any) -> SpanAttentionConfig:
+    """The default settings, for a model config without any; a field named almost as the settings' (a hand edit
+    such as 'span_atention') warns that it is not read."""
+    names = [name for name in vars(model_config) if isinstance(name, str)]
+    for name in difflib.get_close_matches(CONFIG_KEY, names, n=1, cutoff=0.8):
+        warnings.warn(f"{stored_source(model_config)}: not given, but a field {name!r} is, which is not read; "
+                      f"patching with the default {SpanAttentionConfig().label} (name the field {CONFIG_KEY!r} to use "
+                      "its settings)", stacklevel=4)
+    return SpanAttentionConfig()
+
+
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Restore exactly the attention implementation the model had before `patch_model`."""
+    """Restore exactly the attention implementation the model had before `patch_model` (through the model it
+    was given or one inside or around it that shares its config), and drop every span setting from it."""
     base = base_model(model, "unpatch_model")
-    original = getattr(base, _ORIGINAL, None)
-    if original is None and base.config._attn_implementation != ATTN_IMPLEMENTATION:
-        return model  # not patched
+    original = _original(base)
+    sharing = _sharing_config(base)
+    for module in base.modules():
+        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR):
+            module.__dict__.pop(name, None)
+    if original is None and not is_patched(base):
+        return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
-    card.set_tags(base, None)
-    for module in base.modules():
-        module.__dict__.pop(LAYER_ATTR, None)
+    for part in sharing:
+        card.set_tags(part, None)
+    if not is_patched(base):  # its attention set otherwise since, or unpatched through a model inside it: kept
+        for part in sharing:
+            part.__dict__.pop(_ORIGINAL, None)
+        return model
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"
@@ -135,10 +169,21 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         base.set_attn_implementation(implementation)
     if original and original["reorder_and_upcast_attn"]:
         _set_reorder(base, True)
-    if original:
-        delattr(base, _ORIGINAL)
+    for part in sharing:
+        part.__dict__.pop(_ORIGINAL, None)
     return model
 
+
+def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
+    """The model and the models inside or around it that share its config (GPT2LMHeadModel and its GPT2Model),
+    which patch_model and unpatch_model may each be given: those inside it, and those patched before."""
+    inside = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is model.config]
+    return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
+
+
+def _original(model: PreTrainedModel) -> dict | None:
+    """What the first patch_model changed, as recorded on the model or a model inside it that shares its config."""
+    return next((part.__dict__[_ORIGINAL] for part in _sharing_config(model) if _ORIGINAL in part.__dict__), None)
 
 def _set_reorder(model: PreTrainedModel, value: bool) -> None:
     model.config.reorder_and_upcast_attn = value
@@ -157,18 +202,22 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     q_len, k_len = query.shape[-2], key.shape[-2]
     if keeps_sdpa(config, q_len, k_len):
         return type(self)._attn(self, query, key, value, attention_mask)
+    # as the stock code: the window's mask value float32's minimum, the padding mask added in its own dtype (float64's
+    # minimum stays finite), scores in float32 for half precision and in float64 for a float64 model
+    dtype = torch.promote_types(value.dtype, torch.float32)
     window = self.bias[:, :, k_len - q_len : k_len, :k_len]
-    mask = torch.zeros(window.shape, dtype=torch.float32, device=query.device).masked_fill_(~window, float("-inf"))
+    mask = torch.zeros(window.shape, dtype=dtype, device=query.device).masked_fill_(~window,
+                                                                                     torch.finfo(torch.float32).min)
     if attention_mask is not None:
-        mask = mask + attention_mask.to(torch.float32)
+        mask = mask + attention_mask.to(dtype)
     run = functools.partial(span_attention, scale=1.0, dropout_p=self.attn_dropout.p if self.training else 0.0,
-                            config=config, probe=getattr(self, PROBE_ATTR, None))
+                            config=config, probe=getattr(self, PROBE_ATTR, None) if q_len == k_len else None)
     packed = attention_mask is not None and q_len == k_len  # packing comes with a mask
     docs = documents_of(query, mask, True, {}) if packed else None
     if docs is not None:
-        out = run(*(packing.unpack(x.float(), docs) for x in (query, key, value)), attn_mask=docs.mask)
+        out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
         return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
-    out = run(query.float(), key.float(), value.float(), attn_mask=mask)
+    out = run(query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask)
     return out.to(value.dtype), None
 
 
@@ -184,6 +233,10 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     patched with the settings saved beside the adapter (else those of the base model's config)."""
     name_or_path = _path_argument(name_or_path, "load_pretrained", "name_or_path",
                                   "a saved model's folder, a PEFT adapter's folder or a Hub repository id")
+    if _looks_local(name_or_path) and not os.path.isdir(name_or_path):  # else Transformers takes it for a Hub id
+        what = "a file" if os.path.exists(name_or_path) else "no such folder"
+        raise FileNotFoundError(f"load_pretrained: {name_or_path}: {what}; expected a saved model's folder, a PEFT "
+                                "adapter's folder or a Hub repository id ('owner/name')")
     config = as_config(config, "load_pretrained", "the settings saved with the model")
     if not isinstance(is_trainable, bool):
         raise TypeError(f"load_pretrained: is_trainable={is_trainable!r}: expected True or False")

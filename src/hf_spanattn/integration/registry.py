@@ -272,7 +272,7 @@ def span_attention_forward(
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     docs = documents_of(query, attention_mask, is_causal, kwargs) if q_length == k_length else None
-    probe = getattr(module, PROBE_ATTR, None)
+    probe = getattr(module, PROBE_ATTR, None) if q_length == k_length else None  # diagnostics: self-attention
     if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
         out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
                              dropout_p=dropout, scale=scaling, config=config, probe=probe)

@@ -115,6 +115,9 @@ def span_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
         return out.reshape(layout.out_shape)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # float8: no kernel takes them
+        raise ValueError(f"span_attention: span gradients take float16, bfloat16, float32 or float64 query, key and "
+                         f"value, got {dtype}")
     if torch._C._functorch.peek_interpreter_stack() is not None:  # its wrapped tensors meet our autograd.Functions
         raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
                            "gradient, jacrev, …); take them with torch.autograd (loss.backward(), "
@@ -122,6 +125,9 @@ def span_attention(
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
                          f"as keys, got {t} queries and {s} keys")
+    if probe is not None and t != s:  # its orders are the score rule's
+        raise ValueError(f"span_attention: a probe splits the gradient into the orders of span violation, which needs "
+                         f"self-attention with as many queries as keys, got {t} queries and {s} keys; pass probe=None")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     query, key, value = (x.to(dtype) for x in (query, key, value))
     with torch.autocast(device, enabled=False):

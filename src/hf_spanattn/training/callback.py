@@ -81,6 +81,12 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         # diagnostics_file: kept as a string, JSON in the state
         self.schedule, self.diagnostics_every, self.diagnostics_per_head, self.diagnostics_file = _checked(
             schedule, diagnostics_every, diagnostics_per_head, diagnostics_file)
+        self._start_afresh()
+        self.last_step = 0
+
+    def _start_afresh(self) -> None:
+        """The state of one training run, set anew when it starts (a checkpoint's trainer_state.json, which the
+        Trainer may restore this callback from, sets any attribute it names)."""
         self._frames: list | None = None
         self._layers: dict[int, list] = {}
         self._per_layer = False
@@ -89,7 +95,6 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._pending: dict[str, float] = {}
         self._alphas_logged_at: int | None = None
         self._path: str | None = None
-        self.last_step = 0
 
     def add_to(self, trainer: Any) -> SpanAttentionCallback:
         """Add this callback to `trainer` in front of the others (the same as `trainer.add_callback(callback)`
@@ -103,6 +108,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
     # -- the Trainer's events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self._check()
+        self._start_afresh()
         self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
@@ -110,9 +116,12 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         if config is None:
             raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
                              "config) before training")
+        for modules in self._layers.values():  # what a training run stopped midway left on the layers
+            for module in modules:
+                module.__dict__.pop(PROBE_ATTR, None)
+        self._applied, self._recorders = None, {}
         self._per_layer = config.layers is not None or (
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
-        self._alphas_logged_at = None
         if self.schedule is not None:
             n_layers = layer_count(base)
             steps_per_epoch = None  # as the Trainer counts them: a last partial accumulation is a step
@@ -303,26 +312,32 @@ def _start_records(path: str, step: int, log_history: list) -> None:
     (step 0) moves an earlier run's records aside, to <file>.replaced-<n>; so does a resumed run whose records up
     to its step are not those its checkpoint logged (`log_history`): the file is another run's. Otherwise a resumed
     run drops the records past its step (with a line a stop cut short), and keeps every line that is not a record
-    as it is, saying so. The file is cut or replaced whole, never left half-written."""
-    if not os.path.isfile(path):
-        return
-    if step == 0:
-        if os.path.getsize(path):
-            _move_aside(path, "holds the diagnostics of an earlier run; this run starts at step 0")
+    as it is, saying so. The file is cut or replaced whole, never left half-written. A file that holds lines but no
+    record is refused: it is not a diagnostics file (a name given by mistake), and is left as it is."""
+    if not os.path.isfile(path) or (step == 0 and not os.path.getsize(path)):
         return
     with open(path, "rb") as f:
         whole = f.read()
     lines = whole.splitlines(keepends=True)
-    records = [_record(line) for line in lines]
+    parsed = [_json_line(line) for line in lines]
+    records = [r if isinstance(r, dict) and _is_step(r.get("step")) else None for r in parsed]
+    # a last line without its line end that is not JSON: a record a stop cut short (a whole JSON value is kept)
+    cut = len(lines) - 1 if lines and not lines[-1].endswith((b"\n", b"\r")) and parsed[-1] is _NOT_JSON else None
+    if not any(records) and any(line.strip() for n, line in enumerate(lines) if n != cut):
+        raise ValueError(f"SpanAttentionCallback: {path} holds no diagnostics records (no line is a JSON object with "
+                         "a 'step'), so it is not a diagnostics file; name another diagnostics_file (a path relative "
+                         "to the Trainer's output_dir) or move the file away")
+    if step == 0:
+        _move_aside(path, "holds the diagnostics of an earlier run; this run starts at step 0")
+        return
     foreign = _not_logged(step, [r for r in records if r is not None and r["step"] <= step], log_history)
     if foreign is not None:
         _move_aside(path, f"holds diagnostics that this run's checkpoint did not log (step {foreign}), so they are "
                           f"another run's; this run resumes at step {step}")
         return
-    cut = len(lines) - 1 if lines and records[-1] is None and not lines[-1].endswith(b"\n") else None
     other = [n + 1 for n, (line, r) in enumerate(zip(lines, records)) if r is None and line.strip() and n != cut]
     kept = [line for n, (line, r) in enumerate(zip(lines, records)) if n != cut and (r is None or r["step"] <= step)]
-    if kept and not kept[-1].endswith(b"\n"):
+    if kept and not kept[-1].endswith((b"\n", b"\r")):
         kept[-1] += b"\n"  # the next record goes on a line of its own
     data = b"".join(kept)
     if other:
@@ -338,24 +353,29 @@ def _start_records(path: str, step: int, log_history: list) -> None:
             write_whole(path, lambda f: f.write(data.decode("utf-8", "surrogateescape")))
 
 
-def _record(line: bytes) -> dict | None:
-    """A diagnostics record (a JSON object with a finite number as its step), or None."""
+_NOT_JSON = object()
+
+
+def _json_line(line: bytes) -> Any:
+    """A line of the diagnostics file as JSON (a record is an object with a step: `_is_step`), or _NOT_JSON."""
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except (ValueError, RecursionError):
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    ok = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
-    return record if ok else None
+        return _NOT_JSON
+
+
+def _is_step(step: Any) -> bool:
+    """Whether a value read from a file is a step: an int (of any size) or a finite float, not a bool."""
+    return (isinstance(step, int) and not isinstance(step, bool)) or (isinstance(step, float) and math.isfinite(step))
 
 
 def _not_logged(step: int, records: list[dict], log_history: list) -> Any:
     """The step of the first record whose dq shares differ from those `log_history` holds for its step and layer,
     or None (records the history does not mention are taken as they are)."""
     logged: dict[Any, dict] = {}
-    for entry in log_history:
-        if isinstance(entry, dict):
-            logged.setdefault(entry.get("step"), {}).update(entry)
+    for entry in log_history if isinstance(log_history, list) else ():
+        if isinstance(entry, dict) and _is_step(entry.get("step")):
+            logged.setdefault(entry["step"], {}).update(entry)
     for record in records:
         shares = record.get("dq_share")
         entry = logged.get(record["step"], {})

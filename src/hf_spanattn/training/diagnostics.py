@@ -35,6 +35,11 @@ class OrderRecorder:
         self.sums[name] = self.sums[name] + value if name in self.sums else value
 
     def __call__(self, record: dict) -> None:
+        held, got = self._shape(), (record["dq"].shape[1] * record["dq"].shape[2], len(record["dq_orders"]))
+        if held is not None and held != got:  # sums of other heads or orders cannot be added up
+            raise ValueError(f"OrderRecorder: a recorder gathers one layer's figures under one rule; it holds "
+                             f"{held[0]} heads and {held[1]} orders, and this call has {got[0]} heads and {got[1]} "
+                             "orders: give each attention layer (and rule) a recorder of its own")
         for side in ("dq", "dk"):
             for order, part in enumerate(record[f"{side}_orders"]):
                 self._add(f"{side}_sq{order}", _per_head(part.pow(2)))
@@ -45,6 +50,13 @@ class OrderRecorder:
         self.rank_k += record["rank_k"].double().sum().item()
         self.rank_v += record["rank_v"].double().sum().item()
         self.rank_count += record["rank_k"].numel()
+
+    def _shape(self) -> tuple[int, int] | None:
+        """(heads, orders) of the sums held, or None before the first call."""
+        if not self.sums:
+            return None
+        orders = sum(1 for k in self.sums if k.startswith("dq_sq") and k[5:].isdigit())
+        return self.sums["dq_sq"].numel(), orders
 
     def summary(self, per_head: bool = False) -> dict:
         """Norms, shares and cosines over all heads (and per head if asked)."""
