@@ -23,7 +23,7 @@ from pathlib import Path
 import report
 from pack import load_records
 from records import metrics_problems
-from run_identity import data_source, json_file, move_aside, span_dir
+from run_identity import data_source, json_file, move_aside, path_argument, span_dir
 
 from hf_spanattn import SpanAttentionConfig
 
@@ -116,8 +116,8 @@ def notes(runs: dict[str, dict[str, dict[int, dict]]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", type=Path, nargs="+", help="folders of <name>.json, .json or .jsonl files")
-    parser.add_argument("--out", type=Path, default=Path("results/paper"), help="default: results/paper")
+    parser.add_argument("inputs", type=path_argument, nargs="+", help="folders of <name>.json, .json or .jsonl files")
+    parser.add_argument("--out", type=path_argument, default=Path("results/paper"), help="default: results/paper")
     parser.add_argument("--replace", action="store_true", help="overwrite a different result of the same run")
     args = parser.parse_args(argv)
     blocking = next((p for p in (args.out / "runs", *(args.out / "runs").parents) if p.exists() and not p.is_dir()),

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 from records import metrics_problems, record_problems
-from run_identity import RunLock, json_file, json_value, move_aside, read_yaml, stopped_as_by_ctrl_c
+from run_identity import RunLock, json_file, json_value, move_aside, path_argument, read_yaml, stopped_as_by_ctrl_c
 from sweep import plan
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
@@ -129,7 +129,7 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     if not path.is_file():
         raise ValueError(f"{path}: no such file or folder")
     text = path.read_text(encoding="utf-8-sig", errors="replace")
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         pieces = [(f"{path} line {i}", line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     else:
         pieces = [(str(path), text)]
@@ -138,7 +138,8 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
         try:
             value = json_value(piece)
         except (ValueError, RecursionError) as err:  # a key given twice, numbers or nesting past Python's limits
-            cut = path.suffix == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and not text.endswith("\n")
+            cut = path.suffix.lower() == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and \
+                not text.endswith("\n")
             problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
                                                                   "writing it" if cut else ""))
             continue
@@ -270,16 +271,18 @@ def collect(job: Started, args: argparse.Namespace, tally: Tally) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", type=Path, help="sweep YAML file (one or more documents)")
+    parser.add_argument("config", type=path_argument, help="sweep YAML file (one or more documents)")
     parser.add_argument("--budget", type=float, help="wall-clock seconds for this command (default: no limit)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once on the one device (default 1)")
-    parser.add_argument("--results", type=Path, help="folder for one <name>.json per finished run")
-    parser.add_argument("--jsonl", type=Path, help="file to which each finished run appends its JSON as one line")
+    parser.add_argument("--results", type=path_argument, help="folder for one <name>.json per finished run")
+    parser.add_argument("--jsonl", type=path_argument,
+                        help="file to which each finished run appends its JSON as one line")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a run_clm.py argument of every run, e.g. --set per_device_train_batch_size=64")
     parser.add_argument("--estimate", type=float, help="seconds per run assumed until a run of this command ends")
     parser.add_argument("--max_runs", type=int, help="start at most this many runs")
-    parser.add_argument("--tmp_dir", help="where the runs' temporary folders go (default: the system's)")
+    parser.add_argument("--tmp_dir", type=path_argument,
+                        help="where the runs' temporary folders go (default: the system's)")
     parser.add_argument("--dry_run", action="store_true", help="list the runs to do and exit")
     args = parser.parse_args(argv)
     if args.results is None and args.jsonl is None:
@@ -295,7 +298,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if value is not None and not value >= 0:  # NaN too
             parser.error(f"--{flag} {value}: allowed values are numbers >= 0")
     for flag, path, folder in (("--results", args.results, True), ("--jsonl", args.jsonl, False),
-                               ("--tmp_dir", args.tmp_dir and Path(args.tmp_dir), True)):
+                               ("--tmp_dir", args.tmp_dir, True)):
         if path is None:
             continue
         if path.exists() and path.is_dir() != folder:
@@ -304,7 +307,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
         if blocking is not None:
             parser.error(f"{flag} {path}: {blocking} is a file, so it cannot be made")
-    if args.tmp_dir is not None and not Path(args.tmp_dir).is_dir():
+    if args.jsonl is not None and args.jsonl.suffix.lower() != ".jsonl":  # merge.py reads others as one JSON value
+        parser.error(f"--jsonl {args.jsonl}: expected the path of a .jsonl file (JSON Lines, one result a line)")
+    if args.tmp_dir is not None and not args.tmp_dir.is_dir():
         parser.error(f"--tmp_dir {args.tmp_dir}: no such folder")
     return args
 

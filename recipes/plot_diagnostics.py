@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from records import integer  # noqa: E402
-from run_identity import KeyGivenTwice, json_value  # noqa: E402
+from run_identity import KeyGivenTwice, json_value, path_argument  # noqa: E402
 
 ORDER_NAMES = {2: ["∥ (Π_K)", "⊥ (Π_K^⊥)"], 4: ["order 0", "order 1", "order 2", "order 3"]}
 
@@ -111,8 +111,8 @@ def plot(records: list[dict], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("jsonl", type=Path)
-    parser.add_argument("-o", "--output", type=Path, help="PNG path (default: next to the JSONL)")
+    parser.add_argument("jsonl", type=path_argument)
+    parser.add_argument("-o", "--output", type=path_argument, help="PNG path (default: next to the JSONL)")
     args = parser.parse_args(argv)
     out = args.output or args.jsonl.with_suffix(".png")
     formats = sorted(plt.figure().canvas.get_supported_filetypes())

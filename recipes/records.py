@@ -61,6 +61,8 @@ def history(value: Any, field: str) -> list[str]:
         step = entry.get("step")
         problems = [] if integer(step) else [f"{field}[{i}].step={step!r}"[:80] + ": expected an integer >= 0"]
         problems += number(entry.get("loss"), f"{field}[{i}].loss", 0)
+        if entry.get("epoch") is not None:  # merge.py divides by the last one
+            problems += number(entry["epoch"], f"{field}[{i}].epoch", 0)
         if problems:
             return problems
     return []
@@ -107,7 +109,27 @@ def metrics_problems(data: Any) -> list[str]:
         problems.append(f"world_size={data['world_size']!r}"[:80] + ": expected an integer >= 1 (processes)")
     if data.get("unigram_val_loss") is not None:
         problems += number(data["unigram_val_loss"], "unigram_val_loss", 0)
-    return problems
+    return problems + run_problems(data)
+
+
+def run_problems(data: dict) -> list[str]:
+    """What is wrong with the fields on how a run went that merge.py's notes read (a pack.py record has them all;
+    run_clm.py's metrics.json has early_stopping and device; each is checked where it is given)."""
+    problems = []
+    for key in ("best_epoch", "epochs_run", "wall_s"):
+        if key in data and (data[key] is not None or key != "best_epoch"):
+            problems += number(data[key], key, 0)
+    if data.get("parallel") is not None and not integer(data["parallel"], 1):
+        problems.append(f"parallel={data['parallel']!r}"[:80] + ": expected an integer >= 1 (runs at once on the "
+                        "device)")
+    if data.get("device") is not None and not isinstance(data["device"], str):
+        problems.append(f"device={data['device']!r}"[:80] + ": expected the device's name or null")
+    if data.get("backend") is not None and not isinstance(data["backend"], str):
+        problems.append(f"backend={data['backend']!r}"[:60] + ": expected the attention backend's name or null")
+    problems += stopping_problems(data.get("early_stopping"))
+    if isinstance(data.get("early_stopping"), dict) and data["early_stopping"].get("stopped_early") is True:
+        problems += number(data.get("best_epoch"), "best_epoch", 0)  # the table of runs that stopped early shows it
+    return list(dict.fromkeys(problems))
 
 
 # the settings a report reads from a run's configuration: counts (integers >= 1), numbers >= 0 and text
@@ -158,15 +180,8 @@ def record_problems(data: Any, name: str | None = None) -> list[str]:
             problems.append(f"name={data['name']!r}: the shape, span and seed make {expected!r}")
     if name is not None and data["name"] != name:
         problems.append(f"name={data['name']!r}: expected {name!r}")
-    problems += number(data["epochs_run"], "epochs_run", 0) + number(data["wall_s"], "wall_s", 0)
-    problems += number(data["best_epoch"], "best_epoch", 0)
-    if data.get("parallel") is not None and not integer(data["parallel"], 1):
-        problems.append(f"parallel={data['parallel']!r}: expected an integer >= 1 (runs at once on the device)")
-    if data["device"] is not None and not isinstance(data["device"], str):
-        problems.append(f"device={data['device']!r}: expected the device's name or null")
-    if data.get("backend") is not None and not isinstance(data["backend"], str):
-        problems.append(f"backend={data['backend']!r}"[:60] + ": expected the attention backend's name or null")
-    problems += stopping_problems(data["early_stopping"])
+    if data["best_epoch"] is None:  # metrics_problems allows it where no evaluation stopped the run
+        problems += number(None, "best_epoch", 0)
     return problems
 
 

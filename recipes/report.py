@@ -30,7 +30,7 @@ from pack import TRAINING_KEYS  # noqa: E402
 from plot_diagnostics import plot as plot_diagnostics  # noqa: E402
 from plot_diagnostics import read_records as read_diagnostics  # noqa: E402
 from records import metrics_problems  # noqa: E402
-from run_identity import data_source, differences, read_json, span_dir  # noqa: E402
+from run_identity import data_source, differences, path_argument, read_json, span_dir  # noqa: E402
 
 from hf_spanattn import SpanAttentionConfig  # noqa: E402
 
@@ -290,8 +290,8 @@ def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs_dir", type=Path)
-    parser.add_argument("--out", type=Path, help="output folder (default: the parent of runs_dir)")
+    parser.add_argument("runs_dir", type=path_argument)
+    parser.add_argument("--out", type=path_argument, help="output folder (default: the parent of runs_dir)")
     args = parser.parse_args(argv)
     out = args.out or args.runs_dir.parent
     if not args.runs_dir.is_dir():

@@ -114,6 +114,7 @@ DEFAULT_TOKENIZER = "openai-community/gpt2"
 PAPER_GPT2 = {"n_embd": 256, "n_head": 4, "n_layer": 6, "ffn_mult": 4, "dropout": 0.1}
 DTYPES = Literal["auto", "bfloat16", "float16", "float32"]
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+COMMA_SEPARATED = ("span_layers", "config_overrides")  # the text arguments a config file may give as a list
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 
@@ -426,13 +427,32 @@ def parse_args(argv: list[str] | None = None):
     and checked (a bad value fails here, before any model or data is read)."""
     parser = HfArgumentParser(parser_classes())
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
+    if argv and not argv[0].startswith("-") and argv[0].lower().endswith((".yaml", ".yml", ".json")):
+        if len(argv) > 1:
+            raise ValueError(f"{argv[0]}: a config file is read alone; put {argv[1]} and the rest in it, or give "
+                             "every argument on the command line")
         parsed = parse_file(parser, Path(argv[0]))
     else:
-        parsed = parser.parse_args_into_dataclasses(args=training_defaults(argv))
+        try:
+            parsed = parser.parse_args_into_dataclasses(args=training_defaults(argv))
+        except OverflowError as err:  # TrainingArguments turns some floats into steps: inf, or past int64
+            raise ValueError(f"{', '.join(overflowing(given_flags(argv))) or 'a number'}: past the integers the "
+                             f"Trainer counts steps in ({err}); give a finite number") from None
     parsed = (*parsed[:5], parsed[5] if len(parsed) > 5 else parsed[3])
     check(*parsed)
     return parsed
+
+
+def overflowing(given: dict[str, Any], form: str = "--{} {}") -> list[str]:
+    """'--name value' (or `form`) of the given numbers that are infinite or past 2^63."""
+    out = []
+    for name, value in given.items():
+        try:
+            if not abs(float(value)) < 2**63:
+                out.append(form.format(name, value))
+        except (ValueError, TypeError, OverflowError):
+            continue
+    return out
 
 
 def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
@@ -449,6 +469,10 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
         return parser.parse_dict({**defaults_for(values), **values})
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+    except OverflowError as err:  # as on the command line
+        named = ", ".join(overflowing(values, "{}={}")) or "a number"
+        raise ValueError(f"{path}: {named}: past the integers the Trainer counts steps in ({err}); give a finite "
+                         "number") from None
 
 
 def typed(key: str, value: Any, path: Path) -> Any:
@@ -484,8 +508,8 @@ def typed(key: str, value: Any, path: Path) -> Any:
         raise ValueError(f"{where}: expected text{bare}")
     if key == "span_schedule" and isinstance(value, list):
         return json.dumps(value)  # the keyframes written out in the file
-    if options == {str} and isinstance(value, list) and all(isinstance(v, (int, str)) for v in value):
-        return ",".join(str(v) for v in value)  # a YAML list for a comma-separated argument (--span_layers)
+    if key in COMMA_SEPARATED and isinstance(value, list) and all(isinstance(v, (int, str)) for v in value):
+        return ",".join(str(v) for v in value)  # a YAML list for a comma-separated argument
     if options == {str} and isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, tuple({typing.get_origin(o) or o for o in options} & {list, dict})):
@@ -601,6 +625,12 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     builder = FILE_BUILDERS[Path(path).suffix.lower()]
     # text: a byte order mark (as some editors write) is not text; the json and csv loaders read past it too
     extra = {"keep_linebreaks": True, "encoding": "utf-8-sig"} if builder == "text" else {}
+    if builder == "json":  # rows: objects or a list; the loader ends the process on a file of null
+        with open(path, "rb") as f:
+            head = f.read(1 << 16).decode("utf-8-sig", errors="replace").lstrip()
+        if head and head[0] not in "[{":
+            raise ValueError(f"{flag} {path}: starts with {head.splitlines()[0][:20]!r}; expected rows: one JSON "
+                             "object with a 'text' field a line (JSON Lines), or a list of such objects or of strings")
     try:
         rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", **extra)
     except Exception as err:  # the loaders raise many types; the message is what counts
@@ -617,6 +647,8 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     if not rows.column_names:
         raise ValueError(f"{flag} {path}: no columns")
     column = "text" if "text" in rows.column_names else rows.column_names[0]
+    if column != "text":
+        logger.warning("%s %s: no 'text' column; its first, %r, is read as the text", flag, path, column)
     kind = rows.features[column]
     if getattr(kind, "dtype", None) not in ("string", "large_string", "null"):
         which = f"column {column!r}" if column == "text" else f"no 'text' column, and its first, {column!r},"
@@ -631,20 +663,30 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
 
 
 def json_line_problem(path: str) -> str | None:
-    """The first line of a JSON Lines file that is not a JSON value, with why ("line 2: ..."); None where each
-    line is one (or the file is one JSON value), or the file is not UTF-8 text."""
+    """What keeps a JSON file from being rows, with where ("line 2: ..."): a line of JSON Lines that is not a JSON
+    object, or text that is not a character (half a surrogate pair, which the loader refuses). None where there is
+    nothing of that kind, or the file is not UTF-8 text."""
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
-        json_value(text)
+    except (OSError, ValueError):
         return None
+    try:
+        values = [("", json_value(text))]  # one JSON value
     except (ValueError, RecursionError):
-        pass
-    for number, line in enumerate(text.splitlines(), 1):
+        values = []
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                if line.strip():
+                    values.append((f"line {number}: ", json_value(line)))
+            except (ValueError, RecursionError) as err:
+                return f"line {number}: {str(err)[:200]}"
+    for where, value in values:
+        if where and not isinstance(value, dict):
+            return f"{where}{json.dumps(value)[:40]} is not a JSON object with a 'text' field"
         try:
-            if line.strip():
-                json_value(line)
-        except (ValueError, RecursionError) as err:
-            return f"line {number}: {str(err)[:200]}"
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            return f"{where}a \\u escape of half a surrogate pair, which is not a character"
     return None
 
 

@@ -8,6 +8,7 @@ console, where files go or how often checkpoints are kept are not part of the id
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -39,6 +40,19 @@ NOT_IDENTITY = {
 def span_dir(label: str) -> str:
     """The folder name of a span label in a sweep's tree (score:1000@per_block → score-1000_per_block)."""
     return label.replace(":", "-").replace("@", "_").replace("+", "_").replace(",", "_")
+
+
+def nonempty(text: str) -> str:
+    """argparse's type of a path or name: an empty one (an unset shell variable) is an error, where Path('') would be
+    the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path, or leave the option out")
+    return text
+
+
+def path_argument(text: str) -> Path:
+    """argparse's type of a path (see nonempty)."""
+    return Path(nonempty(text))
 
 
 class KeyGivenTwice(ValueError):
@@ -338,10 +352,12 @@ class RunLock:
         """Who holds the lock file `path` ("process N on host H since T"), or None where nobody does."""
         try:
             info = json.loads(path.read_text())
-            pid, host = int(info["pid"]), str(info["host"])
+            pid, host = info["pid"], str(info["host"])
+            if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31:  # -1, 0: groups of processes
+                raise ValueError(f"pid {pid!r} is not a process id")
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError, KeyError):  # being written, or cut short: stale once it is old
+        except (OSError, ValueError, TypeError, KeyError):  # being written, cut short, edited: stale once it is old
             try:
                 return None if time.time() - path.stat().st_mtime > 10 else f"a process starting now ({path})"
             except FileNotFoundError:
@@ -357,6 +373,9 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_symlink() or self.path.exists() and not self.path.is_file():
+            raise SystemExit(f"{self.path} is where the lock of {self.path.with_suffix('')} goes, but it is not a lock "
+                             f"file this recipe wrote; move it away, or choose another {self.flag}")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": sys.argv,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(5):

@@ -43,6 +43,7 @@ from run_identity import (  # noqa: E402
     RunLock,
     differences,
     move_aside,
+    nonempty,
     read_json,
     read_yaml,
     saved_config,
@@ -164,23 +165,28 @@ def check_args(folder: Path, run_args: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="sweep YAML file")
-    parser.add_argument("--data_dir", help="override args.data_dir (the folder of local data files)")
-    parser.add_argument("--train_file", help="override args.train_file (a path, relative to data_dir where given)")
-    parser.add_argument("--validation_file", help="override args.validation_file (as --train_file)")
-    parser.add_argument("--tokenizer_name", help="override args.tokenizer_name (local tokenizer folder)")
+    parser.add_argument("config", type=nonempty, help="sweep YAML file")
+    parser.add_argument("--data_dir", type=nonempty, help="override args.data_dir (the folder of local data files)")
+    parser.add_argument("--train_file", type=nonempty,
+                        help="override args.train_file (a path, relative to data_dir where given)")
+    parser.add_argument("--validation_file", type=nonempty, help="override args.validation_file (as --train_file)")
+    parser.add_argument("--tokenizer_name", type=nonempty, help="override args.tokenizer_name (local tokenizer folder)")
     parser.add_argument("--launcher", default=f"{shlex.quote(sys.executable)}",
                         help="command that runs run_clm.py, e.g. 'accelerate launch --num_processes 2'")
     parser.add_argument("--keep_weights", action="store_true",
                         help="keep each finished run's weights and checkpoints (default: only metrics and logs)")
     parser.add_argument("--dry_run", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
-    if not shlex.split(args.launcher):
+    try:
+        launcher = shlex.split(args.launcher)
+    except ValueError as err:  # a quote left open
+        parser.error(f"--launcher {args.launcher!r}: {err} (read as a shell reads it)")
+    if not launcher:
         parser.error("--launcher is empty: give the command that runs run_clm.py, e.g. python")
     if not Path(args.config).is_file():
         raise ValueError(f"{args.config}: " + ("not a file" if Path(args.config).exists() else "no such file"))
-    if shutil.which(shlex.split(args.launcher)[0]) is None:
-        parser.error(f"--launcher {args.launcher!r}: no command {shlex.split(args.launcher)[0]!r} here")
+    if shutil.which(launcher[0]) is None:
+        parser.error(f"--launcher {args.launcher!r}: no command {launcher[0]!r} here")
     try:
         documents = read_yaml(Path(args.config).read_text(), documents=True)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             elif status != "new":
                 print(f"  {folder} holds a run made with other settings ({status}); "
                       + ("it would be moved aside" if args.dry_run else f"moved to {move_aside(folder)}"), flush=True)
-            command = [*shlex.split(args.launcher), str(RUN_CLM), *run_args]
+            command = [*launcher, str(RUN_CLM), *run_args]
             print(f"[{i}/{len(runs)}] {folder}", flush=True)
             if args.dry_run:
                 print("  " + shlex.join(command))

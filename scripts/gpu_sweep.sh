@@ -32,7 +32,8 @@ for flag in parallel:"$PARALLEL" accum:"$ACCUM"; do
     [[ "${flag#*:}" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_sweep.sh: --${flag%%:*} ${flag#*:}: expected an integer >= 1" >&2
                                              exit 2; }
 done
-if [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi
+# more than 3 digits cannot divide 128, and bash's arithmetic would wrap a number past 2^63
+if [ ${#ACCUM} -gt 3 ] || [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi
 OUT="${OUT:-runs/gpu_out}"
 mkdir -p "$OUT"
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run scripts/fetch_gpu_wheels.sh and carry .whl" >&2; exit 2; }

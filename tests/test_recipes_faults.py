@@ -156,6 +156,33 @@ def test_merge_reads_records_as_they_were_edited(edit, message, tmp_path):
     assert "| GPU / 80 GB x | not recorded | 1 | 1 |" in report  # one row of the table
 
 
+@pytest.mark.parametrize("changes,message", [
+    ({"early_stopping": "yes"}, "early_stopping='yes': expected an object or null"),
+    ({"early_stopping": {**METRICS["early_stopping"], "patience": "1"}}, "early_stopping.patience='1': expected an"),
+    ({"device": 5}, "device=5: expected the device's name or null"),
+    ({"backend": 5}, "backend=5: expected the attention backend's name or null"),
+    ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
+    ({"parallel": 0}, "parallel=0: expected an integer >= 1"),  # was: counted as 1 without a word
+    ({"epochs_run": "3"}, "epochs_run is '3': expected a finite number"),
+    ({"best_epoch": None}, "best_epoch is missing: expected a finite number"),  # a run that stopped early
+    ({"eval_history": [{"epoch": "2", "step": 10, "loss": 4.0}], "epochs_run": 0},
+     "eval_history[0].epoch is '2': expected a finite number"),
+])
+def test_merge_leaves_out_a_metrics_json_in_the_tree_with_hand_edited_run_fields(changes, message, tmp_path, capsys):
+    """A metrics.json already in the tree (a sweep's run, a hand edit) is checked only as report.py reads it; the
+    notes on the runs then stopped the merge, after the records were written, with a TypeError or AttributeError."""
+    edited = {**a_record(**changes), "config": {**METRICS["config"], "training": {"seed": 5}}}
+    folder = tmp_path / "out" / "runs" / "H2xL1" / "score-1000" / "seed5"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps(edited))
+    (tmp_path / "in.jsonl").write_text(json.dumps(a_record()) + "\n")
+    merge.main([str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"report: leaving out {folder / 'metrics.json'}: " in err and message in err
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "| cpu (x86_64) | not recorded | 1 | 1 |" in table  # the whole record alone
+
+
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
     path = tmp_path / "in.json"
     path.write_text(json.dumps(a_record(train_runtime_s=0.0)))
@@ -638,6 +665,42 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkey
     assert "taking over the lock of a run that ended" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
+def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys):
+    """A process id past int64 or infinite failed with an OverflowError; -1 and 0 (whole groups of processes) held
+    the folder for ever."""
+    lock = tmp_path / "out.lock"
+    lock.write_text(json.dumps({"pid": pid, "host": os.uname().nodename}))
+    os.utime(lock, (0, 0))
+    with run_identity.RunLock(tmp_path / "out"):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert "taking over the lock of a run that ended" in capsys.readouterr().err and not lock.exists()
+
+
+def test_a_folder_where_the_lock_goes_is_named_and_kept(tmp_path, monkeypatch):
+    """A run in out.lock, then one in out: an IsADirectoryError, or "another run is writing into this folder ... delete
+    out.lock", the other run's folder."""
+    (tmp_path / "out.lock").mkdir()
+    (tmp_path / "out.lock" / "metrics.json").write_text("{}")
+    monkeypatch.setattr(run_clm, "run", lambda *a: pytest.fail("the run started"))
+    for age in (0, time.time()):
+        os.utime(tmp_path / "out.lock", (age, age))
+        with pytest.raises(SystemExit, match=f"{tmp_path}/out.lock is where the lock of {tmp_path}/out goes, but it is "
+                                             "not a lock file this recipe wrote; move it away, or choose another "
+                                             "--output_dir"):
+            run_clm.main(["--output_dir", str(tmp_path / "out"), "--tokenizer_name", str(DATA / "gpt2-tokenizer")])
+    assert (tmp_path / "out.lock" / "metrics.json").read_text() == "{}"
+
+
+def test_pack_reads_a_jsonl_file_whatever_the_case_of_its_suffix(tmp_path, fake):
+    """results.JSONL was read as one JSON value: with two lines, every run was redone and appended again."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0, 1])
+    jsonl = tmp_path / "results.JSONL"
+    assert pack.main([str(config), "--jsonl", str(jsonl)]) == 0
+    assert pack.main([str(config), "--jsonl", str(jsonl)]) == 0
+    assert len(fake()) == 2 and len(jsonl.read_text().splitlines()) == 2
+
+
 @pytest.mark.parametrize("name,content,message", [
     ("latin1.txt", "café crème\n".encode("latin-1"), "could not be read as text (the file must be UTF-8) "
                                                        "(UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"),
@@ -650,6 +713,18 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkey
      "could not be read as JSON (line 2: the key 'text' is given twice in one object)"),
     ("rows.json", "[]", "holds no rows of text (a split needs text)"),
     ("header.csv", "text\n", "holds no rows of text (a split needs text)"),
+    # a file of null ended the process (a segmentation fault in the loader); of other single values, lines of
+    # them or of lists, or with half a surrogate pair, the loaders said "DataFrame constructor not properly
+    # called!", "Trailing data at position 5" or "If using all scalar values, you must pass an index"
+    ("null.json", "null", "starts with 'null'; expected rows: one JSON object with a 'text' field a line"),
+    ("nulls.jsonl", "\n  null\nnull\n", "starts with 'null'; expected rows"),
+    ("string.json", '"a b"', "starts with '\"a b\"'; expected rows"),
+    ("numbers.jsonl", "5\n6\n", "starts with '5'; expected rows"),
+    ("lists.jsonl", '[{"text": "a"}]\n[{"text": "b"}]\n',
+     'could not be read as JSON (line 1: [{"text": "a"}] is not a JSON object with a \'text\' field)'),
+    ("mixed.jsonl", '{"text": "a"}\n7\n', "could not be read as JSON (line 2: 7 is not a JSON object"),
+    ("surrogate.jsonl", '{"text": "a \\ud800 b"}\n',
+     "could not be read as JSON (a \\u escape of half a surrogate pair, which is not a character)"),
 ])
 def test_a_data_file_that_cannot_be_read_says_why(name, content, message, tmp_path):
     """The loaders' own message was "An error occurred while generating the dataset"."""
@@ -659,6 +734,14 @@ def test_a_data_file_that_cannot_be_read_says_why(name, content, message, tmp_pa
         run_clm.load_file(str(path), "--train_file")
     assert f"--train_file {path}: {message}" in str(err.value)
     assert "An error occurred while generating the dataset" not in str(err.value)
+
+
+def test_a_data_file_read_by_its_first_column_says_so(tmp_path, caplog):
+    """A file of other columns, or one separated by ';', trained on its first column (ids and all) without a word."""
+    path = tmp_path / "semicolons.csv"
+    path.write_text("id;text\n1;the cat\n2;the dog\n")
+    assert run_clm.load_file(str(path), "--train_file")["text"] == ["1;the cat", "2;the dog"]
+    assert f"--train_file {path}: no 'text' column; its first, 'id;text', is read as the text" in caplog.text
 
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "csv"])
@@ -881,6 +964,9 @@ def test_sweep_stops_at_a_folder_another_run_holds(tmp_path, capsys):
     ("do_train: maybe\n", "{file}: do_train='maybe': expected true or false"),
     ("span_layers: {0: 1}\n", "{file}: span_layers={0: 1}: expected text, got dict"),
     ("config_overrides: {n_embd: 64}\n", "{file}: config_overrides={'n_embd': 64}: expected text, got dict"),
+    ("run_name: [a, b]\n", "{file}: run_name=['a', 'b']: expected text, got list"),  # was: run 'a,b'
+    ("data_dir: [a, b]\n", "{file}: data_dir=['a', 'b']: expected text, got list"),
+    ("save_strategy: steps\nsave_steps: .inf\n", "{file}: save_steps=inf: past the integers the Trainer counts steps"),
 ])
 def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
@@ -889,6 +975,16 @@ def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path,
     with pytest.raises(ValueError) as err:
         run_clm.main([str(file)])
     assert message.replace("{file}", str(file)) in str(err.value)
+
+
+def test_a_config_file_is_read_whatever_the_case_of_its_suffix_and_only_alone(tmp_path):
+    """run.YAML and run.yaml --seed 3 were read as the command line: "Some specified arguments are not used by the
+    HfArgumentParser: ['run.YAML']"."""
+    file = tmp_path / "run.YAML"
+    file.write_text(f"span: score:1000\noutput_dir: {tmp_path / 'out'}\n")
+    assert run_clm.parse_args([str(file)])[2].span == "score:1000"
+    with pytest.raises(ValueError, match=f"{file}: a config file is read alone; put --seed and the rest in it"):
+        run_clm.parse_args([str(file), "--seed", "3"])
 
 
 def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
@@ -990,6 +1086,23 @@ def test_config_file_values_of_list_and_mapping_arguments_are_taken(tmp_path):
      "--do_eval maybe: expected true or false"),  # maybe", naming no flag
     (lambda t: run_clm.main(["--num_train_epochs", "1e308", "--output_dir", str(t / "o")]),  # an OverflowError later
      "--num_train_epochs 1e+308: expected a number > 0 and < 2^63 (or --max_steps N)"),
+    (lambda t: run_clm.main(["--save_strategy", "steps", "--save_steps", "inf", "--output_dir", str(t / "o")]),
+     "--save_steps inf: past the integers the Trainer counts steps in"),  # was: a bare OverflowError
+    # an empty path (an unset shell variable) read as the current folder: report.md written over there, results
+    # written there, a traceback, or the sweep file's own data taken instead
+    (lambda t: merge.main([str(t / "r.jsonl"), "--out", ""]), "argument --out: is empty: give a path"),
+    (lambda t: report.main([str(t), "--out", ""]), "argument --out: is empty: give a path"),
+    (lambda t: report.main([""]), "argument runs_dir: is empty: give a path"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--results", ""]), "argument --results: is empty: give a path"),
+    (lambda t: pack.main([str(t / "s.yaml"), "--jsonl", str(t / "r.jsonl"), "--tmp_dir", ""]),
+     "argument --tmp_dir: is empty: give a path"),
+    (lambda t: sweep.main([str(t / "s.yaml"), "--train_file", ""]), "argument --train_file: is empty: give a path"),
+    (lambda t: sweep.main([str(t / "s.yaml"), "--tokenizer_name", " "]), "argument --tokenizer_name: is empty"),
+    # a results file merge.py cannot read as lines (or the sweep file itself, which got results appended)
+    (lambda t: pack.main([str(t / "s.yaml"), "--jsonl", str(t / "s.yaml")]),
+     "--jsonl {tmp}/s.yaml: expected the path of a .jsonl file (JSON Lines, one result a line)"),
+    (lambda t: sweep.main([str(t / "s.yaml"), "--launcher", "python '"]),  # was: "ValueError: No closing quotation"
+     "--launcher \"python '\": No closing quotation"),
 ])
 def test_unusual_command_line_values_are_named(call, message, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
@@ -1088,6 +1201,7 @@ def test_plot_diagnostics_without_records_names_the_file(name, text, message, tm
     (["--parallel", "-1"], "--parallel -1: expected an integer >= 1"),
     (["--budget"], "--budget needs a value"),  # was: "$2: unbound variable"
     (["--accum", "3"], "--accum 3 must divide 128"),
+    (["--accum", str(2**64 + 128)], f"--accum {2**64 + 128} must divide 128"),  # was: read as 128 (wrapped), on
 ])
 def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message, tmp_path):
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_sweep.sh"), *argv], capture_output=True, text=True,
