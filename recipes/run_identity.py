@@ -256,8 +256,8 @@ def write_config(folder: Path, config: dict) -> None:
 
 def move_aside(folder: Path, suffix: str = "replaced") -> Path:
     """Rename `folder` (or a file) to `<folder>.<suffix>-<n>` (the first n free); nothing in it is deleted."""
-    folder = folder.resolve()
-    if Path.cwd().resolve().is_relative_to(folder):
+    folder = folder.parent.resolve() / folder.name  # a symlink is moved itself, not what it points to
+    if Path.cwd().resolve().is_relative_to(folder.resolve()):
         raise ValueError(f"{folder}: cannot move aside the current directory or one above it; "
                          "choose another --output_dir")
     n = 1

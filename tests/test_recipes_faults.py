@@ -213,6 +213,21 @@ def test_merge_puts_a_partial_result_in_the_tree_aside_and_skips_a_cut_line(tmp_
     assert f"skipping {jsonl} line 2: not valid JSON" in said.err and "cut short" in said.err
 
 
+def test_pack_moves_a_symlinked_partial_result_aside_and_not_the_file_it_points_to(tmp_path, fake):
+    """<results>/<name>.json as a link to a file elsewhere: the link is moved aside, the file stays where it is."""
+    one_record(tmp_path, fake)
+    results, elsewhere = tmp_path / "results", tmp_path / "mine" / "notes.json"
+    results.mkdir()
+    elsewhere.parent.mkdir()
+    elsewhere.write_text('{"a user\'s own file": 1')
+    (results / "H2xL1__score-1000__seed0.json").symlink_to(elsewhere)
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    assert pack.main([str(config), "--results", str(results)]) == 0
+    assert elsewhere.read_text() == '{"a user\'s own file": 1' and list(elsewhere.parent.iterdir()) == [elsewhere]
+    assert (results / "H2xL1__score-1000__seed0.json.invalid-1").readlink() == elsewhere
+    assert pack.load_records(results)[0]["name"] == "H2xL1__score-1000__seed0"
+
+
 # pack.py: what counts as a finished run
 
 
