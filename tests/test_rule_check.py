@@ -3,6 +3,7 @@ backends agree with the float64 tiles; score:1000's are not the stock ones."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +33,9 @@ def tables(text: str) -> list[list[list[float]]]:
 
 @pytest.mark.parametrize("rule,same", [("standard:QKV111", True), ("score:1111", True), ("score:1000", False)])
 def test_rule_check_compares_gradients_with_the_standard_and_the_float64_backend(rule, same, capsys):
+    chosen = os.environ.get("HF_SPANATTN_BACKEND")
     rule_check.main(TINY + ["--rule", rule])
+    assert os.environ.get("HF_SPANATTN_BACKEND") == chosen  # picked per backend, then left as it was
     per_layer, backends = tables(capsys.readouterr().out)
     assert len(per_layer) == 2 and len(backends) == 2
     ratios_and_cosines = [x for row in per_layer for x in row]
