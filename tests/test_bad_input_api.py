@@ -6,6 +6,7 @@ fragment `{tmp}` stands for the scratch folder, so that a message is seen to nam
 
 from __future__ import annotations
 
+import decimal
 import json
 import sys
 import warnings
@@ -255,6 +256,10 @@ CASES = [
      "alphas=(1.0, 2.0): expected 4 values"),
     ("span_attention a label with a space", lambda t: span_attention(*qkv(), config="score: 1000"), ValueError,
      "label='score: 1000': expected '<method>:<alphas>"),
+    ("alphas holding a signaling NaN Decimal", lambda t: SpanAttentionConfig(alphas=[decimal.Decimal("sNaN"), 0, 0, 0]),
+     ValueError, "alphas=[Decimal('sNaN'), 0, 0, 0]: expected a sequence of 4 numbers"),
+    ("layers a range too long for a list", lambda t: SpanAttentionConfig(layers=range(10**20)), ValueError,
+     "layers=range(0, 100000000000000000000): expected None (all layers) or a sequence"),
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
     ("span_attention float8 with span gradients", lambda t: span_attention(*[x.to(torch.float8_e5m2) for x in qkv()]),
@@ -1176,3 +1181,68 @@ def test_hostile_attributes_restored_from_a_checkpoint_do_not_stop_the_run(stopp
     state.write_text(json.dumps(data))
     diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), restore_callback_states_from_checkpoint=True)
     assert steps_in(out / "span_diagnostics.jsonl") == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_an_adapter_saved_with_other_settings_than_the_patched_model_says_which_win(tmp_path):
+    """The adapter holds score:1100, the model it is loaded into is patched with simple:10: the load warns naming
+    both and that the model's settings win (they do: it trains with simple:10). As the model's own settings, and
+    through load_pretrained with settings given, nothing is said."""
+    from peft import PeftModel
+
+    folder = adapter(tmp_path)
+    for add in ("from_pretrained", "load_adapter"):
+        base = patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), "simple:10")
+        with pytest.warns(UserWarning, match=f"{folder} holds span attention settings \\(score:1100\\), other than "
+                                             "those the model it was loaded into is patched with \\(simple:10\\): "
+                                             "the model's settings win, it trains with simple:10"):
+            if add == "from_pretrained":
+                PeftModel.from_pretrained(base, folder)
+            else:
+                PeftModel.from_pretrained(base, folder, adapter_name="first").load_adapter(folder, "second")
+        assert config_of(base.config).label == "simple:10"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        PeftModel.from_pretrained(patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), "score:1100"),
+                                  folder)
+        assert config_of(load_pretrained(folder, config="simple:10").get_base_model().config).label == "simple:10"
+    assert not [w for w in seen if "span attention settings" in str(w.message)]
+
+
+@pytest.mark.parametrize("family", ["bart", "whisper", "t5"])
+def test_encoder_decoder_models_are_refused_for_the_flag_they_lack(family):
+    """BART, Whisper and T5 call Transformers' attention registry; what they lack is the attention-backend flag
+    (the message said they do not route through the registry), and T5's attention adds a learned position bias."""
+    import transformers
+
+    small = dict(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)
+    model = {"bart": lambda: transformers.BartModel(transformers.BartConfig(**small)),
+             "whisper": lambda: transformers.WhisperModel(transformers.WhisperConfig(**small, num_mel_bins=8,
+                                                                                     pad_token_id=0)),
+             "t5": lambda: transformers.T5Model(transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32,
+                                                                      num_layers=1, num_heads=2))}[family]()
+    with pytest.raises(ValueError) as err:
+        patch_model(model, "score:1000")
+    message = str(err.value)
+    assert f"{type(model).__name__} does not declare Transformers' attention-backend support (its class leaves " \
+           "_supports_attention_backend False" in message and "route" not in message
+    assert ("learned relative position bias ('position_bias')" in message) == (family == "t5")
+
+
+@pytest.mark.parametrize("call,fragment", [
+    (lambda: SpanAttentionConfig(layers=[10**5000, -1]), "layers=[<an int of 16610 bits>, -1]: expected None"),
+    (lambda: SpanAttentionConfig(alphas=[0.5] * 10**5), "… (list of 100000): expected 4 values"),
+    (lambda: SpanAttentionConfig.from_label("y" * 10**6), "… (str of 1000000): expected '<method>"),
+    (lambda: patch_model(tiny("gpt2"), "score:1000", layers=[10**5000]), "layers=[<an int of 16610 bits>]: GPT2"),
+    (lambda: patch_model(tiny("gpt2"), [0.5] * 10**6), "patch_model: config=[0.5, 0.5,"),
+    (lambda: SpanAttentionConfig.from_dict({"hf_spanattn_version": "9" * 10**5}), "… (str of 100000): expected the"),
+    (lambda: SpanAttentionCallback(diagnostics_every=[1] * 10**6), "… (list of 1000000): expected an integer"),
+    (lambda: span_attention(*[torch.randn(1, 1, 4, 4)] * 3, config="score:1000", backend="z" * 10**6),
+     "… (str of 1000000): allowed values are auto"),
+], ids=["int layer", "alphas", "label", "patch layers", "patch config", "version", "callback", "backend"])
+def test_errors_show_a_huge_value_cut(call, fragment):
+    """A huge value in an error is cut to its start, type and size (it was echoed whole: megabytes of message), and an
+    int past Python's digit limit is named by its size (its repr raised: the error named no argument)."""
+    with pytest.raises((ValueError, TypeError)) as err:
+        call()
+    assert fragment in str(err.value) and len(str(err.value)) < 400, str(err.value)[:300]

@@ -185,7 +185,8 @@ def test_unsupported_model_gets_a_clear_error():
 
     model = BertModel(BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64))
     model._supports_attention_backend = False
-    with pytest.raises(ValueError, match="BertModel does not route its attention.*Supported"):
+    with pytest.raises(ValueError, match="BertModel does not declare Transformers' attention-backend "
+                                         "support.*Supported"):
         patch_model(model, "score:1000")
     with pytest.raises(ValueError, match="layers=\\[5\\]"):
         patch_model(tiny("gpt2"), "score:1000", layers=[5])

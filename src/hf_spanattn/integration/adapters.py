@@ -8,7 +8,8 @@ installed `install` wraps two of its methods, calling each through unchanged:
 - `PeftModel.save_pretrained` also writes `span_attention_config.json` into each adapter's folder
   when the base model carries settings;
 - `PeftModel.from_pretrained` warns when a local adapter folder holds that file but the model it
-  loads into is not patched (it would train with the standard gradient).
+  loads into is not patched (it would train with the standard gradient), and `PeftModel.load_adapter`
+  (which `from_pretrained` calls) when the model is patched with other settings (the model's win).
 
 `load_adapter` loads base + adapter and patches the model with the saved settings.
 """
@@ -25,6 +26,7 @@ import torch
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local
 from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
+from hf_spanattn.ops.inputs import shown
 
 ADAPTER_CONFIG = "adapter_config.json"
 _WRAPPED = "_hf_spanattn_wrapped"
@@ -44,6 +46,7 @@ def install() -> None:
         return
     save = PeftModel.save_pretrained
     load = PeftModel.from_pretrained.__func__
+    add = PeftModel.load_adapter
     save_signature = inspect.signature(save)
 
     @functools.wraps(save)
@@ -64,10 +67,7 @@ def install() -> None:
         if is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME)):
             base = peft_model.get_base_model()
             if config_of(base.config) is None or not is_patched(base):
-                try:  # only to name them: PEFT's load itself needs nothing of them
-                    saved = f"span attention settings ({SpanAttentionConfig.from_pretrained(folder).label})"
-                except (ValueError, TypeError, OSError) as err:
-                    saved = f"span attention settings that cannot be read ({err})"
+                _, saved = _saved_settings(folder)
                 warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
                               f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
                               f"{os.fspath(folder)!r}), or call "
@@ -75,9 +75,40 @@ def install() -> None:
                               stacklevel=2)
         return peft_model
 
+    @functools.wraps(add)
+    def load_adapter(self, model_id: Any, *args: Any, **kwargs: Any) -> Any:
+        result = add(self, model_id, *args, **kwargs)
+        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
+        base = self.get_base_model()
+        patched_with = config_of(base.config) if is_patched(base) else None
+        has_settings = is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME))
+        if patched_with is not None and has_settings:
+            saved, described = _saved_settings(folder)
+            if saved is not None and saved != patched_with:
+                warnings.warn(f"{folder} holds {described}, other than those the model it was loaded into is patched "
+                              f"with ({_described(patched_with)}): the model's settings win, it trains with "
+                              f"{_described(patched_with)}. To train with the adapter's, call hf_spanattn.patch_model("
+                              "model, SpanAttentionConfig.from_pretrained(folder)) after loading it.", stacklevel=2)
+        return result
+
     setattr(save_pretrained, _WRAPPED, True)
     PeftModel.save_pretrained = save_pretrained
     PeftModel.from_pretrained = classmethod(from_pretrained)
+    PeftModel.load_adapter = load_adapter
+
+
+def _described(config: SpanAttentionConfig) -> str:
+    return config.label + (f" on layers {shown(list(config.layers))}" if config.layers is not None else "")
+
+
+def _saved_settings(folder: str | os.PathLike) -> tuple[SpanAttentionConfig | None, str]:
+    """The settings saved beside an adapter and their description for a warning (why, where they cannot be read):
+    only to name them, PEFT's load itself needs nothing of them."""
+    try:
+        saved = SpanAttentionConfig.from_pretrained(folder)
+    except (ValueError, TypeError, OSError) as err:
+        return None, f"span attention settings that cannot be read ({err})"
+    return saved, f"span attention settings ({_described(saved)})"
 
 
 def is_patched(base: torch.nn.Module) -> bool:
@@ -123,4 +154,6 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
         if not from_file or layers is not None:
             raise
         raise ValueError(f"{saved}: {err}") from None
-    return PeftModel.from_pretrained(base, folder, is_trainable=is_trainable)
+    with warnings.catch_warnings():  # settings given here over those saved beside the adapter: the caller's choice
+        warnings.filterwarnings("ignore", message=".* other than those the model it was loaded into is patched with")
+        return PeftModel.from_pretrained(base, folder, is_trainable=is_trainable)

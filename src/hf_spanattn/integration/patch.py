@@ -37,6 +37,7 @@ from hf_spanattn.integration.registry import (
     stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
+from hf_spanattn.ops.inputs import shown
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
             "Qwen2, Mistral, ...) and GPT-Neo"
@@ -89,20 +90,20 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         config = config.replace(layers=layers)
     neo = _neo_attentions(base)
     if not neo and not getattr(base, "_supports_attention_backend", False):
-        raise ValueError(f"{type(base).__name__} does not route its attention through Transformers' attention "
-                         f"registry, so span gradients cannot be attached. Supported: {SUPPORTED}.")
+        raise ValueError(_not_a_backend(base))
     if not neo and getattr(base, "_supports_sdpa", True) is False:
         raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
                          "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
                          f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
     if not attention_modules(base) and config.layers is not None:  # numbered here where the modules carry no index
-        raise ValueError(f"layers={list(config.layers)}: the attention modules of {type(base).__name__} carry no layer "
-                         "index and its layers could not be found, so a selection cannot be applied; patch every "
-                         "layer (layers=None)")
+        raise ValueError(f"layers={shown(list(config.layers))}: the attention modules of {type(base).__name__} carry "
+                         "no layer index and its layers could not be found, so a selection cannot be applied; patch "
+                         "every layer (layers=None)")
     n_layers = layer_count(base)
     if config.layers is not None and max(config.layers, default=-1) >= n_layers:
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
-        raise ValueError(f"{where}layers={list(config.layers)}: {type(base).__name__} has layers 0..{n_layers - 1}")
+        raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
+                         f"0..{n_layers - 1}")
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
@@ -130,6 +131,18 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
+
+
+def _not_a_backend(base: PreTrainedModel) -> str:
+    """Why a model whose class does not set `_supports_attention_backend` is refused (it may call the registry all
+    the same, as BART, Whisper and T5 do: the flag is what is missing), and what else its attention holds."""
+    text = (f"{type(base).__name__} does not declare Transformers' attention-backend support (its class leaves "
+            "_supports_attention_backend False, the mark of models that pass every attention argument through to "
+            "the registered attention function), and span gradients are attached only to models that declare it")
+    if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind
+        text += ("; its attention also adds a learned relative position bias ('position_bias'), which "
+                 "span_attention does not take")
+    return f"{text}. Supported: {SUPPORTED}."
 
 
 def _default_settings(model_config: Any) -> SpanAttentionConfig:
@@ -239,9 +252,9 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
                                 "adapter's folder or a Hub repository id ('owner/name')")
     config = as_config(config, "load_pretrained", "the settings saved with the model")
     if not isinstance(is_trainable, bool):
-        raise TypeError(f"load_pretrained: is_trainable={is_trainable!r}: expected True or False")
+        raise TypeError(f"load_pretrained: is_trainable={shown(is_trainable)}: expected True or False")
     if not callable(getattr(model_class, "from_pretrained", None)):
-        raise TypeError(f"load_pretrained: model_class={model_class!r}: expected a Transformers model class with "
+        raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
     if adapters.is_adapter_folder(name_or_path):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)

@@ -22,6 +22,7 @@ from transformers.utils import CONFIG_NAME, logging
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration import packing
 from hf_spanattn.ops.attention import span_attention
+from hf_spanattn.ops.inputs import shown
 
 ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
@@ -92,14 +93,14 @@ def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
         raise ValueError(f"{source}: the key {twice[0]!r} is given twice; keep one")
     n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(data, dict):
-        raise TypeError(f"{source} = {data!r}: expected a dict of SpanAttentionConfig fields as patch_model writes "
-                        f"it, e.g. {SpanAttentionConfig().to_dict()}; to set a label, call "
+        raise TypeError(f"{source} = {shown(data)}: expected a dict of SpanAttentionConfig fields as patch_model "
+                        f"writes it, e.g. {SpanAttentionConfig().to_dict()}; to set a label, call "
                         "hf_spanattn.patch_model(model, 'score:1000')")
     config = SpanAttentionConfig.from_dict(data, source=source)
     outside = [i for i in config.layers or () if isinstance(n_layers, int) and i >= n_layers]
     if outside:
-        warnings.warn(f"{source}: layers={list(config.layers)}: the model has layers 0..{n_layers - 1}, so layers "
-                      f"{outside} do not exist and get no span gradients"
+        warnings.warn(f"{source}: layers={shown(list(config.layers))}: the model has layers 0..{n_layers - 1}, so "
+                      f"layers {shown(outside)} do not exist and get no span gradients"
                       + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=4)
     return config
 
@@ -229,9 +230,9 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
     if config.layers is not None and layer_index(module) not in config.layers:
         if layer_index(module) is None:
             logger.warning_once(
-                f"span_attention: {type(module).__name__} carries no layer index, so layers={list(config.layers)} "
-                "cannot select it and it keeps stock gradients; hf_spanattn.patch_model(model) numbers the layers of "
-                "models whose attention carries none.")
+                f"span_attention: {type(module).__name__} carries no layer index, so "
+                f"layers={shown(list(config.layers))} cannot select it and it keeps stock gradients; "
+                "hf_spanattn.patch_model(model) numbers the layers of models whose attention carries none.")
         return None
     return config
 

@@ -151,7 +151,7 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     if p is None:
         raise TypeError(f"span_attention: dropout_p must be a float ({numbers_as}), got {_kind(dropout_p)}")
     if not 0 <= p <= 1:
-        raise ValueError(f"span_attention: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+        raise ValueError(f"span_attention: dropout_p must be a probability in [0, 1], got {shown(dropout_p)}")
     scale_f = None if scale is None else as_float(scale, bools=True)
     if scale is not None:
         if scale_f is None:
@@ -201,11 +201,28 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     return Layout(batch, h_q, h_kv, out_shape, p, scale_f, dtypes[0])
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """`repr(value)` for an error message, cut to about `limit` characters: a huge value (a list of a million
+    entries, an int past Python's digit limit, whose repr raises) is shown by its start, its type and size."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # repr raises past 4300 digits, is slow before
+        return f"<an int of {value.bit_length()} bits>"
+    size = ""
+    if isinstance(value, (list, tuple, str, bytes, dict, set, frozenset)) and len(value) > limit:
+        size = f" ({type(value).__name__} of {len(value)})"
+        value = dict(list(value.items())[:limit]) if isinstance(value, dict) else \
+            value[:limit] if isinstance(value, (list, tuple, str, bytes)) else list(value)[:limit]
+    try:
+        text = repr(value)
+    except Exception:  # an entry past the digit limit, or a broken __repr__
+        text = f"[{', '.join(shown(v, limit) for v in value[:8])}]" if isinstance(value, (list, tuple)) else \
+            f"<{type(value).__name__}>"
+    return (text if len(text) <= limit else text[:limit - 10] + "…") + size
+
+
 def _kind(value: Any) -> str:
     kind = type(value)
     name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
-    text = repr(value)
-    return f"{text if len(text) <= 60 else text[:50] + '…'} ({name})"
+    return f"{shown(value)} ({name})"
 
 
 def _broadcasts_to(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:

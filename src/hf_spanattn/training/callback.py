@@ -24,7 +24,7 @@ from hf_spanattn.integration.registry import (
     layer_count,
     settings_for,
 )
-from hf_spanattn.ops.inputs import as_int
+from hf_spanattn.ops.inputs import as_int, shown
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
 
@@ -132,8 +132,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)
         self._path = _inside(args.output_dir, self.diagnostics_file or DIAGNOSTICS_FILE)
         if self.diagnostics_every and os.path.isdir(self._path):
-            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
-                             "folder; expected the name of the JSONL file to write")
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: "
+                             f"{self._path} is a folder; expected the name of the JSONL file to write")
         if self.diagnostics_every and state.is_world_process_zero:
             _start_records(self._path, state.global_step, state.log_history)
         self._apply(state.global_step)
@@ -266,14 +266,14 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
     if isinstance(schedule, (list, tuple)):
         schedule = Schedule(list(schedule))
     if schedule is not None and not isinstance(schedule, Schedule):
-        raise ValueError(f"schedule={schedule!r}: expected a Schedule or a list of keyframes")
+        raise ValueError(f"schedule={shown(schedule)}: expected a Schedule or a list of keyframes")
     if as_int(every) is None or as_int(every) < 0:
-        raise ValueError(f"diagnostics_every={every!r}: expected an integer >= 0 (0 = off)")
+        raise ValueError(f"diagnostics_every={shown(every)}: expected an integer >= 0 (0 = off)")
     if not isinstance(per_head, bool):
-        raise ValueError(f"diagnostics_per_head={per_head!r}: expected True or False")
+        raise ValueError(f"diagnostics_per_head={shown(per_head)}: expected True or False")
     if file is not None and (not isinstance(file, (str, os.PathLike)) or not isinstance(os.fspath(file), str)
                              or (os.fspath(file) and _names_a_folder(os.fspath(file))) or "\0" in os.fspath(file)):
-        raise ValueError(f"diagnostics_file={file!r}: expected a file name (a path relative to the Trainer's "
+        raise ValueError(f"diagnostics_file={shown(file)}: expected a file name (a path relative to the Trainer's "
                          "output_dir) or None")
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
 

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.ops.inputs import as_int
+from hf_spanattn.ops.inputs import as_int, shown
 
 LayerSettings = dict[int, SpanAttentionConfig]
 
@@ -30,14 +30,14 @@ class Keyframe:
 
     def __post_init__(self) -> None:
         if not isinstance(self.ramp, bool):
-            raise ValueError(f"keyframe ramp={self.ramp!r}: expected True or False")
+            raise ValueError(f"keyframe ramp={shown(self.ramp)}: expected True or False")
         if as_int(self.at) is not None:
             object.__setattr__(self, "at", as_int(self.at))  # a NumPy integer or 0-d tensor too; the state is JSON
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Keyframe:
         if not isinstance(data, dict) or set(data) - {"at", "span", "ramp"} or not {"at", "span"} <= set(data):
-            raise ValueError(f"schedule keyframe {data!r}: expected keys 'at', 'span' and optionally 'ramp'")
+            raise ValueError(f"schedule keyframe {shown(data)}: expected keys 'at', 'span' and optionally 'ramp'")
         return cls(**data)
 
     def step(self, max_steps: int, steps_per_epoch: int | None) -> int:
@@ -55,17 +55,17 @@ class Keyframe:
             else:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"keyframe at={at!r}: expected a step (int), a share ('20%') or an epoch ('2ep')") \
+            raise ValueError(f"keyframe at={shown(at)}: expected a step (int), a share ('20%') or an epoch ('2ep')") \
                 from None
         if epoch:
             if steps_per_epoch is None:
-                raise ValueError(f"keyframe at={at!r}: an epoch keyframe needs training data with a length (the "
+                raise ValueError(f"keyframe at={shown(at)}: an epoch keyframe needs training data with a length (the "
                                  "steps per epoch are unknown); give a step or a share ('20%') instead")
             value *= steps_per_epoch
         if not 0 <= value < math.inf:
-            raise ValueError(f"keyframe at={at!r}: must be finite and not negative")
+            raise ValueError(f"keyframe at={shown(at)}: must be finite and not negative")
         if isinstance(at, str) and at.endswith("%") and value > max_steps:  # training would end first
-            raise ValueError(f"keyframe at={at!r}: a share of training is at most '100%'")
+            raise ValueError(f"keyframe at={shown(at)}: a share of training is at most '100%'")
         return round(value)
 
     def settings(self, n_layers: int) -> LayerSettings:
@@ -73,15 +73,15 @@ class Keyframe:
             config = SpanAttentionConfig.from_label(self.span)
             return dict.fromkeys(range(n_layers), config)
         if not isinstance(self.span, dict):
-            raise ValueError(f"keyframe span={self.span!r}: expected a label or a {{layers: label}} table")
+            raise ValueError(f"keyframe span={shown(self.span)}: expected a label or a {{layers: label}} table")
         table: LayerSettings = {}
         named_by: dict[int, Any] = {}
         for layers, label in self.span.items():
             config = SpanAttentionConfig.from_label(label)
             for index in _layer_list(str(layers), n_layers):
                 if index in named_by:
-                    raise ValueError(f"keyframe span={self.span!r}: layer {index} is named by both {named_by[index]!r} "
-                                     f"and {layers!r}; name each layer once")
+                    raise ValueError(f"keyframe span={shown(self.span)}: layer {index} is named by both "
+                                     f"{named_by[index]!r} and {shown(layers)}; name each layer once")
                 table[index], named_by[index] = config, layers
         return table
 
@@ -98,10 +98,10 @@ def _layer_list(spec: str, n_layers: int) -> list[int]:
                 raise ValueError
             ranges.append((first, last))
     except ValueError:
-        raise ValueError(f"layer spec {spec!r}: expected '*', 'a-b' with a <= b, or 'a,b,c'") from None
+        raise ValueError(f"layer spec {shown(spec)}: expected '*', 'a-b' with a <= b, or 'a,b,c'") from None
     bad = [f"{a}-{b}" if a != b else str(a) for a, b in ranges if a < 0 or b >= n_layers]
     if bad:  # said before the ranges are counted out, which a hand-edited '0-99999999999' would make endless
-        raise ValueError(f"layer spec {spec!r}: layers {', '.join(bad)} are outside 0..{n_layers - 1}")
+        raise ValueError(f"layer spec {shown(spec)}: layers {', '.join(bad)} are outside 0..{n_layers - 1}")
     return [i for first, last in ranges for i in range(first, last + 1)]
 
 
@@ -112,7 +112,7 @@ class Schedule:
     def __post_init__(self):
         if not isinstance(self.keyframes, (list, tuple)):
             raise ValueError(f"schedule: expected a list of keyframes (Keyframe or dicts with 'at', 'span'), got "
-                             f"{self.keyframes!r}")
+                             f"{shown(self.keyframes)}")
         self.keyframes = [k if isinstance(k, Keyframe) else Keyframe.from_dict(k) for k in self.keyframes]
         if not self.keyframes:
             raise ValueError("schedule: needs at least one keyframe")
@@ -125,7 +125,7 @@ class Schedule:
             if s1 < s0:
                 raise ValueError(f"schedule: keyframes must be in order of time, got step {s1} after {s0}")
             if s1 == s0:  # the later one would replace the earlier one unseen
-                raise ValueError(f"schedule: keyframes at={k0.at!r} and at={k1.at!r} both fall on step {s0} "
+                raise ValueError(f"schedule: keyframes at={shown(k0.at)} and at={shown(k1.at)} both fall on step {s0} "
                                  f"(max_steps={max_steps}); give each step one keyframe")
         for i, (step, table, ramp) in enumerate(frames):
             if ramp and i == 0:
@@ -149,11 +149,11 @@ class Schedule:
                 continue  # in force, or a ramp from a keyframe that is itself never reached (said there)
             if ramp and step > max_steps:
                 start = frames[i - 1][0]
-                notes.append(f"keyframe at={keyframe.at!r} (step {step}) is never reached: training ends after "
+                notes.append(f"keyframe at={shown(keyframe.at)} (step {step}) is never reached: training ends after "
                              f"max_steps={max_steps}, so its ramp stops {(max_steps - 1 - start) / (step - start):.0%} "
                              "of the way there")
             elif not ramp:
-                notes.append(f"keyframe at={keyframe.at!r} (step {step}) is never reached: training ends after "
+                notes.append(f"keyframe at={shown(keyframe.at)} (step {step}) is never reached: training ends after "
                              f"max_steps={max_steps} (steps 0..{max_steps - 1})")
         return notes
 
