@@ -1246,3 +1246,14 @@ def test_errors_show_a_huge_value_cut(call, fragment):
     with pytest.raises((ValueError, TypeError)) as err:
         call()
     assert fragment in str(err.value) and len(str(err.value)) < 400, str(err.value)[:300]
+
+
+def test_a_peft_save_of_no_adapter_leaves_the_saved_settings_as_they_are(tmp_path):
+    """save_pretrained(folder, selected_adapters=[]) saves no adapter (PEFT); the settings saved in the folder before
+    stay as they were (they were overwritten with the model's)."""
+    from peft import LoraConfig, get_peft_model
+
+    SpanAttentionConfig.from_label("simple:10").save_pretrained(tmp_path)
+    model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path, selected_adapters=[])
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "simple:10"
