@@ -1257,3 +1257,12 @@ def test_a_peft_save_of_no_adapter_leaves_the_saved_settings_as_they_are(tmp_pat
     model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
     model.save_pretrained(tmp_path, selected_adapters=[])
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "simple:10"
+
+
+def test_a_keyframe_past_pythons_digit_limit_is_said_to_be_never_reached():
+    """A keyframe at a step of 5000 digits: the note that it is never reached names it by its size (printing the step
+    raised Python's digit-limit ValueError, naming nothing)."""
+    schedule = Schedule([Keyframe(0, "score:1000"), Keyframe(10**5000, "score:1100")])
+    notes = schedule.unreached(schedule.resolve(10, None, 2), 10)
+    assert notes == ["keyframe at=<an int of 16610 bits> (step <an int of 16610 bits>) is never reached: training "
+                     "ends after max_steps=10 (steps 0..9)"]

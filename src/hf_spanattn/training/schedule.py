@@ -123,10 +123,11 @@ class Schedule:
         frames = [(k.step(max_steps, steps_per_epoch), k.settings(n_layers), k.ramp) for k in self.keyframes]
         for (s0, _, _), (s1, _, _), k0, k1 in zip(frames, frames[1:], self.keyframes, self.keyframes[1:]):
             if s1 < s0:
-                raise ValueError(f"schedule: keyframes must be in order of time, got step {s1} after {s0}")
+                raise ValueError(f"schedule: keyframes must be in order of time, got step {shown(s1)} after "
+                                 f"{shown(s0)}")
             if s1 == s0:  # the later one would replace the earlier one unseen
-                raise ValueError(f"schedule: keyframes at={shown(k0.at)} and at={shown(k1.at)} both fall on step {s0} "
-                                 f"(max_steps={max_steps}); give each step one keyframe")
+                raise ValueError(f"schedule: keyframes at={shown(k0.at)} and at={shown(k1.at)} both fall on step "
+                                 f"{shown(s0)} (max_steps={max_steps}); give each step one keyframe")
         for i, (step, table, ramp) in enumerate(frames):
             if ramp and i == 0:
                 raise ValueError("schedule: the first keyframe cannot ramp (there is nothing to ramp from)")
@@ -135,7 +136,7 @@ class Schedule:
                 for layer, config in table.items():
                     before = prev.get(layer)
                     if before is None or (before.method, before.score_grad) != (config.method, config.score_grad):
-                        raise ValueError(f"schedule: keyframe at step {step} ramps layer {layer} from "
+                        raise ValueError(f"schedule: keyframe at step {shown(step)} ramps layer {layer} from "
                                          f"{before.label if before else 'the model setting'} to {config.label}; "
                                          "a ramp needs the same method and score_grad on both ends")
         return frames
@@ -149,12 +150,12 @@ class Schedule:
                 continue  # in force, or a ramp from a keyframe that is itself never reached (said there)
             if ramp and step > max_steps:
                 start = frames[i - 1][0]
-                notes.append(f"keyframe at={shown(keyframe.at)} (step {step}) is never reached: training ends after "
-                             f"max_steps={max_steps}, so its ramp stops {(max_steps - 1 - start) / (step - start):.0%} "
-                             "of the way there")
+                notes.append(f"keyframe at={shown(keyframe.at)} (step {shown(step)}) is never reached: training ends "
+                             f"after max_steps={max_steps}, so its ramp stops "
+                             f"{(max_steps - 1 - start) / (step - start):.0%} of the way there")
             elif not ramp:
-                notes.append(f"keyframe at={shown(keyframe.at)} (step {step}) is never reached: training ends after "
-                             f"max_steps={max_steps} (steps 0..{max_steps - 1})")
+                notes.append(f"keyframe at={shown(keyframe.at)} (step {shown(step)}) is never reached: training ends "
+                             f"after max_steps={max_steps} (steps 0..{max_steps - 1})")
         return notes
 
     @staticmethod
