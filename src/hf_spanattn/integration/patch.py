@@ -1,8 +1,8 @@
 """Turn span gradients on and off for a Transformers model, and load patched models.
 
-Models whose attention goes through Transformers' attention registry are switched to the
-registered `span_attention` implementation. GPT-Neo, whose eager attention bypasses the
-registry, gets a small adapter on its attention modules.
+Models whose attention goes through Transformers' attention registry, and whose class declares
+attention-backend support, are switched to the registered `span_attention` implementation. GPT-Neo,
+whose eager attention bypasses the registry, gets a small adapter on its attention modules.
 """
 
 from __future__ import annotations
