@@ -412,6 +412,15 @@ def test_every_scale_sdpa_takes_gives_sdpas_result(name, is_causal, backend):
         torch.testing.assert_close(torch.where(keep, got, 0), torch.where(keep, want, 0), rtol=1e-4, atol=1e-5)
 
 
+def test_fused_for_float64_set_by_the_environment_names_the_variable(monkeypatch):
+    """HF_SPANATTN_BACKEND=fused and float64 inputs, no backend argument: the error says where 'fused' came from (it
+    spoke of a backend='fused' the caller never passed)."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    with pytest.raises(ValueError, match=r"backend='fused' \(set by the environment variable HF_SPANATTN_BACKEND\) "
+                                         "runs float32 and half inputs"):
+        span_attention(*[t.requires_grad_() for t in qkv().values()])
+
+
 @pytest.mark.parametrize("backend", ["TILES", "math", None, ["tiles"], "fused"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_bad_backend_is_refused_with_or_without_autograd(backend, grad):

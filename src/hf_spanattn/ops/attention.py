@@ -145,13 +145,15 @@ def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
 
 def _backend(name: str, dtype: torch.dtype, device: str, probe: Probe | None) -> str:
     """The backend that runs a call in `dtype` on `device`: see `span_attention`."""
+    given = ""
     if name == "auto":
         name = os.environ.get("HF_SPANATTN_BACKEND", "auto")
+        given = " (set by the environment variable HF_SPANATTN_BACKEND)"
     if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
         raise ValueError(f"backend={shown(name)}: allowed values are auto, {', '.join(BACKENDS)} "
                          "(also for the environment variable HF_SPANATTN_BACKEND)")
     if name == "fused" and dtype == torch.float64:
-        raise ValueError("backend='fused' runs float32 and half inputs; float64 runs on backend='tiles'")
+        raise ValueError(f"backend='fused'{given} runs float32 and half inputs; float64 runs on backend='tiles'")
     if probe is not None:
         return "tiles"
     if name == "auto":
