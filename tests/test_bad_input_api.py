@@ -1266,3 +1266,18 @@ def test_a_keyframe_past_pythons_digit_limit_is_said_to_be_never_reached():
     notes = schedule.unreached(schedule.resolve(10, None, 2), 10)
     assert notes == ["keyframe at=<an int of 16610 bits> (step <an int of 16610 bits>) is never reached: training "
                      "ends after max_steps=10 (steps 0..9)"]
+
+
+def test_an_adapter_saved_unpatched_over_settings_saved_before_warns_that_they_are_left(tmp_path):
+    """An adapter saved from a patched model, then again from the same model unpatched, into the same folder: the
+    settings file of the first save is left (it may have been written by hand) and would patch the model loaded from
+    it, which is said (it was left without a word)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path)
+    unpatch_model(model)
+    with pytest.warns(UserWarning, match=f"{tmp_path}/span_attention_config.json is left from before: the model saved "
+                                         "now is not patched"):
+        model.save_pretrained(tmp_path)
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1100"

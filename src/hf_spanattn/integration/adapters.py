@@ -54,11 +54,18 @@ def install() -> None:
         result = save(self, *args, **kwargs)
         settings = config_of(self.get_base_model().config)
         arguments = save_signature.bind(self, *args, **kwargs).arguments
-        if settings is not None and arguments.get("is_main_process", True):
+        if arguments.get("is_main_process", True):
             directory = arguments["save_directory"]
             selected = arguments.get("selected_adapters")
             for name in list(self.peft_config) if selected is None else selected:  # as PEFT: [] saves none
-                settings.save_pretrained(directory if name == "default" else os.path.join(directory, name))
+                folder = directory if name == "default" else os.path.join(directory, name)
+                if settings is not None:
+                    settings.save_pretrained(folder)
+                elif os.path.lexists(os.path.join(folder, CONFIG_NAME)):  # the user's to remove: it may be by hand
+                    warnings.warn(f"{os.path.join(folder, CONFIG_NAME)} is left from before: the model saved now is "
+                                  "not patched, but hf_spanattn.load_pretrained of the adapter would patch it with "
+                                  "those settings; remove the file if the adapter should load without span gradients",
+                                  stacklevel=2)
         return result
 
     @functools.wraps(load)
