@@ -409,6 +409,21 @@ def test_falls_back_to_fused_with_one_warning(why, monkeypatch, fresh_warnings):
         span_attention(*leaves, config=config, backend="triton", **kwargs)
 
 
+def test_a_learnable_key_bias_gets_sdpas_gradient_on_the_fused_kernels(fresh_warnings):
+    """A key-padding-shaped float mask that needs a gradient (a learnable bias per key): the kernels take the bias as a
+    constant, so the call runs on fused, saying why, and the bias gets SDPA's gradient (it got none)."""
+    q, k, v, d_out = _inputs(b=1, h_q=2, h_kv=2, t=16, d=8)
+    bias = (0.1 * torch.randn(1, 1, 1, 16, generator=torch.Generator().manual_seed(1))).to(DEVICE)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, bias)]
+    with pytest.warns(UserWarning, match="backend='fused' here: attn_mask needs a gradient"):
+        out = span_attention(*leaves[:3], attn_mask=leaves[3], config="score:1100", backend="triton")
+    (got,) = torch.autograd.grad(out, leaves[3], d_out)
+    want = F.scaled_dot_product_attention(*(x.detach().cpu().double() for x in (q, k, v)),
+                                          attn_mask=(bias := leaves[3].detach().cpu().double().requires_grad_()))
+    (want_grad,) = torch.autograd.grad(want, bias, d_out.cpu().double())
+    assert rel(got.cpu().double(), want_grad) < 1e-5
+
+
 def test_float64_falls_back_to_tiles(fresh_warnings):
     inputs, d_out = make(t=12, d=8)
     with pytest.warns(UserWarning, match="backend='tiles'"):

@@ -46,6 +46,8 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     `probe` (diagnostics) is called from the backward pass as on any backend (`backward.rule_grads`)."""
     form = masks.key_mask(attn_mask, is_causal)
     reason = _unsupported(query, key, value, form, dropout_p)
+    if reason is None and attn_mask is not None and attn_mask.requires_grad:  # the kernels take the bias as a constant
+        reason = "attn_mask needs a gradient (a learnable bias), which the kernels do not give"
     if reason is None:
         reason = _check(query, value, form, dropout_p)
     if reason is not None:
