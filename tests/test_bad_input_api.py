@@ -138,11 +138,12 @@ def resume_with_saved(tmp: Path, saved: dict | None, wanted: dict, checkpoint: b
     return run_identity.resume_point(str(out), wanted, None, overwrite=False)
 
 
-def trainer_with(tmp: Path, *callbacks):
+def trainer_with(tmp: Path, *callbacks, model: torch.nn.Module | None = None):
     from transformers import Trainer, TrainingArguments
 
     ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
-    return Trainer(model=patch_model(tiny("gpt2"), "score:1000"), train_dataset=[{"input_ids": i, "labels": i}
+    model = patch_model(tiny("gpt2"), "score:1000") if model is None else model
+    return Trainer(model=model, train_dataset=[{"input_ids": i, "labels": i}
                                                                                for i in ids],
                    args=TrainingArguments(str(tmp), max_steps=1, per_device_train_batch_size=4, report_to=[],
                                           use_cpu=True, save_strategy="no", disable_tqdm=True),
@@ -451,7 +452,7 @@ CASES = [
      ValueError, "field 'span_attention': hf_spanattn_version='9999"),
     ("from_pretrained a key given twice",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": [1, 0, 0, 0], "alphas": [0]}')),
-     ValueError, "{tmp}/c.json: not valid JSON (ValueError: the key 'alphas' is given twice; keep one)"),
+     ValueError, "{tmp}/c.json: the key 'alphas' is given twice in one object; keep one"),
     ("from_pretrained neither file nor folder", lambda t: SpanAttentionConfig.from_pretrained("/dev/null"),
      FileNotFoundError, "/dev/null: not a file or a folder; expected a folder or a span_attention_config.json file"),
     ("from_pretrained a name with a NUL", lambda t: SpanAttentionConfig.from_pretrained("run\0s/a"), TypeError,
@@ -476,7 +477,8 @@ CASES = [
     ("config.json whose settings give a key twice",
      lambda t: load_pretrained(edited_text(saved_model(t), '"method": "score"', '"method": "simple", "method": "score"'
                                            )),
-     ValueError, "{tmp}/model/config.json, field 'span_attention': the key 'method' is given twice; keep one"),
+     ValueError,
+     "{tmp}/model/config.json, field 'span_attention': the key 'method' is given twice in one object; keep one"),
     ("config.json that gives the settings twice",
      lambda t: load_pretrained(edited_text(saved_model(t), '"span_attention": {',
                                            '"span_attention": {}, "span_attention": {')),
@@ -1071,6 +1073,72 @@ def test_a_schedule_left_on_the_layers_by_a_stopped_run_gives_way(tmp_path):
     callback.diagnostics_every = 0
     trainer_with(tmp_path / "again", callback, Spy()).train()
     assert seen == [("score:1100", False)] * 2
+
+
+def test_a_plain_trainer_after_a_stopped_scheduled_run_trains_with_the_models_settings(tmp_path):
+    """A run with a schedule (score:1100) and diagnostics stopped inside a step leaves the schedule's setting and the
+    probes on the layers; a stock Trainer without the callback then trained the model with score:1100, not its own
+    score:1000, without a word."""
+    from transformers import TrainerCallback
+
+    from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules, settings_for
+
+    class StopInStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            raise KeyboardInterrupt
+
+    stopped = trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1),
+                           StopInStep())
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    modules = [m for ms in attention_modules(stopped.model).values() for m in ms]
+    assert all(settings_for(m).label == "score:1100" and hasattr(m, PROBE_ATTR) for m in modules)  # what it left
+    reference = trainer_with(tmp_path / "reference")
+    reference.model.load_state_dict(stopped.model.state_dict())
+    plain = trainer_with(tmp_path / "plain", model=stopped.model)
+    with pytest.warns(UserWarning, match=r"setting score:1100 of a SpanAttentionCallback schedule from a training run "
+                                         r"that stopped midway; Trainer trains without that callback, so the layer "
+                                         r"trains with the model's own settings \(score:1000\)"):
+        plain.train()
+    reference.train()
+    for (name, trained), expected in zip(plain.model.state_dict().items(), reference.model.state_dict().values()):
+        assert torch.equal(trained, expected), name
+    assert not any(hasattr(m, PROBE_ATTR) for m in modules)
+    assert {settings_for(m).label for m in modules} == {"score:1000"}
+
+
+def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_path):
+    """Two stock Trainers with diagnostics on one output dir at once: the second moved the first's records aside
+    and the first then appended to the second's file. A lock beside the file, holding the process id, stops the
+    second while the first's process lives; one left by a process that is gone, or by this process (a run stopped
+    in a notebook), is taken over, and a run that ends removes its own."""
+    import os
+    import socket
+    import subprocess
+
+    lock = tmp_path / "span_diagnostics.jsonl.lock"
+    records = tmp_path / "span_diagnostics.jsonl"
+    records.write_text('{"step": 1, "layer": 0}\n')
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(json.dumps({"pid": live.pid, "host": socket.gethostname()}))
+        with pytest.raises(ValueError, match=f"{records}: another run is writing diagnostics into this file "
+                                             f"\\(process {live.pid} on .*, see {lock}\\); name another"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+        assert records.read_text() == '{"step": 1, "layer": 0}\n' and lock.exists()  # the first run's, untouched
+    finally:
+        live.kill()
+        live.wait()
+    with pytest.warns(UserWarning, match="moved to"):  # its process is gone: the lock is taken over
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert not lock.exists() and steps_in(records) == [1, 1]
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    with pytest.warns(UserWarning, match="moved to"):  # left by this process
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert not lock.exists()
+    lock.mkdir()
+    with pytest.raises(ValueError, match=f"{lock} is where the lock of the diagnostics file goes, but it is not a"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
 
 
 def test_diagnostics_leave_out_calls_with_more_keys_than_queries():

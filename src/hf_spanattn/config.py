@@ -119,11 +119,17 @@ def as_config(config: Any, caller: str, none: str) -> SpanAttentionConfig | None
                     f"label string such as 'score:1000', or None ({none}){hint}")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class KeyGivenTwice(ValueError):
+    """A key given twice in one JSON object (see `unique_keys`)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: a key given twice in one object (a hand edit) is an error, where json would keep
+    the last one silently."""
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise ValueError(f"the key {key!r} is given twice; keep one")
+            raise KeyGivenTwice(f"the key {key!r} is given twice in one object; keep one")
         data[key] = value
     return data
 
@@ -133,7 +139,9 @@ def _read_json(path: str) -> Any:
     `json.loads` tells from its first bytes); a key given twice is refused rather than the first one dropped."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read(), object_pairs_hook=_unique_keys)
+            return json.loads(f.read(), object_pairs_hook=unique_keys)
+    except KeyGivenTwice as err:
+        raise ValueError(f"{path}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
 

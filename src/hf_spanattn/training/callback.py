@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import socket
 import sys
+import time
 import warnings
+import weakref
 from typing import Any
 
 from transformers import TrainerCallback
@@ -18,6 +22,7 @@ from hf_spanattn.config import SpanAttentionConfig, write_whole
 from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
+    OWNER_ATTR,
     PROBE_ATTR,
     attention_modules,
     config_of,
@@ -135,6 +140,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
                              "folder; expected the name of the JSONL file to write")
         if self.diagnostics_every and state.is_world_process_zero:
+            _take_lock(self._path)
             _start_records(self._path, state.global_step, state.log_history)
         self._apply(state.global_step)
 
@@ -162,6 +168,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                 self._recorders[index] = OrderRecorder()
                 for module in modules:
                     setattr(module, PROBE_ATTR, self._recorders[index])
+                    setattr(module, OWNER_ATTR, weakref.ref(self))
 
     def on_step_end(self, args, state, control, **kwargs):
         self.last_step = state.global_step
@@ -219,9 +226,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, **kwargs):
         for modules in self._layers.values():
             for module in modules:
-                module.__dict__.pop(OVERRIDE_ATTR, None)
-                module.__dict__.pop(PROBE_ATTR, None)
+                for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+                    module.__dict__.pop(name, None)
         self._applied = None
+        if self._path is not None:
+            _release_lock(self._path)
 
     # -- schedule ---------------------------------------------------------------------------
     def settings_at(self, step: int) -> dict:
@@ -236,6 +245,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             for module in modules:
                 if index in settings:
                     setattr(module, OVERRIDE_ATTR, settings[index])
+                    setattr(module, OWNER_ATTR, weakref.ref(self))
                 else:
                     module.__dict__.pop(OVERRIDE_ATTR, None)
         self._applied = settings
@@ -351,6 +361,68 @@ def _start_records(path: str, step: int, log_history: list) -> None:
             os.truncate(path, len(data))  # one step: a stop leaves the file whole
         else:
             write_whole(path, lambda f: f.write(data.decode("utf-8", "surrogateescape")))
+
+
+def _take_lock(path: str) -> None:
+    """`<path>.lock`, holding the process id, while a run writes diagnostics into `path`: a second run writing into
+    the same file (a second Trainer on the same output dir) would mix its records with the first's and move them
+    aside. A lock whose process is gone, or that this process left (a run stopped midway in a notebook), is taken
+    over."""
+    lock = f"{path}.lock"
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    for _ in range(3):
+        if os.path.islink(lock) or os.path.lexists(lock) and not os.path.isfile(lock):
+            raise ValueError(f"SpanAttentionCallback: {lock} is where the lock of the diagnostics file goes, but it "
+                             "is not a lock file; move it away, or name another diagnostics_file")
+        try:
+            with open(lock, "x") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+            return
+        except FileExistsError:
+            holder = _lock_holder(lock)
+            if holder is not None:
+                raise ValueError(f"SpanAttentionCallback: {path}: another run is writing diagnostics into this file "
+                                 f"({holder}, see {lock}); name another diagnostics_file or output_dir, or wait for "
+                                 f"it to end. If no such run is going on, delete {lock}") from None
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+    raise ValueError(f"SpanAttentionCallback: {lock}: could not take the lock of the diagnostics file")
+
+
+def _lock_holder(lock: str) -> str | None:
+    """Who holds the diagnostics lock `lock` ("process N on host H"), or None where no live process does."""
+    try:
+        with open(lock) as f:
+            info = json.load(f)
+        pid, host = info["pid"], info["host"]
+        if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31 and isinstance(host, str)):
+            raise ValueError("not a lock")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):  # being written, or cut short by a kill
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - os.path.getmtime(lock) < 10:
+                return "a process starting now"
+        return None
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            pass
+    return f"process {pid} on {host}"[:200]
+
+
+def _release_lock(path: str) -> None:
+    lock = f"{path}.lock"
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, RecursionError):
+        with open(lock) as f:
+            mine = json.load(f).get("pid") == os.getpid()
+        if mine:
+            os.remove(lock)
 
 
 _NOT_JSON = object()
