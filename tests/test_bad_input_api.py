@@ -1139,6 +1139,25 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
     lock.mkdir()
     with pytest.raises(ValueError, match=f"{lock} is where the lock of the diagnostics file goes, but it is not a"):
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    lock.rmdir()
+    lock.write_text(records.read_text())  # a run that wrote its records under that name: not deleted
+    os.utime(lock, (0, 0))
+    with pytest.raises(ValueError, match=f"{lock} is where the lock of the diagnostics file goes, but it is not a"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert lock.read_text() == records.read_text()
+    with pytest.raises(OSError, match=f"{tmp_path}/{'x' * 300}.lock: cannot write the lock of the diagnostics file "
+                                      r"\(OSError: File name too long\); name another diagnostics_file"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="x" * 300)).train()
+
+
+def test_a_diagnostics_file_that_is_a_pipe_is_refused(tmp_path):
+    """Writing a record into a named pipe waits for a reader: the run hung at its first recorded step."""
+    import os
+
+    os.mkfifo(tmp_path / "span_diagnostics.jsonl")
+    with pytest.raises(ValueError, match=f"diagnostics_file=None: {tmp_path}/span_diagnostics.jsonl is a pipe or a "
+                                         "socket; expected the name of the JSONL file to write"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
 
 
 def test_diagnostics_leave_out_calls_with_more_keys_than_queries():
@@ -1223,15 +1242,22 @@ def test_hostile_steps_in_the_diagnostics_file_and_the_log_history_do_not_stop_a
 def test_a_file_that_is_not_a_diagnostics_file_is_refused_and_left_as_it_is(stopped_run, tmp_path):
     """diagnostics_file naming a file of JSON that holds no record (here a checkpoint's trainer_state.json, written
     on one line without a line end): a resumed run took its one line for a record cut short, rewrote the file without
-    it and appended its records; a fresh run moved it aside."""
+    it and appended its records; a fresh run moved it aside. A file in a checkpoint folder is refused as such: the
+    Trainer deletes the folder (save_total_limit) with the records in it."""
     out = copy_of(stopped_run, tmp_path)
-    state = out / "checkpoint-2" / "trainer_state.json"
-    state.write_text(json.dumps(json.loads(state.read_text())))
+    state = out / "state.json"
+    state.write_text(json.dumps(json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())))
     before = state.read_bytes()
     for resume in (str(out / "checkpoint-2"), None):
         with pytest.raises(ValueError, match=f"{state} holds no diagnostics records .* name another diagnostics_file"):
-            diagnosed_run(out, 4, resume=resume, diagnostics_file="checkpoint-2/trainer_state.json")
+            diagnosed_run(out, 4, resume=resume, diagnostics_file="state.json")
         assert state.read_bytes() == before
+    state = out / "checkpoint-2" / "trainer_state.json"  # one in a checkpoint folder, which the Trainer replaces
+    before = state.read_bytes()
+    with pytest.raises(ValueError, match="diagnostics_file='checkpoint-2/trainer_state.json' lies in the folder "
+                                         "checkpoint-2, a checkpoint that the Trainer writes over or deletes"):
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), diagnostics_file="checkpoint-2/trainer_state.json")
+    assert state.read_bytes() == before
 
 
 def test_hostile_attributes_restored_from_a_checkpoint_do_not_stop_the_run(stopped_run, tmp_path):

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import sys
 import time
 import warnings
@@ -16,7 +17,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import _re_checkpoint, has_length
 
 from hf_spanattn.config import SpanAttentionConfig, write_whole
 from hf_spanattn.integration.patch import base_model
@@ -139,6 +140,15 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         if self.diagnostics_every and os.path.isdir(self._path):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
                              "folder; expected the name of the JSONL file to write")
+        if self.diagnostics_every and _is_a_pipe(self._path):  # writing would wait for a reader for ever
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
+                             "pipe or a socket; expected the name of the JSONL file to write")
+        checkpoint = next((part for part in os.path.relpath(self._path, args.output_dir).split(os.sep)[:-1]
+                           if _re_checkpoint.search(part)), None)
+        if self.diagnostics_every and checkpoint is not None:
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r} lies in the folder "
+                             f"{checkpoint}, a checkpoint that the Trainer writes over or deletes (save_total_limit); "
+                             "name a file outside the checkpoint folders")
         if self.diagnostics_every and state.is_world_process_zero:
             _take_lock(self._path)
             _start_records(self._path, state.global_step, state.log_history)
@@ -367,43 +377,53 @@ def _take_lock(path: str) -> None:
     """`<path>.lock`, holding the process id, while a run writes diagnostics into `path`: a second run writing into
     the same file (a second Trainer on the same output dir) would mix its records with the first's and move them
     aside. A lock whose process is gone, or that this process left (a run stopped midway in a notebook), is taken
-    over."""
+    over; a file of that name that is no lock is left as it is."""
     lock = f"{path}.lock"
-    os.makedirs(os.path.dirname(lock), exist_ok=True)
     for _ in range(3):
-        if os.path.islink(lock) or os.path.lexists(lock) and not os.path.isfile(lock):
-            raise ValueError(f"SpanAttentionCallback: {lock} is where the lock of the diagnostics file goes, but it "
-                             "is not a lock file; move it away, or name another diagnostics_file")
         try:
-            with open(lock, "x") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
-            return
-        except FileExistsError:
+            os.makedirs(os.path.dirname(lock), exist_ok=True)
             holder = _lock_holder(lock)
             if holder is not None:
                 raise ValueError(f"SpanAttentionCallback: {path}: another run is writing diagnostics into this file "
                                  f"({holder}, see {lock}); name another diagnostics_file or output_dir, or wait for "
-                                 f"it to end. If no such run is going on, delete {lock}") from None
+                                 f"it to end. If no such run is going on, delete {lock}")
             with contextlib.suppress(FileNotFoundError):
-                os.remove(lock)
+                os.remove(lock)  # gone, or a lock left by a process that is
+            with open(lock, "x") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+            return
+        except FileExistsError:
+            continue  # another run took it meanwhile: see who
+        except OSError as err:
+            raise OSError(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
+                          f"({type(err).__name__}: {err.strerror}); name another diagnostics_file") from None
     raise ValueError(f"SpanAttentionCallback: {lock}: could not take the lock of the diagnostics file")
 
 
 def _lock_holder(lock: str) -> str | None:
-    """Who holds the diagnostics lock `lock` ("process N on host H"), or None where no live process does."""
+    """Who holds the diagnostics lock `lock` ("process N on host H"), or None where nobody does (no file, or a lock
+    whose process is gone). A file there that is not a lock is refused, not deleted."""
+    not_a_lock = ValueError(f"SpanAttentionCallback: {lock} is where the lock of the diagnostics file goes, but it is "
+                            "not a lock file; move it away, or name another diagnostics_file")
+    if os.path.islink(lock) or os.path.lexists(lock) and not os.path.isfile(lock):
+        raise not_a_lock
     try:
-        with open(lock) as f:
-            info = json.load(f)
-        pid, host = info["pid"], info["host"]
-        if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31 and isinstance(host, str)):
-            raise ValueError("not a lock")
+        with open(lock, "rb") as f:
+            text = f.read(1025)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):  # being written, or cut short by a kill
+    try:
+        info = json.loads(text)
+    except (ValueError, RecursionError):  # being written, or cut short by a kill: stale once it is old
+        if len(text) > 1024:
+            raise not_a_lock from None
         with contextlib.suppress(FileNotFoundError):
             if time.time() - os.path.getmtime(lock) < 10:
                 return "a process starting now"
         return None
+    pid, host = (info.get("pid"), info.get("host")) if isinstance(info, dict) else (None, None)
+    if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31 and isinstance(host, str)):
+        raise not_a_lock
     if host == socket.gethostname():
         if pid == os.getpid():
             return None
@@ -413,7 +433,14 @@ def _lock_holder(lock: str) -> str | None:
             return None
         except PermissionError:  # alive, another user's
             pass
-    return f"process {pid} on {host}"[:200]
+    return f"process {pid} on {host[:100]}"
+
+
+def _is_a_pipe(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode) or stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _release_lock(path: str) -> None:
