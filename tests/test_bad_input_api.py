@@ -453,6 +453,14 @@ CASES = [
     ("from_pretrained a key given twice",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": [1, 0, 0, 0], "alphas": [0]}')),
      ValueError, "{tmp}/c.json: the key 'alphas' is given twice in one object; keep one"),
+    ("from_pretrained a misspelt keyword (read locally it was ignored: the folder's own settings)",
+     lambda t: SpanAttentionConfig.from_pretrained(SpanAttentionConfig().save_pretrained(t), subfoldr="mine"),
+     TypeError, "SpanAttentionConfig.from_pretrained: unexpected keyword argument(s) ['subfoldr']; expected those of "
+     "huggingface_hub.hf_hub_download: cache_dir"),
+    ("push_to_hub without a repository id", lambda t: SpanAttentionConfig().push_to_hub(None), TypeError,
+     "SpanAttentionConfig.push_to_hub: repo_id=None: expected a Hub repository id"),
+    ("push_to_hub private a string", lambda t: SpanAttentionConfig().push_to_hub("me/x", private="no"), TypeError,
+     "SpanAttentionConfig.push_to_hub: private='no': expected True, False or None"),
     ("from_pretrained neither file nor folder", lambda t: SpanAttentionConfig.from_pretrained("/dev/null"),
      FileNotFoundError, "/dev/null: not a file or a folder; expected a folder or a span_attention_config.json file"),
     ("from_pretrained a name with a NUL", lambda t: SpanAttentionConfig.from_pretrained("run\0s/a"), TypeError,
@@ -521,6 +529,19 @@ def test_bad_input_gets_a_clear_error(name, call, error, fragment, tmp_path):
     with pytest.raises(error) as err:
         call(tmp_path)
     assert fragment.replace("{tmp}", str(tmp_path)) in str(err.value), (name, str(err.value))
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: SpanAttentionConfig.from_pretrained(write(t / "span_attention_config.json", json.dumps([0] * 100_000))),
+    lambda t: SpanAttentionConfig.from_dict({"method": "x" * 100_000}),
+    lambda t: SpanAttentionConfig.from_label("score:" + "1" * 100_000),
+    lambda t: SpanAttentionConfig.from_dict({"alphas": [0.5] * 100_000}),
+], ids=["a settings file of a huge list", "a huge method", "a label of huge alphas", "huge alphas"])
+def test_errors_cut_a_huge_value(call, tmp_path):
+    """The error repeated the whole value: a message of several hundred kilobytes."""
+    with pytest.raises((TypeError, ValueError)) as err:
+        call(tmp_path)
+    assert len(str(err.value)) < 1000 and "characters)" in str(err.value), str(err.value)[:300]
 
 
 def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
@@ -1134,6 +1155,11 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
     assert not lock.exists() and steps_in(records) == [1, 1]
     lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     with pytest.warns(UserWarning, match="moved to"):  # left by this process
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert not lock.exists()
+    lock.write_text('{"pid": 4')  # cut short by a kill while it was written, long ago: taken over
+    os.utime(lock, (0, 0))
+    with pytest.warns(UserWarning, match="moved to"):
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
     assert not lock.exists()
     lock.mkdir()

@@ -415,7 +415,7 @@ def _lock_holder(lock: str) -> str | None:
     try:
         info = json.loads(text)
     except (ValueError, RecursionError):  # being written, or cut short by a kill: stale once it is old
-        if len(text) > 1024:
+        if not (b'{"pid": '.startswith(text[:8]) and len(text) < 1024 and b"\n" not in text):
             raise not_a_lock from None
         with contextlib.suppress(FileNotFoundError):
             if time.time() - os.path.getmtime(lock) < 10:
