@@ -544,6 +544,27 @@ def test_errors_cut_a_huge_value(call, tmp_path):
     assert len(str(err.value)) < 1000 and "characters)" in str(err.value), str(err.value)[:300]
 
 
+def test_huge_values_of_the_callback_and_the_backend_variable_are_cut(tmp_path, monkeypatch):
+    """A diagnostics_file restored from a hand-edited trainer_state.json and HF_SPANATTN_BACKEND were repeated whole;
+    100 000 keyframes past the end gave 100 000 warnings."""
+    with pytest.raises(ValueError, match=r"diagnostics_file='a/a/a.*\.\.\. \(200002 characters\): expected") as err:
+        SpanAttentionCallback(diagnostics_file="a/" * 100_000)
+    assert len(str(err.value)) < 1000
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "x" * 100_000)
+    q = torch.zeros(1, 1, 4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"backend='xxx.*\.\.\. \(100002 characters\): allowed values") as err:
+        span_attention(q, q, q).sum().backward()
+    assert len(str(err.value)) < 1000
+    monkeypatch.delenv("HF_SPANATTN_BACKEND")
+    keyframes = [Keyframe(0, "score:1100")] + [Keyframe(step, "score:1000") for step in range(2, 1002)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_with(tmp_path, SpanAttentionCallback(keyframes)).train()
+    notes = [str(w.message) for w in caught if "never reached" in str(w.message)]
+    assert len(notes) == 6 and notes[-1] == ("SpanAttentionCallback: 995 more keyframes are never reached: training "
+                                             "ends after max_steps=1"), notes
+
+
 def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
     """The counterpart of the table: no error where the settings agree (or nothing is there)."""
     assert resume_with_saved(tmp_path, RUN, {**RUN, "training": {**RUN["training"], "output_dir": "b"}}) \
@@ -729,6 +750,18 @@ def test_a_hub_id_whose_settings_cannot_be_fetched_is_named(monkeypatch):
     with pytest.raises(OSError, match="someone/settings: no such local file or folder, and span_attention_config.json "
                                       "could not be fetched from a Hub repository of that name \\(LocalEntryNotFound"):
         SpanAttentionConfig.from_pretrained("someone/settings")
+
+
+def test_an_adapter_save_that_selects_no_adapter_writes_no_settings(tmp_path):
+    """PeftModel.save_pretrained(selected_adapters=[]) saves no adapter; the settings were written all the same (into
+    the folder, as the default adapter's)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path / "none", selected_adapters=[])
+    assert not (tmp_path / "none" / "span_attention_config.json").exists()
+    model.save_pretrained(tmp_path / "all")
+    assert SpanAttentionConfig.from_pretrained(tmp_path / "all").label == "score:1100"
 
 
 @pytest.mark.parametrize("text", ['{"meth', "[]", '{"alphas": "1000"}', "a folder"])

@@ -30,7 +30,7 @@ from hf_spanattn.integration.registry import (
     layer_count,
     settings_for,
 )
-from hf_spanattn.ops.inputs import as_int
+from hf_spanattn.ops.inputs import as_int, shown
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
 
@@ -134,8 +134,12 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
-            for note in self.schedule.unreached(self._frames, state.max_steps):
+            notes = self.schedule.unreached(self._frames, state.max_steps)
+            for note in notes[:5]:
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)
+            if len(notes) > 5:
+                warnings.warn(f"SpanAttentionCallback: {len(notes) - 5} more keyframes are never reached: training "
+                              f"ends after max_steps={state.max_steps}", stacklevel=3)
         self._path = _inside(args.output_dir, self.diagnostics_file or DIAGNOSTICS_FILE)
         if self.diagnostics_every and os.path.isdir(self._path):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
@@ -286,14 +290,14 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
     if isinstance(schedule, (list, tuple)):
         schedule = Schedule(list(schedule))
     if schedule is not None and not isinstance(schedule, Schedule):
-        raise ValueError(f"schedule={schedule!r}: expected a Schedule or a list of keyframes")
+        raise ValueError(f"schedule={shown(schedule)}: expected a Schedule or a list of keyframes")
     if as_int(every) is None or as_int(every) < 0:
-        raise ValueError(f"diagnostics_every={every!r}: expected an integer >= 0 (0 = off)")
+        raise ValueError(f"diagnostics_every={shown(every)}: expected an integer >= 0 (0 = off)")
     if not isinstance(per_head, bool):
-        raise ValueError(f"diagnostics_per_head={per_head!r}: expected True or False")
+        raise ValueError(f"diagnostics_per_head={shown(per_head)}: expected True or False")
     if file is not None and (not isinstance(file, (str, os.PathLike)) or not isinstance(os.fspath(file), str)
                              or (os.fspath(file) and _names_a_folder(os.fspath(file))) or "\0" in os.fspath(file)):
-        raise ValueError(f"diagnostics_file={file!r}: expected a file name (a path relative to the Trainer's "
+        raise ValueError(f"diagnostics_file={shown(file)}: expected a file name (a path relative to the Trainer's "
                          "output_dir) or None")
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
 
