@@ -459,6 +459,9 @@ CASES = [
      "huggingface_hub.hf_hub_download: cache_dir"),
     ("push_to_hub without a repository id", lambda t: SpanAttentionConfig().push_to_hub(None), TypeError,
      "SpanAttentionConfig.push_to_hub: repo_id=None: expected a Hub repository id"),
+    ("save_pretrained pushing to an empty repository id",
+     lambda t: SpanAttentionConfig().save_pretrained(t, push_to_hub=True, repo_id=" "), TypeError,
+     "SpanAttentionConfig.push_to_hub: repo_id=' ': expected a Hub repository id"),
     ("push_to_hub private a string", lambda t: SpanAttentionConfig().push_to_hub("me/x", private="no"), TypeError,
      "SpanAttentionConfig.push_to_hub: private='no': expected True, False or None"),
     ("from_pretrained neither file nor folder", lambda t: SpanAttentionConfig.from_pretrained("/dev/null"),
@@ -542,6 +545,12 @@ def test_errors_cut_a_huge_value(call, tmp_path):
     with pytest.raises((TypeError, ValueError)) as err:
         call(tmp_path)
     assert len(str(err.value)) < 1000 and "characters)" in str(err.value), str(err.value)[:300]
+
+
+def test_a_huge_unknown_field_is_cut_in_the_warning():
+    with pytest.warns(UserWarning, match="ignoring unknown fields") as caught:
+        assert SpanAttentionConfig.from_dict({"x" * 100_000: 1}).label == "score:1000"
+    assert len(str(caught[0].message)) < 1000
 
 
 def test_huge_values_of_the_callback_and_the_backend_variable_are_cut(tmp_path, monkeypatch):

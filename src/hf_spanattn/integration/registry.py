@@ -28,7 +28,7 @@ ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
 OVERRIDE_ATTR = "span_attention_override"  # module attribute: settings set at run time (schedules)
 PROBE_ATTR = "span_attention_probe"  # module attribute: diagnostics probe for the backward pass
-OWNER_ATTR = "span_attention_owner"  # module attribute: a weak reference to the callback that set the two above
+OWNER_ATTR = "span_attention_owner"  # module and callback attribute: the token of the run that set the two above
 LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, where the model's modules carry none
 logger = logging.get_logger("hf_spanattn")
 
@@ -245,8 +245,8 @@ def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:
     Trainer calls no callback event when training raises) are dropped, with a warning, when a Trainer without the
     callback that set them trains the model: that Trainer trains with the model's own settings."""
     trainer = _trainer_on_stack()
-    owner = module.__dict__[OWNER_ATTR]()
-    if trainer is None or (owner is not None and any(c is owner for c in trainer.callback_handler.callbacks)):
+    owner = module.__dict__[OWNER_ATTR]
+    if trainer is None or any(getattr(c, OWNER_ATTR, None) == owner for c in trainer.callback_handler.callbacks):
         return  # the run of the callback that set them, or a loop of the user's own (which may hold it)
     override = module.__dict__.get(OVERRIDE_ATTR)
     for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -11,8 +12,8 @@ import socket
 import stat
 import sys
 import time
+import uuid
 import warnings
-import weakref
 from typing import Any
 
 from transformers import TrainerCallback
@@ -101,6 +102,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._pending: dict[str, float] = {}
         self._alphas_logged_at: int | None = None
         self._path: str | None = None
+        setattr(self, OWNER_ATTR, uuid.uuid4().hex)  # marks what this run sets on the layers (a string: it pickles)
 
     def add_to(self, trainer: Any) -> SpanAttentionCallback:
         """Add this callback to `trainer` in front of the others (the same as `trainer.add_callback(callback)`
@@ -182,7 +184,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                 self._recorders[index] = OrderRecorder()
                 for module in modules:
                     setattr(module, PROBE_ATTR, self._recorders[index])
-                    setattr(module, OWNER_ATTR, weakref.ref(self))
+                    setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
 
     def on_step_end(self, args, state, control, **kwargs):
         self.last_step = state.global_step
@@ -259,7 +261,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             for module in modules:
                 if index in settings:
                     setattr(module, OVERRIDE_ATTR, settings[index])
-                    setattr(module, OWNER_ATTR, weakref.ref(self))
+                    setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
                 else:
                     module.__dict__.pop(OVERRIDE_ATTR, None)
         self._applied = settings
@@ -399,6 +401,11 @@ def _take_lock(path: str) -> None:
         except FileExistsError:
             continue  # another run took it meanwhile: see who
         except OSError as err:
+            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and os.access(path, os.W_OK):
+                warnings.warn(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
+                              f"({err.strerror}); {path} is written without it, so a second run writing into it at "
+                              "the same time would not be stopped", stacklevel=4)
+                return
             raise OSError(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
                           f"({type(err).__name__}: {err.strerror}); name another diagnostics_file") from None
     raise ValueError(f"SpanAttentionCallback: {lock}: could not take the lock of the diagnostics file")
