@@ -53,7 +53,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         diagnostics_file: JSONL output, a path relative to the Trainer's output_dir (default
             span_diagnostics.jsonl). The file always lies in the output dir: an absolute path outside it
             (as one read back from the trainer_state.json of a run that has moved) keeps only its file name.
-            A resumed run first drops the records past the step it resumes from.
+            A resumed run first drops the records past the step it resumes from. While a run writes it,
+            `<file>.lock` (the process id) stops a second run from writing into it.
 
     Settings are validated when training starts. The schedule is a function of the global step,
     so a run resumed from a checkpoint continues it at the same point.
