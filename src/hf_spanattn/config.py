@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import decimal
 import difflib
+import inspect
 import json
 import math
 import os
@@ -71,8 +72,8 @@ def _parse_alphas(text: str, label: str) -> tuple[float, ...]:
     try:
         return tuple(float(a) for a in text.split(",")) if "," in text else tuple(float(c) for c in text)
     except ValueError:
-        raise ValueError(f"label={shown(label)}: {shown(text)} is not a list of numbers; write single digits ('1000') "
-                         "or comma-separated numbers ('1,0.5,0,1e-05')") from None
+        raise ValueError(f"label={shown(label)}: {shown(text)} is not a list of numbers; write single digits "
+                         "('1000') or comma-separated numbers ('1,0.5,0,1e-05')") from None
 
 
 def _layers_field(value: Any) -> tuple[int, ...] | None:
@@ -120,11 +121,17 @@ def as_config(config: Any, caller: str, none: str) -> SpanAttentionConfig | None
                     f"label string such as 'score:1000', or None ({none}){hint}")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class KeyGivenTwice(ValueError):
+    """A key given twice in one JSON object (see `unique_keys`)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: a key given twice in one object (a hand edit) is an error, where json would keep
+    the last one silently."""
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise ValueError(f"the key {key!r} is given twice; keep one")
+            raise KeyGivenTwice(f"the key {key!r} is given twice in one object; keep one")
         data[key] = value
     return data
 
@@ -134,7 +141,9 @@ def _read_json(path: str) -> Any:
     `json.loads` tells from its first bytes); a key given twice is refused rather than the first one dropped."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read(), object_pairs_hook=_unique_keys)
+            return json.loads(f.read(), object_pairs_hook=unique_keys)
+    except KeyGivenTwice as err:
+        raise ValueError(f"{path}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
 
@@ -166,7 +175,7 @@ def _path_argument(value: Any, caller: str, name: str, expected: str) -> str:
     """A path argument as a string: a non-empty str or os.PathLike without NUL characters."""
     path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(path, str) or not path or "\0" in path:
-        raise TypeError(f"{caller}: {name}={repr(value) if path else shown(value)}: expected {expected}")
+        raise TypeError(f"{caller}: {name}={shown(value)}: expected {expected}")
     return path
 
 
@@ -260,7 +269,7 @@ class SpanAttentionConfig:
         if match["alphas"]:
             fields["alphas"] = _parse_alphas(match["alphas"], label)
         elif method != "standard":
-            raise ValueError(f"label={shown(label)}: method {method!r} needs its alphas after the colon")
+            raise ValueError(f"label={shown(label)}: method {shown(method)} needs its alphas after the colon")
         if match["qkv"]:
             fields["qkv_alphas"] = _parse_alphas(match["qkv"], label)
         if match["grad"]:
@@ -298,8 +307,8 @@ class SpanAttentionConfig:
         if unknown:
             close = {k: difflib.get_close_matches(str(k), known, n=1) for k in unknown}
             hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in close.items() if m)
-            warnings.warn(f"{where}SpanAttentionConfig: ignoring unknown fields {unknown} (written by hf_spanattn "
-                          f"{data.get(VERSION_KEY, '?')}; known fields are {known}){hints}", stacklevel=2)
+            warnings.warn(f"{where}SpanAttentionConfig: ignoring unknown fields {shown(unknown)} (written by "
+                          f"hf_spanattn {data.get(VERSION_KEY, '?')}; known fields are {known}){hints}", stacklevel=2)
         try:
             return cls(**{k: v for k, v in fields.items() if k in known})
         except (TypeError, ValueError) as err:
@@ -310,11 +319,11 @@ class SpanAttentionConfig:
         folder = _path_argument(save_directory, "SpanAttentionConfig.save_pretrained", "save_directory",
                                 f"a folder (created if missing; {CONFIG_NAME} is written into it)")
         if not isinstance(push_to_hub, bool):
-            raise TypeError(f"SpanAttentionConfig.save_pretrained: push_to_hub={shown(push_to_hub)}: "
-                            "expected True or False")
+            raise TypeError(f"SpanAttentionConfig.save_pretrained: push_to_hub={shown(push_to_hub)}: expected True or "
+                            "False")
         if os.path.lexists(folder) and not os.path.isdir(folder):
             what = "a file" if os.path.exists(folder) else "a symbolic link to nothing"
-            raise FileExistsError(f"SpanAttentionConfig.save_pretrained: save_directory={folder!r} is {what}; "
+            raise FileExistsError(f"SpanAttentionConfig.save_pretrained: save_directory={shown(folder)} is {what}; "
                                   f"expected a folder ({CONFIG_NAME} is written into it)")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, CONFIG_NAME)
@@ -333,6 +342,13 @@ class SpanAttentionConfig:
         """Read the settings from a local folder (or file), or from a Hub repository."""
         path = _path_argument(name_or_path, "SpanAttentionConfig.from_pretrained", "name_or_path",
                               f"a folder, a {CONFIG_NAME} file or a Hub repository id ('owner/name')")
+        from huggingface_hub import hf_hub_download
+
+        allowed = set(inspect.signature(hf_hub_download).parameters) - {"repo_id", "filename"}
+        unknown = sorted(str(k) for k in hub_kwargs if k not in allowed)
+        if unknown:  # read locally they would be ignored: a misspelt subfolder would read the folder's own settings
+            raise TypeError(f"SpanAttentionConfig.from_pretrained: unexpected keyword argument(s) {shown(unknown)}; "
+                            f"expected those of huggingface_hub.hf_hub_download: {', '.join(sorted(allowed))}")
         if hub_kwargs.get("subfolder") and os.path.isdir(path):  # as PEFT and Transformers read a local folder
             path = os.path.join(path, _path_argument(hub_kwargs["subfolder"], "SpanAttentionConfig.from_pretrained",
                                                      "subfolder", f"a folder inside {path}"))
@@ -353,8 +369,6 @@ class SpanAttentionConfig:
             if _looks_local(path):
                 raise FileNotFoundError(f"{path}: no such file or folder (a local path; a Hub repository id "
                                         "reads 'owner/name')")
-            from huggingface_hub import hf_hub_download
-
             try:
                 path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
             except (OSError, ValueError) as err:  # not found, offline, not a repository id, ...
@@ -374,6 +388,11 @@ class SpanAttentionConfig:
         """Upload `span_attention_config.json` to a Hub repository (created if missing). Returns the commit URL."""
         from huggingface_hub import HfApi
 
+        if not isinstance(repo_id, str) or not repo_id.strip():
+            raise TypeError(f"SpanAttentionConfig.push_to_hub: repo_id={shown(repo_id)}: expected a Hub repository id "
+                            "('owner/name', or 'name' in your own namespace)")
+        if private is not None and not isinstance(private, bool):
+            raise TypeError(f"SpanAttentionConfig.push_to_hub: private={shown(private)}: expected True, False or None")
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
         payload = (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()

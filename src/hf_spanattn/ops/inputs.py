@@ -22,6 +22,19 @@ import torch
 MASKED_AT = -1e4
 
 
+def shown(value: Any, limit: int = 200) -> str:
+    """`repr(value)` for an error message, cut to about `limit` characters (a value read from a file may be huge;
+    an int past Python's digit limit, whose repr raises, is shown by its size)."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # repr raises past 4300 digits, is slow before
+        return f"<an int of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except Exception:  # an entry past the digit limit, or a broken __repr__
+        text = f"<{type(value).__name__}>" if not isinstance(value, (list, tuple)) else \
+            f"[{', '.join(shown(v, 20) for v in value[:8])}{', ...' if len(value) > 8 else ''}]"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def capturing(x: torch.Tensor) -> bool:
     """Whether the current stream of x's device is capturing a graph (a CUDA graph; XPU's alike). Then a host
     read of x raises, and whatever it gave would be frozen into the graph, whose replays see new values."""
@@ -201,28 +214,10 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     return Layout(batch, h_q, h_kv, out_shape, p, scale_f, dtypes[0])
 
 
-def shown(value: Any, limit: int = 60) -> str:
-    """`repr(value)` for an error message, cut to about `limit` characters: a huge value (a list of a million
-    entries, an int past Python's digit limit, whose repr raises) is shown by its start, its type and size."""
-    if isinstance(value, int) and value.bit_length() > 4 * limit:  # repr raises past 4300 digits, is slow before
-        return f"<an int of {value.bit_length()} bits>"
-    size = ""
-    if isinstance(value, (list, tuple, str, bytes, dict, set, frozenset)) and len(value) > limit:
-        size = f" ({type(value).__name__} of {len(value)})"
-        value = dict(list(value.items())[:limit]) if isinstance(value, dict) else \
-            value[:limit] if isinstance(value, (list, tuple, str, bytes)) else list(value)[:limit]
-    try:
-        text = repr(value)
-    except Exception:  # an entry past the digit limit, or a broken __repr__
-        text = f"[{', '.join(shown(v, limit) for v in value[:8])}]" if isinstance(value, (list, tuple)) else \
-            f"<{type(value).__name__}>"
-    return (text if len(text) <= limit else text[:limit - 10] + "…") + size
-
-
 def _kind(value: Any) -> str:
     kind = type(value)
     name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
-    return f"{shown(value)} ({name})"
+    return f"{shown(value, 60)} ({name})"
 
 
 def _broadcasts_to(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
