@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
@@ -51,6 +52,19 @@ def cuda_peak_bytes(step: Callable[[], None]) -> int:
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+@contextlib.contextmanager
+def backend_variable_kept() -> Iterator[None]:
+    """Leave HF_SPANATTN_BACKEND as it was found: the benchmarks pick each backend through it."""
+    chosen = os.environ.get("HF_SPANATTN_BACKEND")
+    try:
+        yield
+    finally:
+        if chosen is None:
+            os.environ.pop("HF_SPANATTN_BACKEND", None)
+        else:
+            os.environ["HF_SPANATTN_BACKEND"] = chosen
 
 
 STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "100000000000"}

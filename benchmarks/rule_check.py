@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from benchmarks.common import backend_variable_kept
 from hf_spanattn import patch_model
 
 
@@ -142,18 +143,12 @@ def main(argv: list[str] | None = None) -> None:
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     config._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(config).to(args.device)
-    chosen = os.environ.get("HF_SPANATTN_BACKEND")
-    try:
+    with backend_variable_kept():
         if args.race:
             validation = blocks(text / "validation.txt", tokenizer, args.seq, 400_000, args.device)[:64]
             race(args, model.state_dict(), config, train, validation)
         else:
             gradients(args, model, train)
-    finally:  # the backends were picked through the environment: leave it as it was
-        if chosen is None:
-            os.environ.pop("HF_SPANATTN_BACKEND", None)
-        else:
-            os.environ["HF_SPANATTN_BACKEND"] = chosen
 
 
 if __name__ == "__main__":

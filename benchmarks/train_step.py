@@ -26,6 +26,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from benchmarks.common import (
+    backend_variable_kept,
     cuda_peak_bytes,
     peak_bytes_since,
     peak_in_subprocess,
@@ -69,7 +70,7 @@ def build(name: str, seq: int, batch: int, device: str, attn_dropout: float = 0.
     return step
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--methods", nargs="+", default=METHODS)
@@ -80,10 +81,15 @@ def main() -> None:
                         help="default: auto on the CPU, fused and triton on CUDA")
     parser.add_argument("--attn-dropout", type=float, default=0.1, help="GPT-2's attn_pdrop (default 0.1)")
     parser.add_argument("--peak", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    with backend_variable_kept():
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     if args.peak:
         step = build(args.peak, args.seq, args.batch, args.device, args.attn_dropout)
         step()

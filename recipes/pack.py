@@ -119,9 +119,10 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True)
 
 def read_records(path: Path) -> tuple[list[dict], list[str]]:
     """(the records, what is wrong with the others) in a folder of <name>.json, a .json file (one record or
-    a list) or a .jsonl file; a record that is not a whole, well-formed result is left out and named."""
+    a list) or a .jsonl file, the suffixes in any case; a record that is not a whole, well-formed result is
+    left out and named."""
     if path.is_dir():
-        files = sorted([*path.glob("*.json"), *path.glob("*.jsonl")])
+        files = sorted(f for f in path.iterdir() if f.suffix.lower() in (".json", ".jsonl") and f.is_file())
         if not files:
             raise ValueError(f"{path}: no result files (*.json, *.jsonl)")
         found = [read_records(f) for f in files]

@@ -716,6 +716,17 @@ def test_pack_reads_a_jsonl_file_whatever_the_case_of_its_suffix(tmp_path, fake)
     assert len(fake()) == 2 and len(jsonl.read_text().splitlines()) == 2
 
 
+def test_merge_reads_the_files_of_a_folder_whatever_the_case_of_their_suffix(tmp_path):
+    """A folder holding RESULTS.JSONL was "no result files"; one beside a.json was skipped without a word."""
+    folder = tmp_path / "in"
+    (folder / "old.json").mkdir(parents=True)  # a folder is not a result file, whatever its name
+    (folder / "old.json" / "x.json").write_text(json.dumps(a_record(min_val_loss=3.0)))
+    (folder / "RESULTS.JSONL").write_text(json.dumps(a_record()) + "\n")
+    assert merge.merge([folder], tmp_path / "runs") == (1, 0)
+    tree = tmp_path / "runs" / "H2xL1" / "score-1000" / "seed0" / "metrics.json"
+    assert json.loads(tree.read_text()) == a_record()
+
+
 @pytest.mark.parametrize("name,content,message", [
     ("latin1.txt", "café crème\n".encode("latin-1"), "could not be read as text (the file must be UTF-8) "
                                                        "(UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"),
@@ -1217,6 +1228,12 @@ def test_plot_diagnostics_without_records_names_the_file(name, text, message, tm
     (["--budget"], "--budget needs a value"),  # was: "$2: unbound variable"
     (["--accum", "3"], "--accum 3 must divide 128"),
     (["--accum", str(2**64 + 128)], f"--accum {2**64 + 128} must divide 128"),  # was: read as 128 (wrapped), on
+    (["--budget", "-1"], "--budget -1: expected a number of seconds >= 0"),  # was: pack.py's, after the installs
+    (["--budget", "nan"], "--budget nan: expected a number of seconds >= 0"),
+    (["--max_runs", "1.5"], "--max_runs 1.5: expected an integer >= 0"),
+    (["--max_runs", "2", "--max_runs", "-1"], "--max_runs -1: expected an integer >= 0"),
+    (["--max_runs", ""], "--max_runs empty: expected an integer >= 0"),  # was: no limit
+    (["--config", "no such.yaml"], "--config no such.yaml: no such file"),
 ])
 def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message, tmp_path):
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_sweep.sh"), *argv], capture_output=True, text=True,
