@@ -130,8 +130,9 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     if not path.is_file():
         raise ValueError(f"{path}: no such file or folder")
     text = path.read_text(encoding="utf-8-sig", errors="replace")
+    lines = text.split("\n")  # JSON Lines ends a line at \n alone: U+2028 and the like may stand inside a string
     if path.suffix.lower() == ".jsonl":
-        pieces = [(f"{path} line {i}", line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        pieces = [(f"{path} line {i}", line) for i, line in enumerate(lines, 1) if line.strip()]
     else:
         pieces = [(str(path), text)]
     records, problems = [], []
@@ -139,8 +140,7 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
         try:
             value = json_value(piece)
         except (ValueError, RecursionError) as err:  # a key given twice, numbers or nesting past Python's limits
-            cut = path.suffix.lower() == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and \
-                not text.endswith("\n")
+            cut = path.suffix.lower() == ".jsonl" and where.endswith(f" {len(lines)}") and not text.endswith("\n")
             problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
                                                                   "writing it" if cut else ""))
             continue

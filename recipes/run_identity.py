@@ -64,7 +64,7 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     out = {}
     for key, value in pairs:
         if key in out:
-            raise KeyGivenTwice(f"the key {key!r} is given twice in one object")
+            raise KeyGivenTwice(f"the key {key!r:.80} is given twice in one object")
         out[key] = value
     return out
 

@@ -102,7 +102,7 @@ def a_record(**changes) -> dict:
      "early_stopping.stopped_at_epoch is '2': expected a finite number"),
     ({"early_stopping": {**METRICS["early_stopping"], "stopped_early": "yes"}},
      "early_stopping.stopped_early='yes': expected true or false"),
-    ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
+    ({"parallel": "2"}, "parallel='2': expected an integer from 1 to 2^63 - 1"),
     ({"device": 5}, "device=5: expected the device's name or null"),
     ({"backend": ["triton"]}, "backend=['triton']: expected the attention backend's name or null"),
     ({"seed": 2**32}, "seed=4294967296: expected an integer from 0 to 4294967295"),
@@ -140,6 +140,7 @@ def test_merge_writes_nothing_where_a_file_stands_in_the_way_of_a_result(tmp_pat
 @pytest.mark.parametrize("edit,message", [
     (lambda text: "\ufeff" + text, None),  # a byte order mark, as some editors save a file: still JSON Lines
     (lambda text: text.replace("\n", "\r\n"), None),
+    (lambda text: text.replace("GPU", "GPU\u2028"), None),  # in a string: was "not valid JSON", the line cut there
     (lambda text: text.replace('"wall_s": 5.0', '"wall_s": 5.0, "wall_s": 0.1'),  # json kept the last, silently
      "line 1: not valid JSON (the key 'wall_s' is given twice in one object)"),
 ])
@@ -161,8 +162,9 @@ def test_merge_reads_records_as_they_were_edited(edit, message, tmp_path):
     ({"early_stopping": {**METRICS["early_stopping"], "patience": "1"}}, "early_stopping.patience='1': expected an"),
     ({"device": 5}, "device=5: expected the device's name or null"),
     ({"backend": 5}, "backend=5: expected the attention backend's name or null"),
-    ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
-    ({"parallel": 0}, "parallel=0: expected an integer >= 1"),  # was: counted as 1 without a word
+    ({"parallel": "2"}, "parallel='2': expected an integer from 1 to 2^63 - 1"),
+    ({"parallel": 0}, "parallel=0: expected an integer from 1 to 2^63 - 1"),  # was: counted as 1 without a word
+    ({"parallel": 10**400}, "expected an integer from 1 to 2^63 - 1"),  # was: OverflowError in the notes
     ({"epochs_run": "3"}, "epochs_run is '3': expected a finite number"),
     ({"best_epoch": None}, "best_epoch is missing: expected a finite number"),  # a run that stopped early
     ({"eval_history": [{"epoch": "2", "step": 10, "loss": 4.0}], "epochs_run": 0},
@@ -181,6 +183,29 @@ def test_merge_leaves_out_a_metrics_json_in_the_tree_with_hand_edited_run_fields
     assert f"report: leaving out {folder / 'metrics.json'}: " in err and message in err
     table = (tmp_path / "out" / "report.md").read_text()
     assert "| cpu (x86_64) | not recorded | 1 | 1 |" in table  # the whole record alone
+
+
+@pytest.mark.parametrize("changes", [{"shape": "H" * 10**6}, {"span": "score:" + "1" * 10**6}, {"name": "n" * 10**6},
+                                     {"early_stopping": ["e" * 10**6]},
+                                     {"early_stopping": {**METRICS["early_stopping"], "patience": "p" * 10**6}},
+                                     {"early_stopping": {**METRICS["early_stopping"], "stopped_early": "s" * 10**6}},
+                                     {"config": {**METRICS["config"], "training": {"seed": "s" * 10**6}}}])
+def test_merge_names_a_huge_value_without_echoing_it_whole(changes, tmp_path):
+    """The message held the value whole: a megabyte of text."""
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record(**changes)))
+    with pytest.raises(SystemExit, match=f"merge: {path}: not a result of recipes/pack.py: ") as err:
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert len(str(err.value)) < 1000
+
+
+def test_merge_names_a_key_given_twice_without_echoing_it_whole(tmp_path):
+    path = tmp_path / "in.json"
+    key = json.dumps("k" * 10**6)
+    path.write_text("{" + key + ": 1, " + key + ": 2}")
+    with pytest.raises(SystemExit, match=f"merge: {path}: not valid JSON \\(the key 'kkk") as err:
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert len(str(err.value)) < 1000
 
 
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
