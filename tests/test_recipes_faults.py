@@ -570,6 +570,24 @@ def test_report_on_a_wrong_path_changes_nothing(argv, message, tmp_path):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("place,message", [
+    (lambda t: (t / "report.md").mkdir(), "{tmp}/report.md is a folder, where the report writes a file"),  # was:
+    (lambda t: (t / "loss_curves_H1xL1.png").mkdir(), "{tmp}/loss_curves_H1xL1.png is a folder"),  # IsADirectoryError
+    (lambda t: (t / "report.csv").symlink_to(t / "gone" / "report.csv"), "{tmp}/report.csv is a link to nothing"),
+    (lambda t: (t / "runs/H1xL1/standard-QKV111/seed1").mkdir() or  # was: left out without a word
+     (t / "runs/H1xL1/standard-QKV111/seed1/metrics.json").symlink_to(t / "gone.json"),
+     "{tmp}/runs/H1xL1/standard-QKV111/seed1/metrics.json: cannot be read (FileNotFoundError"),
+])
+def test_report_where_a_file_is_a_folder_or_a_link_to_nothing_names_it(place, message, tmp_path):
+    metrics_file(tmp_path / "runs", "standard:QKV111", 0, 6.0)
+    place(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as err:
+        report.main([str(tmp_path / "runs")])
+    assert message.replace("{tmp}", str(tmp_path)) in str(err.value)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 # run_clm.py: half-written checkpoints, and two runs on one folder
 
 
