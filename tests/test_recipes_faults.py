@@ -208,6 +208,23 @@ def test_merge_names_a_key_given_twice_without_echoing_it_whole(tmp_path):
     assert len(str(err.value)) < 1000
 
 
+@pytest.mark.parametrize("link", ["seed0/metrics.json", "seed0"])
+def test_merge_names_a_link_in_the_tree_that_leads_outside_it(link, tmp_path):
+    """It was blamed on the record's shape and span."""
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record()))
+    span = tmp_path / "out" / "runs" / "H2xL1" / "score-1000"
+    span.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (span / link).parent.mkdir(exist_ok=True)
+    (span / link).symlink_to(tmp_path / "elsewhere" / "x")
+    dest = span / "seed0" / "metrics.json"
+    with pytest.raises(SystemExit, match=f"merge: {dest}, where H2xL1__score-1000__seed0 goes, leads outside "
+                                         f"{tmp_path / 'out' / 'runs'} through a link"):
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
+
+
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
     path = tmp_path / "in.json"
     path.write_text(json.dumps(a_record(train_runtime_s=0.0)))
