@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -52,6 +53,22 @@ def cuda_peak_bytes(step: Callable[[], None]) -> int:
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
+    """argparse's type of a count (kind int) or a number (kind float) from `minimum` up; NaN is none."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= minimum:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r:.40}: expected {what} >= {minimum}")
+        return value
+
+    return parse
 
 
 @contextlib.contextmanager
