@@ -1300,3 +1300,34 @@ def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message
                             env={**os.environ, "OUT": str(tmp_path / "out")})
     assert result.returncode == 2 and f"gpu_sweep.sh: {message}" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_script_runs_one_part_and_names_more(tmp_path):
+    """`gpu_check.sh figures tests` ran the figures alone without a word."""
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "figures", "tests"], capture_output=True,
+                            text=True, env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert result.returncode == 2 and "gpu_check.sh: one part at a time, got 2 (figures tests; allowed: all, " \
+        "figures, tests)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$FAKE_LOG"
+case "$*" in *__version__*) [ "${@: -1}" = "$FAKE_TORCH" ]; exit ;; esac
+"""
+
+
+@pytest.mark.parametrize("installed,installs", [("2.13.0", False), ("2.11.0", True)])
+def test_setup_installs_the_pinned_torch_where_another_is_there(installed, installs, tmp_path):
+    """Any torch passed: a new TORCH_VERSION was written to the stamp and the old torch kept, without a word."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)  # pip too: nothing is downloaded
+    python.chmod(0o755)
+    env = {**os.environ, "FAKE_LOG": str(tmp_path / "log"), "FAKE_TORCH": installed, "TORCH_VERSION": "2.13.0"}
+    subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], check=True, capture_output=True, env=env)
+    calls = (tmp_path / "log").read_text().splitlines()
+    assert ("-m pip install -q torch==2.13.0" in calls) == installs and "-m pip install -q -e .[dev]" in calls
