@@ -1063,6 +1063,14 @@ def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path,
     assert message.replace("{file}", str(file)) in str(err.value)
 
 
+@pytest.mark.parametrize("world", ["abc", "", "2.0"])
+def test_a_world_size_that_is_not_a_count_is_named(world, tmp_path, monkeypatch):
+    """int() said "invalid literal for int() with base 10: 'abc'", naming neither the variable nor what it holds."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    error = run_clm.argument_error(["--output_dir", str(tmp_path / "o"), "--tokenizer_name", str(tmp_path)])
+    assert error.startswith(f"the environment variable WORLD_SIZE={world!r}: expected the number of processes")
+
+
 def test_a_config_file_is_read_whatever_the_case_of_its_suffix_and_only_alone(tmp_path):
     """run.YAML and run.yaml --seed 3 were read as the command line: "Some specified arguments are not used by the
     HfArgumentParser: ['run.YAML']"."""
