@@ -225,6 +225,20 @@ def test_merge_names_a_link_in_the_tree_that_leads_outside_it(link, tmp_path):
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
 
 
+def test_a_second_merge_into_the_same_folder_stops_at_once(tmp_path):
+    """Both wrote the tree and then the report, each over the other's: the last one could leave runs out."""
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record()))
+    out = tmp_path / "paper"
+    with run_identity.RunLock(out, "--out"):
+        with pytest.raises(SystemExit, match=f"{out}: another run is writing into this folder \\(process "
+                                             f"{os.getpid()} .*choose another --out"):
+            merge.main([str(path), "--out", str(out)])
+        assert not out.exists()
+    merge.main([str(path), "--out", str(out)])
+    assert (out / "report.md").is_file() and not (tmp_path / "paper.lock").exists()
+
+
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
     path = tmp_path / "in.json"
     path.write_text(json.dumps(a_record(train_runtime_s=0.0)))
