@@ -33,9 +33,15 @@ def destination(runs_dir: Path, record: dict) -> Path:
     that become folder names), and never a path outside `runs_dir`."""
     label = SpanAttentionConfig.from_label(record["span"]).label
     dest = runs_dir / record["shape"] / span_dir(label) / f"seed{record['seed']}" / "metrics.json"
-    if not dest.resolve().is_relative_to(runs_dir.resolve()):  # the fields are folder names: a link in the tree
+    try:
+        resolved = dest.resolve()
+        inside = resolved.is_relative_to(runs_dir.resolve())
+    except (RuntimeError, OSError) as err:  # a link that leads to itself
+        raise ValueError(f"{dest}, where {record['name']} goes, cannot be followed ({err}); move the link away") \
+            from None
+    if not inside:  # the fields are folder names: a link in the tree
         raise ValueError(f"{dest}, where {record['name']} goes, leads outside {runs_dir} through a link (to "
-                         f"{dest.resolve()}); move the link away")
+                         f"{resolved}); move the link away")
     return dest
 
 

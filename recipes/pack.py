@@ -128,7 +128,8 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
         found = [read_records(f) for f in files]
         return [r for records, _ in found for r in records], [p for _, problems in found for p in problems]
     if not path.is_file():
-        raise ValueError(f"{path}: no such file or folder")
+        raise ValueError(f"{path}: " + ("not a file or folder (a pipe or a device?)" if path.exists() else
+                                        "no such file or folder"))
     text = path.read_text(encoding="utf-8-sig", errors="replace")
     lines = text.split("\n")  # JSON Lines ends a line at \n alone: U+2028 and the like may stand inside a string
     if path.suffix.lower() == ".jsonl":

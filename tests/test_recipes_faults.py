@@ -225,6 +225,18 @@ def test_merge_names_a_link_in_the_tree_that_leads_outside_it(link, tmp_path):
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
 
 
+def test_merge_names_a_pipe_given_as_input_and_a_link_loop_in_the_tree(tmp_path):
+    os.mkfifo(tmp_path / "results.jsonl")  # was: "no such file or folder"
+    with pytest.raises(SystemExit, match=f"merge: {tmp_path / 'results.jsonl'}: not a file or folder"):
+        merge.main([str(tmp_path / "results.jsonl"), "--out", str(tmp_path / "out")])
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record()))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "runs").symlink_to(tmp_path / "out" / "runs")  # was: RuntimeError: Symlink loop
+    with pytest.raises(SystemExit, match=f"merge: {tmp_path / 'out' / 'runs'}/H2xL1/.*cannot be followed"):
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+
+
 def test_a_second_merge_into_the_same_folder_stops_at_once(tmp_path):
     """Both wrote the tree and then the report, each over the other's: the last one could leave runs out."""
     path = tmp_path / "in.json"
