@@ -303,6 +303,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                ("--tmp_dir", args.tmp_dir, True)):
         if path is None:
             continue
+        if folder and path.is_symlink() and not path.exists():
+            parser.error(f"{flag} {path}: a link to nothing (or to itself); expected a folder")
         if path.exists() and path.is_dir() != folder:
             parser.error(f"{flag} {path}: " + ("exists and is not a folder" if folder else "is a folder; expected the "
                                                                                            "path of a .jsonl file"))

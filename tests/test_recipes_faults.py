@@ -793,6 +793,17 @@ def test_a_folder_where_the_lock_goes_is_named_and_kept(tmp_path, monkeypatch):
     assert (tmp_path / "out.lock" / "metrics.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("flag", ["--results", "--tmp_dir"])
+def test_pack_names_a_folder_option_that_is_a_link_loop(flag, tmp_path, fake, capsys):
+    """--results: FileExistsError from mkdir, after the runs were planned."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(SystemExit):
+        pack.main([str(config), "--jsonl", str(tmp_path / "r.jsonl"), flag, str(tmp_path / "loop")])
+    assert f"{flag} {tmp_path / 'loop'}: a link to nothing (or to itself); expected a folder" in capsys.readouterr().err
+    assert fake() == []
+
+
 def test_pack_reads_a_jsonl_file_whatever_the_case_of_its_suffix(tmp_path, fake):
     """results.JSONL was read as one JSON value: with two lines, every run was redone and appended again."""
     config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0, 1])
