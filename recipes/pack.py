@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -228,11 +231,24 @@ def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, sa
     return done
 
 
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def killed_with(parent: int) -> None:
+    """In a run's process, before run_clm.py starts (Linux): a kill of pack.py kills the run too, even SIGKILL, which
+    no handler sees; else the run went on unseen in its temporary folder, and a rerun started it again beside it."""
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # pack.py ended before the line above
+        os._exit(1)
+
+
 def start(run: Run, tmp_root: str | None) -> Started:
     tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=tmp_root))
     command = [sys.executable, str(RUN_CLM), *(f"--{k}={v}" for k, v in run.args.items()), f"--output_dir={tmp}"]
     with open(tmp / "train.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                   preexec_fn=functools.partial(killed_with, os.getpid()) if LIBC else None)
     return Started(run, process, tmp, time.monotonic())
 
 

@@ -4,6 +4,7 @@ wrong kind: the right result, or an error that names the file, field or argument
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import shutil
@@ -382,6 +383,38 @@ def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
         assert list(tmp.iterdir()) == []
     finally:
         process.kill()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a run dies with pack.py through Linux's PR_SET_PDEATHSIG")
+def test_a_pack_command_killed_by_sigkill_takes_its_runs_with_it(tmp_path):
+    """SIGKILL (a command limit's last word) reaches no handler: the run went on, unseen, beside a rerun's."""
+    pid_file = tmp_path / "run.pid"
+    script = tmp_path / "slow_run.py"
+    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    driver = tmp_path / "drive.py"
+    driver.write_text(f"import pathlib, sys\nsys.path.insert(0, {str(ROOT / 'recipes')!r})\nimport pack\n"
+                      f"pack.RUN_CLM = pathlib.Path({str(script)!r})\nimport sweep\nsweep.check_args = print\n"
+                      "sys.exit(pack.main(sys.argv[1:]))\n")
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    process = subprocess.Popen([sys.executable, str(driver), str(config), "--results", str(tmp_path / "r")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.1)
+        process.kill()
+        process.wait(timeout=60)
+        status = Path(f"/proc/{pid_file.read_text()}/status")
+        deadline = time.monotonic() + 30
+        while status.exists() and "State:\tZ" not in status.read_text():  # gone, or dead and not yet reaped
+            assert time.monotonic() < deadline, "the run goes on after pack.py was killed"
+            time.sleep(0.1)
+    finally:
+        process.kill()
+        if pid_file.is_file() and pid_file.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_a_sweep_stopped_while_a_run_goes_on_stops_the_run(tmp_path, monkeypatch):
