@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from hf_spanattn.config import KeyGivenTwice, unique_keys
+
 RUN_CONFIG = "run_config.json"
 # TrainingArguments that do not change what a run computes
 NOT_IDENTITY = {
@@ -53,20 +55,6 @@ def nonempty(text: str) -> str:
 def path_argument(text: str) -> Path:
     """argparse's type of a path (see nonempty)."""
     return Path(nonempty(text))
-
-
-class KeyGivenTwice(ValueError):
-    pass
-
-
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """json's object_pairs_hook: a key given twice in one object (a hand edit) is an error; json keeps the last."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise KeyGivenTwice(f"the key {key!r:.80} is given twice in one object")
-        out[key] = value
-    return out
 
 
 def json_value(text: str) -> Any:

@@ -138,11 +138,12 @@ def resume_with_saved(tmp: Path, saved: dict | None, wanted: dict, checkpoint: b
     return run_identity.resume_point(str(out), wanted, None, overwrite=False)
 
 
-def trainer_with(tmp: Path, *callbacks):
+def trainer_with(tmp: Path, *callbacks, model: torch.nn.Module | None = None):
     from transformers import Trainer, TrainingArguments
 
     ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
-    return Trainer(model=patch_model(tiny("gpt2"), "score:1000"), train_dataset=[{"input_ids": i, "labels": i}
+    model = patch_model(tiny("gpt2"), "score:1000") if model is None else model
+    return Trainer(model=model, train_dataset=[{"input_ids": i, "labels": i}
                                                                                for i in ids],
                    args=TrainingArguments(str(tmp), max_steps=1, per_device_train_batch_size=4, report_to=[],
                                           use_cpu=True, save_strategy="no", disable_tqdm=True),
@@ -451,7 +452,18 @@ CASES = [
      ValueError, "field 'span_attention': hf_spanattn_version='9999"),
     ("from_pretrained a key given twice",
      lambda t: SpanAttentionConfig.from_pretrained(write(t / "c.json", '{"alphas": [1, 0, 0, 0], "alphas": [0]}')),
-     ValueError, "{tmp}/c.json: not valid JSON (ValueError: the key 'alphas' is given twice; keep one)"),
+     ValueError, "{tmp}/c.json: the key 'alphas' is given twice in one object; keep one"),
+    ("from_pretrained a misspelt keyword (read locally it was ignored: the folder's own settings)",
+     lambda t: SpanAttentionConfig.from_pretrained(SpanAttentionConfig().save_pretrained(t), subfoldr="mine"),
+     TypeError, "SpanAttentionConfig.from_pretrained: unexpected keyword argument(s) ['subfoldr']; expected those of "
+     "huggingface_hub.hf_hub_download: cache_dir"),
+    ("push_to_hub without a repository id", lambda t: SpanAttentionConfig().push_to_hub(None), TypeError,
+     "SpanAttentionConfig.push_to_hub: repo_id=None: expected a Hub repository id"),
+    ("save_pretrained pushing to an empty repository id",
+     lambda t: SpanAttentionConfig().save_pretrained(t, push_to_hub=True, repo_id=" "), TypeError,
+     "SpanAttentionConfig.push_to_hub: repo_id=' ': expected a Hub repository id"),
+    ("push_to_hub private a string", lambda t: SpanAttentionConfig().push_to_hub("me/x", private="no"), TypeError,
+     "SpanAttentionConfig.push_to_hub: private='no': expected True, False or None"),
     ("from_pretrained neither file nor folder", lambda t: SpanAttentionConfig.from_pretrained("/dev/null"),
      FileNotFoundError, "/dev/null: not a file or a folder; expected a folder or a span_attention_config.json file"),
     ("from_pretrained a name with a NUL", lambda t: SpanAttentionConfig.from_pretrained("run\0s/a"), TypeError,
@@ -476,7 +488,8 @@ CASES = [
     ("config.json whose settings give a key twice",
      lambda t: load_pretrained(edited_text(saved_model(t), '"method": "score"', '"method": "simple", "method": "score"'
                                            )),
-     ValueError, "{tmp}/model/config.json, field 'span_attention': the key 'method' is given twice; keep one"),
+     ValueError,
+     "{tmp}/model/config.json, field 'span_attention': the key 'method' is given twice in one object; keep one"),
     ("config.json that gives the settings twice",
      lambda t: load_pretrained(edited_text(saved_model(t), '"span_attention": {',
                                            '"span_attention": {}, "span_attention": {')),
@@ -519,6 +532,46 @@ def test_bad_input_gets_a_clear_error(name, call, error, fragment, tmp_path):
     with pytest.raises(error) as err:
         call(tmp_path)
     assert fragment.replace("{tmp}", str(tmp_path)) in str(err.value), (name, str(err.value))
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: SpanAttentionConfig.from_pretrained(write(t / "span_attention_config.json", json.dumps([0] * 100_000))),
+    lambda t: SpanAttentionConfig.from_dict({"method": "x" * 100_000}),
+    lambda t: SpanAttentionConfig.from_label("score:" + "1" * 100_000),
+    lambda t: SpanAttentionConfig.from_dict({"alphas": [0.5] * 100_000}),
+], ids=["a settings file of a huge list", "a huge method", "a label of huge alphas", "huge alphas"])
+def test_errors_cut_a_huge_value(call, tmp_path):
+    """The error repeated the whole value: a message of several hundred kilobytes."""
+    with pytest.raises((TypeError, ValueError)) as err:
+        call(tmp_path)
+    assert len(str(err.value)) < 1000 and "characters)" in str(err.value), str(err.value)[:300]
+
+
+def test_a_huge_unknown_field_is_cut_in_the_warning():
+    with pytest.warns(UserWarning, match="ignoring unknown fields") as caught:
+        assert SpanAttentionConfig.from_dict({"x" * 100_000: 1}).label == "score:1000"
+    assert len(str(caught[0].message)) < 1000
+
+
+def test_huge_values_of_the_callback_and_the_backend_variable_are_cut(tmp_path, monkeypatch):
+    """A diagnostics_file restored from a hand-edited trainer_state.json and HF_SPANATTN_BACKEND were repeated whole;
+    100 000 keyframes past the end gave 100 000 warnings."""
+    with pytest.raises(ValueError, match=r"diagnostics_file='a/a/a.*\.\.\. \(200002 characters\): expected") as err:
+        SpanAttentionCallback(diagnostics_file="a/" * 100_000)
+    assert len(str(err.value)) < 1000
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "x" * 100_000)
+    q = torch.zeros(1, 1, 4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"backend='xxx.*\.\.\. \(100002 characters\): allowed values") as err:
+        span_attention(q, q, q).sum().backward()
+    assert len(str(err.value)) < 1000
+    monkeypatch.delenv("HF_SPANATTN_BACKEND")
+    keyframes = [Keyframe(0, "score:1100")] + [Keyframe(step, "score:1000") for step in range(2, 1002)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_with(tmp_path, SpanAttentionCallback(keyframes)).train()
+    notes = [str(w.message) for w in caught if "never reached" in str(w.message)]
+    assert len(notes) == 6 and notes[-1] == ("SpanAttentionCallback: 995 more keyframes are never reached: training "
+                                             "ends after max_steps=1"), notes
 
 
 def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
@@ -706,6 +759,18 @@ def test_a_hub_id_whose_settings_cannot_be_fetched_is_named(monkeypatch):
     with pytest.raises(OSError, match="someone/settings: no such local file or folder, and span_attention_config.json "
                                       "could not be fetched from a Hub repository of that name \\(LocalEntryNotFound"):
         SpanAttentionConfig.from_pretrained("someone/settings")
+
+
+def test_an_adapter_save_that_selects_no_adapter_writes_no_settings(tmp_path):
+    """PeftModel.save_pretrained(selected_adapters=[]) saves no adapter; the settings were written all the same (into
+    the folder, as the default adapter's)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path / "none", selected_adapters=[])
+    assert not (tmp_path / "none" / "span_attention_config.json").exists()
+    model.save_pretrained(tmp_path / "all")
+    assert SpanAttentionConfig.from_pretrained(tmp_path / "all").label == "score:1100"
 
 
 @pytest.mark.parametrize("text", ['{"meth', "[]", '{"alphas": "1000"}', "a folder"])
@@ -1073,6 +1138,96 @@ def test_a_schedule_left_on_the_layers_by_a_stopped_run_gives_way(tmp_path):
     assert seen == [("score:1100", False)] * 2
 
 
+def test_a_plain_trainer_after_a_stopped_scheduled_run_trains_with_the_models_settings(tmp_path):
+    """A run with a schedule (score:1100) and diagnostics stopped inside a step leaves the schedule's setting and the
+    probes on the layers; a stock Trainer without the callback then trained the model with score:1100, not its own
+    score:1000, without a word."""
+    from transformers import TrainerCallback
+
+    from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules, settings_for
+
+    class StopInStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            raise KeyboardInterrupt
+
+    stopped = trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1),
+                           StopInStep())
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    modules = [m for ms in attention_modules(stopped.model).values() for m in ms]
+    assert all(settings_for(m).label == "score:1100" and hasattr(m, PROBE_ATTR) for m in modules)  # what it left
+    reference = trainer_with(tmp_path / "reference")
+    reference.model.load_state_dict(stopped.model.state_dict())
+    plain = trainer_with(tmp_path / "plain", model=stopped.model)
+    with pytest.warns(UserWarning, match=r"setting score:1100 of a SpanAttentionCallback schedule from a training run "
+                                         r"that stopped midway; Trainer trains without that callback, so the layer "
+                                         r"trains with the model's own settings \(score:1000\)"):
+        plain.train()
+    reference.train()
+    for (name, trained), expected in zip(plain.model.state_dict().items(), reference.model.state_dict().values()):
+        assert torch.equal(trained, expected), name
+    assert not any(hasattr(m, PROBE_ATTR) for m in modules)
+    assert {settings_for(m).label for m in modules} == {"score:1000"}
+
+
+def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_path):
+    """Two stock Trainers with diagnostics on one output dir at once: the second moved the first's records aside
+    and the first then appended to the second's file. A lock beside the file, holding the process id, stops the
+    second while the first's process lives; one left by a process that is gone, or by this process (a run stopped
+    in a notebook), is taken over, and a run that ends removes its own."""
+    import os
+    import socket
+    import subprocess
+
+    lock = tmp_path / "span_diagnostics.jsonl.lock"
+    records = tmp_path / "span_diagnostics.jsonl"
+    records.write_text('{"step": 1, "layer": 0}\n')
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(json.dumps({"pid": live.pid, "host": socket.gethostname()}))
+        with pytest.raises(ValueError, match=f"{records}: another run is writing diagnostics into this file "
+                                             f"\\(process {live.pid} on .*, see {lock}\\); name another"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+        assert records.read_text() == '{"step": 1, "layer": 0}\n' and lock.exists()  # the first run's, untouched
+    finally:
+        live.kill()
+        live.wait()
+    with pytest.warns(UserWarning, match="moved to"):  # its process is gone: the lock is taken over
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert not lock.exists() and steps_in(records) == [1, 1]
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    with pytest.warns(UserWarning, match="moved to"):  # left by this process
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert not lock.exists()
+    lock.write_text('{"pid": 4')  # cut short by a kill while it was written, long ago: taken over
+    os.utime(lock, (0, 0))
+    with pytest.warns(UserWarning, match="moved to"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert not lock.exists()
+    lock.mkdir()
+    with pytest.raises(ValueError, match=f"{lock} is where the lock of the diagnostics file goes, but it is not a"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    lock.rmdir()
+    lock.write_text(records.read_text())  # a run that wrote its records under that name: not deleted
+    os.utime(lock, (0, 0))
+    with pytest.raises(ValueError, match=f"{lock} is where the lock of the diagnostics file goes, but it is not a"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert lock.read_text() == records.read_text()
+    with pytest.raises(OSError, match=f"{tmp_path}/{'x' * 300}.lock: cannot write the lock of the diagnostics file "
+                                      r"\(OSError: File name too long\); name another diagnostics_file"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="x" * 300)).train()
+
+
+def test_a_diagnostics_file_that_is_a_pipe_is_refused(tmp_path):
+    """Writing a record into a named pipe waits for a reader: the run hung at its first recorded step."""
+    import os
+
+    os.mkfifo(tmp_path / "span_diagnostics.jsonl")
+    with pytest.raises(ValueError, match=f"diagnostics_file=None: {tmp_path}/span_diagnostics.jsonl is a pipe or a "
+                                         "socket; expected the name of the JSONL file to write"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+
+
 def test_diagnostics_leave_out_calls_with_more_keys_than_queries():
     """A training step over past_key_values (prefix tuning) under the standard rule with a probe on the layers failed
     inside the backward pass ("Expected size for first two dimensions of batch2 tensor"): such calls record nothing,
@@ -1155,15 +1310,22 @@ def test_hostile_steps_in_the_diagnostics_file_and_the_log_history_do_not_stop_a
 def test_a_file_that_is_not_a_diagnostics_file_is_refused_and_left_as_it_is(stopped_run, tmp_path):
     """diagnostics_file naming a file of JSON that holds no record (here a checkpoint's trainer_state.json, written
     on one line without a line end): a resumed run took its one line for a record cut short, rewrote the file without
-    it and appended its records; a fresh run moved it aside."""
+    it and appended its records; a fresh run moved it aside. A file in a checkpoint folder is refused as such: the
+    Trainer deletes the folder (save_total_limit) with the records in it."""
     out = copy_of(stopped_run, tmp_path)
-    state = out / "checkpoint-2" / "trainer_state.json"
-    state.write_text(json.dumps(json.loads(state.read_text())))
+    state = out / "state.json"
+    state.write_text(json.dumps(json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())))
     before = state.read_bytes()
     for resume in (str(out / "checkpoint-2"), None):
         with pytest.raises(ValueError, match=f"{state} holds no diagnostics records .* name another diagnostics_file"):
-            diagnosed_run(out, 4, resume=resume, diagnostics_file="checkpoint-2/trainer_state.json")
+            diagnosed_run(out, 4, resume=resume, diagnostics_file="state.json")
         assert state.read_bytes() == before
+    state = out / "checkpoint-2" / "trainer_state.json"  # one in a checkpoint folder, which the Trainer replaces
+    before = state.read_bytes()
+    with pytest.raises(ValueError, match="diagnostics_file='checkpoint-2/trainer_state.json' lies in the folder "
+                                         "checkpoint-2, a checkpoint that the Trainer writes over or deletes"):
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), diagnostics_file="checkpoint-2/trainer_state.json")
+    assert state.read_bytes() == before
 
 
 def test_hostile_attributes_restored_from_a_checkpoint_do_not_stop_the_run(stopped_run, tmp_path):

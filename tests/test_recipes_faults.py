@@ -143,7 +143,7 @@ def test_merge_writes_nothing_where_a_file_stands_in_the_way_of_a_result(tmp_pat
     (lambda text: text.replace("\n", "\r\n"), None),
     (lambda text: text.replace("GPU", "GPU\u2028"), None),  # in a string: was "not valid JSON", the line cut there
     (lambda text: text.replace('"wall_s": 5.0', '"wall_s": 5.0, "wall_s": 0.1'),  # json kept the last, silently
-     "line 1: not valid JSON (the key 'wall_s' is given twice in one object)"),
+     "line 1: not valid JSON (the key 'wall_s' is given twice in one object; keep one)"),
 ])
 def test_merge_reads_records_as_they_were_edited(edit, message, tmp_path):
     path = tmp_path / "in.jsonl"
@@ -553,7 +553,7 @@ def test_report_reads_a_span_label_as_its_setting(tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (lambda p: p.write_bytes(codecs.BOM_UTF8 + p.read_bytes()), None),  # as some editors save it: still JSON
     (lambda p: p.write_text(p.read_text()[:-1] + ', "min_val_loss": 1.0}'),  # json.loads kept the last, silently
-     "{path}: the key 'min_val_loss' is given twice in one object"),
+     "{path}: the key 'min_val_loss' is given twice in one object; keep one"),
     (lambda p: (p.unlink(), p.mkdir()), "{path}: cannot be read (IsADirectoryError"),  # was: a traceback
 ])
 def test_a_hand_edited_metrics_json_is_read_or_named(edit, message, tmp_path):
@@ -866,7 +866,7 @@ def test_merge_reads_the_files_of_a_folder_whatever_the_case_of_their_suffix(tmp
     # 'Instruction "train" corresponds to no data!'
     ("cut.jsonl", '{"text": "a"}\n{"text": "b"', "could not be read as JSON (line 2: Expecting ',' delimiter"),
     ("twice.jsonl", '{"text": "a"}\n{"text": "a", "text": "b"}\n',
-     "could not be read as JSON (line 2: the key 'text' is given twice in one object)"),
+     "could not be read as JSON (line 2: the key 'text' is given twice in one object; keep one)"),
     ("rows.json", "[]", "holds no rows of text (a split needs text)"),
     ("header.csv", "text\n", "holds no rows of text (a split needs text)"),
     # a file of null ended the process (a segmentation fault in the loader); of other single values, lines of
@@ -1294,7 +1294,8 @@ DIAGNOSTIC = {"step": 2, "epoch": 0.5, "layer": 0, "span": "score:1000", "dq_sha
     (json.dumps({**DIAGNOSTIC, "dk_share": []}), "{file}:3: left out: dk_share=[]: expected a list of numbers"),
     (json.dumps({**DIAGNOSTIC, "step": 10**30}),  # was: a TypeError inside matplotlib, for the whole plot
      "{file}:3: left out: step=1000000000000000000000000000000: expected an integer from 0 to 2^53"),
-    (json.dumps(DIAGNOSTIC)[:-1] + ', "layer": 1}', "{file}:3: left out: the key 'layer' is given twice in one object"),
+    (json.dumps(DIAGNOSTIC)[:-1] + ', "layer": 1}',
+     "{file}:3: left out: the key 'layer' is given twice in one object; keep one"),
 ])
 def test_plot_diagnostics_leaves_out_a_line_it_cannot_use_and_names_it(line, message, tmp_path, capsys):
     import plot_diagnostics

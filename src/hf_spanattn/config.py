@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import decimal
 import difflib
+import inspect
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from typing import Any, TextIO
 
 from packaging.version import Version
 
-from hf_spanattn.ops.inputs import as_float, as_int
+from hf_spanattn.ops.inputs import as_float, as_int, shown
 from hf_spanattn.ops.rules import RULES, Rule
 
 CONFIG_NAME = "span_attention_config.json"
@@ -52,12 +53,12 @@ def _alphas_field(name: str, value: Any, count: int, what: str) -> tuple[float, 
         except TypeError:  # iterable by type only, such as a 0-d tensor or array
             alphas = None
     if alphas is None or None in alphas:
-        raise ValueError(f"{name}={value!r}: expected a sequence of {count} numbers ({what})") from None
+        raise ValueError(f"{name}={shown(value)}: expected a sequence of {count} numbers ({what})") from None
     if len(alphas) != count:
-        raise ValueError(f"{name}={value!r}: expected {count} values ({what}), got {len(alphas)}")
+        raise ValueError(f"{name}={shown(value)}: expected {count} values ({what}), got {len(alphas)}")
     for a in alphas:
         if not math.isfinite(a) or a < 0:
-            raise ValueError(f"{name}={value!r}: every value must be a finite number >= 0, got {a}")
+            raise ValueError(f"{name}={shown(value)}: every value must be a finite number >= 0, got {a}")
     return alphas
 
 
@@ -71,8 +72,8 @@ def _parse_alphas(text: str, label: str) -> tuple[float, ...]:
     try:
         return tuple(float(a) for a in text.split(",")) if "," in text else tuple(float(c) for c in text)
     except ValueError:
-        raise ValueError(f"label={label!r}: {text!r} is not a list of numbers; write single digits ('1000') "
-                         "or comma-separated numbers ('1,0.5,0,1e-05')") from None
+        raise ValueError(f"label={shown(label)}: {shown(text)} is not a list of numbers; write single digits "
+                         "('1000') or comma-separated numbers ('1,0.5,0,1e-05')") from None
 
 
 def _layers_field(value: Any) -> tuple[int, ...] | None:
@@ -99,10 +100,10 @@ def _version_field(value: Any, source: str) -> None:
     except ValueError:  # InvalidVersion, or a number past Python's digit limit
         written = None
     if written is None:
-        raise ValueError(f"{source}{VERSION_KEY}={value!r}: expected the version string of the hf_spanattn that "
+        raise ValueError(f"{source}{VERSION_KEY}={shown(value)}: expected the version string of the hf_spanattn that "
                          f"wrote the settings, such as {__version__!r} (or no {VERSION_KEY} entry)")
     if written > Version(__version__):
-        warnings.warn(f"{source}{VERSION_KEY}={value!r}: the settings were written by hf_spanattn {value}, newer "
+        warnings.warn(f"{source}{VERSION_KEY}={shown(value)}: the settings were written by hf_spanattn {value}, newer "
                       f"than the installed {__version__}; a setting that version added would be ignored or refused "
                       "here: upgrade hf_spanattn to read them as written", stacklevel=3)
 
@@ -115,15 +116,21 @@ def as_config(config: Any, caller: str, none: str) -> SpanAttentionConfig | None
     if isinstance(config, str):
         return SpanAttentionConfig.from_label(config)
     hint = " (for a dict of fields: SpanAttentionConfig.from_dict(...))" if isinstance(config, Mapping) else ""
-    raise TypeError(f"{caller}: config={config!r} ({type(config).__name__}): expected a SpanAttentionConfig, a "
+    raise TypeError(f"{caller}: config={shown(config)} ({type(config).__name__}): expected a SpanAttentionConfig, a "
                     f"label string such as 'score:1000', or None ({none}){hint}")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class KeyGivenTwice(ValueError):
+    """A key given twice in one JSON object (see `unique_keys`)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: a key given twice in one object (a hand edit) is an error, where json would keep
+    the last one silently."""
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise ValueError(f"the key {key!r} is given twice; keep one")
+            raise KeyGivenTwice(f"the key {key!r:.80} is given twice in one object; keep one")  # a huge key cut
         data[key] = value
     return data
 
@@ -133,7 +140,9 @@ def _read_json(path: str) -> Any:
     `json.loads` tells from its first bytes); a key given twice is refused rather than the first one dropped."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read(), object_pairs_hook=_unique_keys)
+            return json.loads(f.read(), object_pairs_hook=unique_keys)
+    except KeyGivenTwice as err:
+        raise ValueError(f"{path}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
 
@@ -165,7 +174,7 @@ def _path_argument(value: Any, caller: str, name: str, expected: str) -> str:
     """A path argument as a string: a non-empty str or os.PathLike without NUL characters."""
     path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(path, str) or not path or "\0" in path:
-        raise TypeError(f"{caller}: {name}={value!r}: expected {expected}")
+        raise TypeError(f"{caller}: {name}={shown(value)}: expected {expected}")
     return path
 
 
@@ -203,14 +212,14 @@ class SpanAttentionConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}: allowed values are {', '.join(METHODS)}")
+            raise ValueError(f"method={shown(self.method)}: allowed values are {', '.join(METHODS)}")
         if self.score_grad not in SCORE_GRADS:
-            raise ValueError(f"score_grad={self.score_grad!r}: allowed values are {', '.join(SCORE_GRADS)}")
+            raise ValueError(f"score_grad={shown(self.score_grad)}: allowed values are {', '.join(SCORE_GRADS)}")
         if (self.method, self.score_grad) not in RULES:
             readers = " or ".join(f"method={method!r}" for method, grad in RULES if grad == self.score_grad)
             allowed = ", ".join(repr(grad) for method, grad in RULES if method == self.method)
-            raise ValueError(f"score_grad={self.score_grad!r}: only {readers} reads it; "
-                             f"method={self.method!r} allows only {allowed}")
+            raise ValueError(f"score_grad={shown(self.score_grad)}: only {readers} reads it; "
+                             f"method={shown(self.method)} allows only {allowed}")
         rule = self.rule
         what = ", ".join(rule.alpha_names) or f"{self.method} takes no alphas"
         alphas = rule.default_alphas if self.alphas is None else self.alphas
@@ -220,10 +229,10 @@ class SpanAttentionConfig:
         if self.layers is not None:
             layers = _layers_field(self.layers)
             if layers is None:
-                raise ValueError(f"layers={self.layers!r}: expected None (all layers) or a sequence "
+                raise ValueError(f"layers={shown(self.layers)}: expected None (all layers) or a sequence "
                                  "of non-negative integer layer indices")
             if not layers:
-                raise ValueError(f"layers={self.layers!r} selects no layer: expected None (all layers) or at "
+                raise ValueError(f"layers={shown(self.layers)} selects no layer: expected None (all layers) or at "
                                  "least one layer index (hf_spanattn.unpatch_model removes span gradients)")
             object.__setattr__(self, "layers", layers)
 
@@ -250,7 +259,7 @@ class SpanAttentionConfig:
         match = _LABEL.match(label.strip()) if isinstance(label, str) else None
         if match is None:
             raise ValueError(
-                f"label={label!r}: expected '<method>:<alphas>[+QKV<abc>][@per_block]' with method in "
+                f"label={shown(label)}: expected '<method>:<alphas>[+QKV<abc>][@per_block]' with method in "
                 f"{', '.join(METHODS)}, e.g. 'score:1000', 'reductionistic:1100', 'simple:10', "
                 "'standard:QKV101'"
             )
@@ -259,7 +268,7 @@ class SpanAttentionConfig:
         if match["alphas"]:
             fields["alphas"] = _parse_alphas(match["alphas"], label)
         elif method != "standard":
-            raise ValueError(f"label={label!r}: method {method!r} needs its alphas after the colon")
+            raise ValueError(f"label={shown(label)}: method {shown(method)} needs its alphas after the colon")
         if match["qkv"]:
             fields["qkv_alphas"] = _parse_alphas(match["qkv"], label)
         if match["grad"]:
@@ -289,7 +298,7 @@ class SpanAttentionConfig:
         known = [f.name for f in dataclasses.fields(cls)]
         if not isinstance(data, Mapping):
             raise TypeError(f"{where or 'SpanAttentionConfig.from_dict: '}expected a dict with keys among {known}, "
-                            f"got {type(data).__name__} {data!r}")
+                            f"got {type(data).__name__} {shown(data)}")
         if VERSION_KEY in data:
             _version_field(data[VERSION_KEY], where)
         fields = {k: v for k, v in data.items() if k != VERSION_KEY}
@@ -297,8 +306,8 @@ class SpanAttentionConfig:
         if unknown:
             close = {k: difflib.get_close_matches(str(k), known, n=1) for k in unknown}
             hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in close.items() if m)
-            warnings.warn(f"{where}SpanAttentionConfig: ignoring unknown fields {unknown} (written by hf_spanattn "
-                          f"{data.get(VERSION_KEY, '?')}; known fields are {known}){hints}", stacklevel=2)
+            warnings.warn(f"{where}SpanAttentionConfig: ignoring unknown fields {shown(unknown)} (written by "
+                          f"hf_spanattn {data.get(VERSION_KEY, '?')}; known fields are {known}){hints}", stacklevel=2)
         try:
             return cls(**{k: v for k, v in fields.items() if k in known})
         except (TypeError, ValueError) as err:
@@ -309,11 +318,12 @@ class SpanAttentionConfig:
         folder = _path_argument(save_directory, "SpanAttentionConfig.save_pretrained", "save_directory",
                                 f"a folder (created if missing; {CONFIG_NAME} is written into it)")
         if not isinstance(push_to_hub, bool):
-            raise TypeError(f"SpanAttentionConfig.save_pretrained: push_to_hub={push_to_hub!r}: expected True or False")
+            raise TypeError(f"SpanAttentionConfig.save_pretrained: push_to_hub={shown(push_to_hub)}: expected True or "
+                            "False")
         if os.path.lexists(folder) and not os.path.isdir(folder):
             what = "a file" if os.path.exists(folder) else "a symbolic link to nothing"
-            raise FileExistsError(f"SpanAttentionConfig.save_pretrained: save_directory={folder!r} is {what}; expected "
-                                  f"a folder ({CONFIG_NAME} is written into it)")
+            raise FileExistsError(f"SpanAttentionConfig.save_pretrained: save_directory={shown(folder)} is {what}; "
+                                  f"expected a folder ({CONFIG_NAME} is written into it)")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, CONFIG_NAME)
 
@@ -331,6 +341,13 @@ class SpanAttentionConfig:
         """Read the settings from a local folder (or file), or from a Hub repository."""
         path = _path_argument(name_or_path, "SpanAttentionConfig.from_pretrained", "name_or_path",
                               f"a folder, a {CONFIG_NAME} file or a Hub repository id ('owner/name')")
+        from huggingface_hub import hf_hub_download
+
+        allowed = set(inspect.signature(hf_hub_download).parameters) - {"repo_id", "filename"}
+        unknown = sorted(str(k) for k in hub_kwargs if k not in allowed)
+        if unknown:  # read locally they would be ignored: a misspelt subfolder would read the folder's own settings
+            raise TypeError(f"SpanAttentionConfig.from_pretrained: unexpected keyword argument(s) {shown(unknown)}; "
+                            f"expected those of huggingface_hub.hf_hub_download: {', '.join(sorted(allowed))}")
         if hub_kwargs.get("subfolder") and os.path.isdir(path):  # as PEFT and Transformers read a local folder
             path = os.path.join(path, _path_argument(hub_kwargs["subfolder"], "SpanAttentionConfig.from_pretrained",
                                                      "subfolder", f"a folder inside {path}"))
@@ -351,8 +368,6 @@ class SpanAttentionConfig:
             if _looks_local(path):
                 raise FileNotFoundError(f"{path}: no such file or folder (a local path; a Hub repository id "
                                         "reads 'owner/name')")
-            from huggingface_hub import hf_hub_download
-
             try:
                 path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
             except (OSError, ValueError) as err:  # not found, offline, not a repository id, ...
@@ -360,7 +375,7 @@ class SpanAttentionConfig:
                               f"Hub repository of that name ({type(err).__name__}: {err})") from err
         data = _read_json(path)
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object of SpanAttentionConfig fields, got {data!r}")
+            raise ValueError(f"{path}: expected a JSON object of SpanAttentionConfig fields, got {shown(data)}")
         if {"model_type", "architectures", "span_attention"} & data.keys():
             raise ValueError(f"{path}: a model's config, not a {CONFIG_NAME}; a saved model keeps its settings in "
                              "the field 'span_attention' of its config.json, which hf_spanattn.load_pretrained "
@@ -372,6 +387,11 @@ class SpanAttentionConfig:
         """Upload `span_attention_config.json` to a Hub repository (created if missing). Returns the commit URL."""
         from huggingface_hub import HfApi
 
+        if not isinstance(repo_id, str) or not repo_id.strip():
+            raise TypeError(f"SpanAttentionConfig.push_to_hub: repo_id={shown(repo_id)}: expected a Hub repository id "
+                            "('owner/name', or 'name' in your own namespace)")
+        if private is not None and not isinstance(private, bool):
+            raise TypeError(f"SpanAttentionConfig.push_to_hub: private={shown(private)}: expected True, False or None")
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
         payload = (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()

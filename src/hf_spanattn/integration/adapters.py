@@ -53,7 +53,8 @@ def install() -> None:
         arguments = save_signature.bind(self, *args, **kwargs).arguments
         if settings is not None and arguments.get("is_main_process", True):
             directory = arguments["save_directory"]
-            for name in arguments.get("selected_adapters") or list(self.peft_config):
+            selected = arguments.get("selected_adapters")  # [] saves none
+            for name in list(self.peft_config) if selected is None else selected:
                 settings.save_pretrained(directory if name == "default" else os.path.join(directory, name))
         return result
 

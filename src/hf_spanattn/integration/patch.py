@@ -26,6 +26,7 @@ from hf_spanattn.integration.registry import (
     CONFIG_KEY,
     LAYER_ATTR,
     OVERRIDE_ATTR,
+    OWNER_ATTR,
     PROBE_ATTR,
     attention_modules,
     config_of,
@@ -119,7 +120,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         setattr(part, _ORIGINAL, original)
         _PATCHED.add(part)
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
-        module.__dict__.pop(OVERRIDE_ATTR, None)
+        for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+            module.__dict__.pop(name, None)
     if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
         setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
@@ -150,7 +152,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     original = _original(base)
     sharing = _sharing_config(base)
     for module in base.modules():
-        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR):
+        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -27,6 +28,7 @@ ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
 OVERRIDE_ATTR = "span_attention_override"  # module attribute: settings set at run time (schedules)
 PROBE_ATTR = "span_attention_probe"  # module attribute: diagnostics probe for the backward pass
+OWNER_ATTR = "span_attention_owner"  # module and callback attribute: the token of the run that set the two above
 LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, where the model's modules carry none
 logger = logging.get_logger("hf_spanattn")
 
@@ -89,7 +91,7 @@ def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
     path, twice = _stored_file(model_config)
     source = f"{path}, field {CONFIG_KEY!r}" if path else f"model config field {CONFIG_KEY!r}"
     if twice:  # Transformers read the file keeping the last of the two; which one was meant is not known
-        raise ValueError(f"{source}: the key {twice[0]!r} is given twice; keep one")
+        raise ValueError(f"{source}: the key {twice[0]!r} is given twice in one object; keep one")
     n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(data, dict):
         raise TypeError(f"{source} = {data!r}: expected a dict of SpanAttentionConfig fields as patch_model writes "
@@ -216,6 +218,8 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
 
     A run-time override on the module (set by `SpanAttentionCallback`) comes first, then the
     model config's settings restricted to their `layers`."""
+    if not torch.compiler.is_compiling() and OWNER_ATTR in module.__dict__:
+        _drop_if_left_by_a_stopped_run(module)
     override = getattr(module, OVERRIDE_ATTR, None)
     if override is not None:
         return override
@@ -234,6 +238,37 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
                 "models whose attention carries none.")
         return None
     return config
+
+
+def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:
+    """A schedule's setting and a diagnostics probe that a training run stopped midway left on the module (the
+    Trainer calls no callback event when training raises) are dropped, with a warning, when a Trainer without the
+    callback that set them trains the model: that Trainer trains with the model's own settings."""
+    trainer = _trainer_on_stack()
+    owner = module.__dict__[OWNER_ATTR]
+    if trainer is None or any(getattr(c, OWNER_ATTR, None) == owner for c in trainer.callback_handler.callbacks):
+        return  # the run of the callback that set them, or a loop of the user's own (which may hold it)
+    override = module.__dict__.get(OVERRIDE_ATTR)
+    for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+        module.__dict__.pop(name, None)
+    if override is not None:
+        own = settings_for(module)
+        warnings.warn(f"span_attention: {type(module).__name__} (layer {layer_index(module)}) still held the setting "
+                      f"{override.label} of a SpanAttentionCallback schedule from a training run that stopped midway; "
+                      f"{type(trainer).__name__} trains without that callback, so the layer trains with the model's "
+                      f"own settings ({own.label if own else 'stock gradients'}) from now on", stacklevel=4)
+
+
+def _trainer_on_stack() -> Any:
+    """The Trainer whose training or evaluation step calls the model, found on the call stack, or None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in ("training_step", "compute_loss", "prediction_step"):
+            owner = frame.f_locals.get("self")
+            if isinstance(getattr(getattr(owner, "callback_handler", None), "callbacks", None), list):
+                return owner  # a transformers Trainer (or a subclass)
+        frame = frame.f_back
+    return None
 
 
 def span_attention_forward(

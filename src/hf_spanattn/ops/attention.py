@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from hf_spanattn.ops.backward import Probe
 from hf_spanattn.ops.fused import fused_attention
-from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs
+from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs, shown
 from hf_spanattn.ops.tile_engine import tile_attention
 from hf_spanattn.ops.triton.backend import triton_attention
 
@@ -148,7 +148,7 @@ def _backend(name: str, dtype: torch.dtype, device: str, probe: Probe | None) ->
     if name == "auto":
         name = os.environ.get("HF_SPANATTN_BACKEND", "auto")
     if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
-        raise ValueError(f"backend={name!r}: allowed values are auto, {', '.join(BACKENDS)} "
+        raise ValueError(f"backend={shown(name)}: allowed values are auto, {', '.join(BACKENDS)} "
                          "(also for the environment variable HF_SPANATTN_BACKEND)")
     if name == "fused" and dtype == torch.float64:
         raise ValueError("backend='fused' runs float32 and half inputs; float64 runs on backend='tiles'")

@@ -22,6 +22,12 @@ import torch
 MASKED_AT = -1e4
 
 
+def shown(value: Any, limit: int = 200) -> str:
+    """`repr(value)` for an error message, cut to about `limit` characters (a value read from a file may be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def capturing(x: torch.Tensor) -> bool:
     """Whether the current stream of x's device is capturing a graph (a CUDA graph; XPU's alike). Then a host
     read of x raises, and whatever it gave would be frozen into the graph, whose replays see new values."""

@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
 import os
+import socket
+import stat
 import sys
+import time
+import uuid
 import warnings
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import _re_checkpoint, has_length
 
 from hf_spanattn.config import SpanAttentionConfig, write_whole
 from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
+    OWNER_ATTR,
     PROBE_ATTR,
     attention_modules,
     config_of,
     layer_count,
     settings_for,
 )
-from hf_spanattn.ops.inputs import as_int
+from hf_spanattn.ops.inputs import as_int, shown
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
 
@@ -46,7 +53,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         diagnostics_file: JSONL output, a path relative to the Trainer's output_dir (default
             span_diagnostics.jsonl). The file always lies in the output dir: an absolute path outside it
             (as one read back from the trainer_state.json of a run that has moved) keeps only its file name.
-            A resumed run first drops the records past the step it resumes from.
+            A resumed run first drops the records past the step it resumes from. While a run writes it,
+            `<file>.lock` (the process id) stops a second run from writing into it.
 
     Settings are validated when training starts. The schedule is a function of the global step,
     so a run resumed from a checkpoint continues it at the same point.
@@ -95,6 +103,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._pending: dict[str, float] = {}
         self._alphas_logged_at: int | None = None
         self._path: str | None = None
+        setattr(self, OWNER_ATTR, uuid.uuid4().hex)  # marks what this run sets on the layers (a string: it pickles)
 
     def add_to(self, trainer: Any) -> SpanAttentionCallback:
         """Add this callback to `trainer` in front of the others (the same as `trainer.add_callback(callback)`
@@ -128,13 +137,27 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
-            for note in self.schedule.unreached(self._frames, state.max_steps):
+            notes = self.schedule.unreached(self._frames, state.max_steps)
+            for note in notes[:5]:
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)
+            if len(notes) > 5:
+                warnings.warn(f"SpanAttentionCallback: {len(notes) - 5} more keyframes are never reached: training "
+                              f"ends after max_steps={state.max_steps}", stacklevel=3)
         self._path = _inside(args.output_dir, self.diagnostics_file or DIAGNOSTICS_FILE)
         if self.diagnostics_every and os.path.isdir(self._path):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
                              "folder; expected the name of the JSONL file to write")
+        if self.diagnostics_every and _is_a_pipe(self._path):  # writing would wait for a reader for ever
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
+                             "pipe or a socket; expected the name of the JSONL file to write")
+        checkpoint = next((part for part in os.path.relpath(self._path, args.output_dir).split(os.sep)[:-1]
+                           if _re_checkpoint.search(part)), None)
+        if self.diagnostics_every and checkpoint is not None:
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r} lies in the folder "
+                             f"{checkpoint}, a checkpoint that the Trainer writes over or deletes (save_total_limit); "
+                             "name a file outside the checkpoint folders")
         if self.diagnostics_every and state.is_world_process_zero:
+            _take_lock(self._path)
             _start_records(self._path, state.global_step, state.log_history)
         self._apply(state.global_step)
 
@@ -162,6 +185,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                 self._recorders[index] = OrderRecorder()
                 for module in modules:
                     setattr(module, PROBE_ATTR, self._recorders[index])
+                    setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
 
     def on_step_end(self, args, state, control, **kwargs):
         self.last_step = state.global_step
@@ -219,9 +243,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, **kwargs):
         for modules in self._layers.values():
             for module in modules:
-                module.__dict__.pop(OVERRIDE_ATTR, None)
-                module.__dict__.pop(PROBE_ATTR, None)
+                for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+                    module.__dict__.pop(name, None)
         self._applied = None
+        if self._path is not None:
+            _release_lock(self._path)
 
     # -- schedule ---------------------------------------------------------------------------
     def settings_at(self, step: int) -> dict:
@@ -236,6 +262,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             for module in modules:
                 if index in settings:
                     setattr(module, OVERRIDE_ATTR, settings[index])
+                    setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
                 else:
                     module.__dict__.pop(OVERRIDE_ATTR, None)
         self._applied = settings
@@ -266,14 +293,14 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
     if isinstance(schedule, (list, tuple)):
         schedule = Schedule(list(schedule))
     if schedule is not None and not isinstance(schedule, Schedule):
-        raise ValueError(f"schedule={schedule!r}: expected a Schedule or a list of keyframes")
+        raise ValueError(f"schedule={shown(schedule)}: expected a Schedule or a list of keyframes")
     if as_int(every) is None or as_int(every) < 0:
-        raise ValueError(f"diagnostics_every={every!r}: expected an integer >= 0 (0 = off)")
+        raise ValueError(f"diagnostics_every={shown(every)}: expected an integer >= 0 (0 = off)")
     if not isinstance(per_head, bool):
-        raise ValueError(f"diagnostics_per_head={per_head!r}: expected True or False")
+        raise ValueError(f"diagnostics_per_head={shown(per_head)}: expected True or False")
     if file is not None and (not isinstance(file, (str, os.PathLike)) or not isinstance(os.fspath(file), str)
                              or (os.fspath(file) and _names_a_folder(os.fspath(file))) or "\0" in os.fspath(file)):
-        raise ValueError(f"diagnostics_file={file!r}: expected a file name (a path relative to the Trainer's "
+        raise ValueError(f"diagnostics_file={shown(file)}: expected a file name (a path relative to the Trainer's "
                          "output_dir) or None")
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
 
@@ -351,6 +378,90 @@ def _start_records(path: str, step: int, log_history: list) -> None:
             os.truncate(path, len(data))  # one step: a stop leaves the file whole
         else:
             write_whole(path, lambda f: f.write(data.decode("utf-8", "surrogateescape")))
+
+
+def _take_lock(path: str) -> None:
+    """`<path>.lock`, holding the process id, while a run writes diagnostics into `path`: a second run writing into
+    the same file (a second Trainer on the same output dir) would mix its records with the first's and move them
+    aside. A lock whose process is gone, or that this process left (a run stopped midway in a notebook), is taken
+    over; a file of that name that is no lock is left as it is."""
+    lock = f"{path}.lock"
+    for _ in range(3):
+        try:
+            os.makedirs(os.path.dirname(lock), exist_ok=True)
+            holder = _lock_holder(lock)
+            if holder is not None:
+                raise ValueError(f"SpanAttentionCallback: {path}: another run is writing diagnostics into this file "
+                                 f"({holder}, see {lock}); name another diagnostics_file or output_dir, or wait for "
+                                 f"it to end. If no such run is going on, delete {lock}")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)  # gone, or a lock left by a process that is
+            with open(lock, "x") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+            return
+        except FileExistsError:
+            continue  # another run took it meanwhile: see who
+        except OSError as err:
+            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and os.access(path, os.W_OK):
+                warnings.warn(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
+                              f"({err.strerror}); {path} is written without it, so a second run writing into it at "
+                              "the same time would not be stopped", stacklevel=4)
+                return
+            raise OSError(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
+                          f"({type(err).__name__}: {err.strerror}); name another diagnostics_file") from None
+    raise ValueError(f"SpanAttentionCallback: {lock}: could not take the lock of the diagnostics file")
+
+
+def _lock_holder(lock: str) -> str | None:
+    """Who holds the diagnostics lock `lock` ("process N on host H"), or None where nobody does (no file, or a lock
+    whose process is gone). A file there that is not a lock is refused, not deleted."""
+    not_a_lock = ValueError(f"SpanAttentionCallback: {lock} is where the lock of the diagnostics file goes, but it is "
+                            "not a lock file; move it away, or name another diagnostics_file")
+    if os.path.islink(lock) or os.path.lexists(lock) and not os.path.isfile(lock):
+        raise not_a_lock
+    try:
+        with open(lock, "rb") as f:
+            text = f.read(1025)
+    except FileNotFoundError:
+        return None
+    try:
+        info = json.loads(text)
+    except (ValueError, RecursionError):  # being written, or cut short by a kill: stale once it is old
+        if not (b'{"pid": '.startswith(text[:8]) and len(text) < 1024 and b"\n" not in text):
+            raise not_a_lock from None
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - os.path.getmtime(lock) < 10:
+                return "a process starting now"
+        return None
+    pid, host = (info.get("pid"), info.get("host")) if isinstance(info, dict) else (None, None)
+    if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31 and isinstance(host, str)):
+        raise not_a_lock
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            pass
+    return f"process {pid} on {host[:100]}"
+
+
+def _is_a_pipe(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode) or stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _release_lock(path: str) -> None:
+    lock = f"{path}.lock"
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, RecursionError):
+        with open(lock) as f:
+            mine = json.load(f).get("pid") == os.getpid()
+        if mine:
+            os.remove(lock)
 
 
 _NOT_JSON = object()
