@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import (
+    at_least,
     cuda_peak_bytes,
     peak_bytes_since,
     peak_in_subprocess,
@@ -90,11 +91,11 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--tokens", type=int, help="B·T (default 2048 on the CPU, 16384 on CUDA)")
-    parser.add_argument("--seq", type=int, nargs="+")
+    parser.add_argument("--seq", type=at_least(1), nargs="+")
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--backends", nargs="+", choices=["auto", *BACKENDS],
                         help="default: auto on the CPU, fused and triton on CUDA")
-    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--repeats", type=at_least(1))
     parser.add_argument("--memory", action="store_true", help="peak memory only: no timing")
     parser.add_argument("--no-causal", dest="causal", action="store_false", help="no mask: every key attended")
     parser.add_argument("--peak", nargs=3, metavar=("METHOD", "BACKEND", "T"), help=argparse.SUPPRESS)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
@@ -51,6 +53,35 @@ def cuda_peak_bytes(step: Callable[[], None]) -> int:
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
+    """argparse's type of a count (kind int) or a number (kind float) from `minimum` up; NaN is none."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= minimum:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r:.40}: expected {what} >= {minimum}")
+        return value
+
+    return parse
+
+
+@contextlib.contextmanager
+def backend_variable_kept() -> Iterator[None]:
+    """Leave HF_SPANATTN_BACKEND as it was found: the benchmarks pick each backend through it."""
+    chosen = os.environ.get("HF_SPANATTN_BACKEND")
+    try:
+        yield
+    finally:
+        if chosen is None:
+            os.environ.pop("HF_SPANATTN_BACKEND", None)
+        else:
+            os.environ["HF_SPANATTN_BACKEND"] = chosen
 
 
 STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "100000000000"}

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.common import at_least
+
 LABELS = ["standard:QKV101", "score:1000", "score:1111@per_block"]
 TRITON_KERNELS = ("forward_kernel", "keys_kernel", "queries_kernel")  # the kernels of ops/triton/kernels.py
 DEFAULTS = {"cuda": dict(batch=16, heads=4, seq=1024, dim=64, dtype="bfloat16", backends=["fused", "triton"]),
@@ -120,15 +122,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--labels", nargs="+", default=LABELS)
     parser.add_argument("--backends", nargs="+", help="default: fused and triton on CUDA, tiles and triton on the CPU")
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--heads", type=int)
+    parser.add_argument("--batch", type=at_least(1))
+    parser.add_argument("--heads", type=at_least(1))
     parser.add_argument("--seq", type=int)
-    parser.add_argument("--dim", type=int)
+    parser.add_argument("--dim", type=at_least(1))
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=5, help="profiled forward+backward calls")
-    parser.add_argument("--top", type=int, default=12, help="kernels listed per label and backend")
-    parser.add_argument("--width", type=int, default=80, help="kernel names cut to this many characters")
+    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--calls", type=at_least(1), default=5, help="profiled forward+backward calls")
+    parser.add_argument("--top", type=at_least(0), default=12, help="kernels listed per label and backend")
+    parser.add_argument("--width", type=at_least(0), default=80, help="kernel names cut to this many characters")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from benchmarks.common import at_least, backend_variable_kept
 from hf_spanattn import patch_model
 
 
@@ -118,42 +119,42 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", default=None, help="comma-separated (default: triton,fused on CUDA, tiles)")
     parser.add_argument("--data", type=Path, default=Path(".data"),
                         help="a folder with gpt2-tokenizer/ and wikitext-2-v1/{train,validation}.txt")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--warm", type=int, default=200, help="standard steps before the gradients are compared")
-    parser.add_argument("--race", type=int, default=0, help="train for at most this many steps instead")
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--every", type=int, default=100)
-    parser.add_argument("--chars", type=int, default=None,
+    parser.add_argument("--batch", type=at_least(1), default=8)
+    parser.add_argument("--warm", type=at_least(0), default=200,
+                        help="standard steps before the gradients are compared")
+    parser.add_argument("--race", type=at_least(0), default=0, help="train for at most this many steps instead")
+    parser.add_argument("--seconds", type=at_least(0, float), default=60.0)
+    parser.add_argument("--every", type=at_least(1), default=100)
+    parser.add_argument("--chars", type=at_least(1), default=None,
                         help="characters of the train split to read (default: 2 M, or 12 M, the whole, for --race)")
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--seq", type=at_least(1), default=512)
+    parser.add_argument("--dim", type=at_least(1), default=256)
+    parser.add_argument("--heads", type=at_least(1), default=4)
+    parser.add_argument("--layers", type=at_least(1), default=6)
     args = parser.parse_args(argv)
     args.backends = (args.backends or ("triton,fused" if args.device == "cuda" else "tiles")).split(",")
     args.autocast = args.device == "cuda"
+    if not (args.data / "gpt2-tokenizer").is_dir():
+        parser.error(f"--data {args.data}: no gpt2-tokenizer folder in it (see scripts/fetch_gpu_data.sh)")
     tokenizer = AutoTokenizer.from_pretrained(args.data / "gpt2-tokenizer")
     text = args.data / "wikitext-2-v1"
     chars = args.chars or (12_000_000 if args.race else 2_000_000)
     train = blocks(text / "train.txt", tokenizer, args.seq, chars, args.device)
+    if len(train) <= args.batch:  # the warm-up draws from the rows after the compared batch
+        parser.error(f"--chars {chars}: {len(train)} rows of --seq {args.seq} tokens; --batch {args.batch} needs more "
+                     "than that many")
     torch.manual_seed(0)
     dropout = 0.1 if args.race else 0.0
     config = GPT2Config(n_embd=args.dim, n_head=args.heads, n_layer=args.layers, n_positions=args.seq,
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     config._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(config).to(args.device)
-    chosen = os.environ.get("HF_SPANATTN_BACKEND")
-    try:
+    with backend_variable_kept():
         if args.race:
             validation = blocks(text / "validation.txt", tokenizer, args.seq, 400_000, args.device)[:64]
             race(args, model.state_dict(), config, train, validation)
         else:
             gradients(args, model, train)
-    finally:  # the backends were picked through the environment: leave it as it was
-        if chosen is None:
-            os.environ.pop("HF_SPANATTN_BACKEND", None)
-        else:
-            os.environ["HF_SPANATTN_BACKEND"] = chosen
 
 
 if __name__ == "__main__":

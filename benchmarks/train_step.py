@@ -26,6 +26,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from benchmarks.common import (
+    at_least,
+    backend_variable_kept,
     cuda_peak_bytes,
     peak_bytes_since,
     peak_in_subprocess,
@@ -69,21 +71,26 @@ def build(name: str, seq: int, batch: int, device: str, attn_dropout: float = 0.
     return step
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--methods", nargs="+", default=METHODS)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--seq", type=at_least(1), default=512)
+    parser.add_argument("--batch", type=at_least(1))
+    parser.add_argument("--repeats", type=at_least(1))
     parser.add_argument("--backends", nargs="+", choices=["auto", "tiles", "fused", "triton"],
                         help="default: auto on the CPU, fused and triton on CUDA")
     parser.add_argument("--attn-dropout", type=float, default=0.1, help="GPT-2's attn_pdrop (default 0.1)")
     parser.add_argument("--peak", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    with backend_variable_kept():
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     if args.peak:
         step = build(args.peak, args.seq, args.batch, args.device, args.attn_dropout)
         step()

@@ -23,7 +23,7 @@ from pathlib import Path
 import report
 from pack import load_records
 from records import metrics_problems
-from run_identity import data_source, json_file, move_aside, path_argument, span_dir
+from run_identity import RunLock, data_source, json_file, move_aside, path_argument, span_dir
 
 from hf_spanattn import SpanAttentionConfig
 
@@ -33,14 +33,21 @@ def destination(runs_dir: Path, record: dict) -> Path:
     that become folder names), and never a path outside `runs_dir`."""
     label = SpanAttentionConfig.from_label(record["span"]).label
     dest = runs_dir / record["shape"] / span_dir(label) / f"seed{record['seed']}" / "metrics.json"
-    if not dest.resolve().is_relative_to(runs_dir.resolve()):
-        raise ValueError(f"{record['name']}: shape {record['shape']!r} and span {record['span']!r} lead outside "
-                         f"{runs_dir}")
+    try:
+        resolved = dest.resolve()
+        inside = resolved.is_relative_to(runs_dir.resolve())
+    except (RuntimeError, OSError) as err:  # a link that leads to itself
+        raise ValueError(f"{dest}, where {record['name']} goes, cannot be followed ({err}); move the link away") \
+            from None
+    if not inside:  # the fields are folder names: a link in the tree
+        raise ValueError(f"{dest}, where {record['name']} goes, leads outside {runs_dir} through a link (to "
+                         f"{resolved}); move the link away")
     return dest
 
 
-def merge(inputs: list[Path], runs_dir: Path, replace: bool = False) -> tuple[int, int]:
-    """Write the inputs' records into the tree: (written, already there). Checks everything before writing."""
+def merge(inputs: list[Path], runs_dir: Path, replace: bool = False, write: bool = True) -> tuple[int, int]:
+    """Write the inputs' records into the tree: (written, already there). Checks everything before writing; with
+    `write` false, only checks."""
     chosen: dict[Path, tuple[dict, Path]] = {}
     for path in inputs:
         for record in load_records(path):
@@ -66,7 +73,7 @@ def merge(inputs: list[Path], runs_dir: Path, replace: bool = False) -> tuple[in
                 raise ValueError(f"{dest} already holds another result for {record['name']} (new one from {path}); "
                                  "pass --replace to put it in place of that one")
         writes.append((dest, record))
-    for dest, record in writes:
+    for dest, record in writes if write else []:
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists():  # replaced, or not a whole result: kept beside the new one
             print(f"{dest} moved to {move_aside(dest, 'replaced')}", flush=True)
@@ -126,16 +133,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out {args.out}: {blocking} is a file, not a folder")
     runs_dir = args.out / "runs"
     try:
-        written, kept = merge(args.inputs, runs_dir, args.replace)
+        merge(args.inputs, runs_dir, args.replace, write=False)  # nothing made, not even the lock, for bad inputs
+        with RunLock(args.out, "--out"):  # a second merge would write its report over this one's, runs left out
+            written, kept = merge(args.inputs, runs_dir, args.replace)
+            print(f"{written} results written, {kept} already there, under {runs_dir}")
+            if not runs_dir.is_dir():
+                raise SystemExit(f"merge: no results in {', '.join(map(str, args.inputs))}, and none under {runs_dir} "
+                                 "to report on")
+            report.main([str(runs_dir), "--out", str(args.out)])
+            with open(args.out / "report.md", "a") as f:
+                f.write("\n" + notes(report.load_runs(runs_dir)))
     except ValueError as err:
         raise SystemExit(f"merge: {err}") from None
-    print(f"{written} results written, {kept} already there, under {runs_dir}")
-    if not runs_dir.is_dir():
-        raise SystemExit(f"merge: no results in {', '.join(map(str, args.inputs))}, and none under {runs_dir} to "
-                         "report on")
-    report.main([str(runs_dir), "--out", str(args.out)])
-    with open(args.out / "report.md", "a") as f:
-        f.write("\n" + notes(report.load_runs(runs_dir)))
 
 
 if __name__ == "__main__":

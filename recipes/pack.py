@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,18 +122,21 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True)
 
 def read_records(path: Path) -> tuple[list[dict], list[str]]:
     """(the records, what is wrong with the others) in a folder of <name>.json, a .json file (one record or
-    a list) or a .jsonl file; a record that is not a whole, well-formed result is left out and named."""
+    a list) or a .jsonl file, the suffixes in any case; a record that is not a whole, well-formed result is
+    left out and named."""
     if path.is_dir():
-        files = sorted([*path.glob("*.json"), *path.glob("*.jsonl")])
+        files = sorted(f for f in path.iterdir() if f.suffix.lower() in (".json", ".jsonl") and f.is_file())
         if not files:
             raise ValueError(f"{path}: no result files (*.json, *.jsonl)")
         found = [read_records(f) for f in files]
         return [r for records, _ in found for r in records], [p for _, problems in found for p in problems]
     if not path.is_file():
-        raise ValueError(f"{path}: no such file or folder")
+        raise ValueError(f"{path}: " + ("not a file or folder (a pipe or a device?)" if path.exists() else
+                                        "no such file or folder"))
     text = path.read_text(encoding="utf-8-sig", errors="replace")
+    lines = text.split("\n")  # JSON Lines ends a line at \n alone: U+2028 and the like may stand inside a string
     if path.suffix.lower() == ".jsonl":
-        pieces = [(f"{path} line {i}", line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        pieces = [(f"{path} line {i}", line) for i, line in enumerate(lines, 1) if line.strip()]
     else:
         pieces = [(str(path), text)]
     records, problems = [], []
@@ -138,8 +144,7 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
         try:
             value = json_value(piece)
         except (ValueError, RecursionError) as err:  # a key given twice, numbers or nesting past Python's limits
-            cut = path.suffix.lower() == ".jsonl" and where.endswith(f" {len(text.splitlines())}") and \
-                not text.endswith("\n")
+            cut = path.suffix.lower() == ".jsonl" and where.endswith(f" {len(lines)}") and not text.endswith("\n")
             problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
                                                                   "writing it" if cut else ""))
             continue
@@ -226,11 +231,24 @@ def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, sa
     return done
 
 
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def killed_with(parent: int) -> None:
+    """In a run's process, before run_clm.py starts (Linux): a kill of pack.py kills the run too, even SIGKILL, which
+    no handler sees; else the run went on unseen in its temporary folder, and a rerun started it again beside it."""
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # pack.py ended before the line above
+        os._exit(1)
+
+
 def start(run: Run, tmp_root: str | None) -> Started:
     tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=tmp_root))
     command = [sys.executable, str(RUN_CLM), *(f"--{k}={v}" for k, v in run.args.items()), f"--output_dir={tmp}"]
     with open(tmp / "train.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                   preexec_fn=functools.partial(killed_with, os.getpid()) if LIBC else None)
     return Started(run, process, tmp, time.monotonic())
 
 
@@ -301,6 +319,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                ("--tmp_dir", args.tmp_dir, True)):
         if path is None:
             continue
+        if folder and path.is_symlink() and not path.exists():
+            parser.error(f"{flag} {path}: a link to nothing (or to itself); expected a folder")
         if path.exists() and path.is_dir() != folder:
             parser.error(f"{flag} {path}: " + ("exists and is not a folder" if folder else "is a folder; expected the "
                                                                                            "path of a .jsonl file"))

@@ -21,7 +21,8 @@ def path_part(value: Any, field: str) -> list[str]:
     """[] where `value` can be one folder or file name (nothing that climbs out of a folder)."""
     if isinstance(value, str) and PART.fullmatch(value):
         return []
-    return [f"{field}={value!r}: expected a folder name of letters, digits and '._=+-' (no '/', no leading '.')"]
+    return [f"{field}={value!r}"[:80] + ": expected a folder name of letters, digits and '._=+-' (no '/', no leading "
+            "'.')"]
 
 
 MAX_SEED = 2**32 - 1  # the largest seed NumPy takes (run_clm.py's --seed)
@@ -75,7 +76,7 @@ def span_label(value: Any, field: str = "span") -> list[str]:
         SpanAttentionConfig.from_label(value)
         return []
     except (ValueError, TypeError, AttributeError) as err:
-        return [f"{field}={value!r}: not a span label ({err})"]
+        return [f"{field}={value!r}"[:80] + f": not a span label ({str(err)[:200]})"]
 
 
 def seed_of(data: dict) -> Any:
@@ -92,7 +93,7 @@ def metrics_problems(data: Any) -> list[str]:
     if not isinstance(data.get("config"), dict):
         problems.append("config is missing: expected the run's configuration (config.training.seed at least)")
     elif not integer(seed_of(data), -math.inf):
-        problems.append(f"config.training.seed is {seed_of(data)!r}: expected an integer")
+        problems.append(f"config.training.seed is {seed_of(data)!r}"[:80] + ": expected an integer")
     for key in ("min_val_loss", "final_train_loss"):
         if data.get(key) is None and key in data:
             problems.append(f"{key} is null: the run recorded no {'evaluation' if key[0] == 'm' else 'training'}")
@@ -119,9 +120,9 @@ def run_problems(data: dict) -> list[str]:
     for key in ("best_epoch", "epochs_run", "wall_s"):
         if key in data and (data[key] is not None or key != "best_epoch"):
             problems += number(data[key], key, 0)
-    if data.get("parallel") is not None and not integer(data["parallel"], 1):
-        problems.append(f"parallel={data['parallel']!r}"[:80] + ": expected an integer >= 1 (runs at once on the "
-                        "device)")
+    if data.get("parallel") is not None and not integer(data["parallel"], 1, 2**63 - 1):
+        problems.append(f"parallel={data['parallel']!r}"[:80] + ": expected an integer from 1 to 2^63 - 1 (runs at "
+                        "once on the device)")
     if data.get("device") is not None and not isinstance(data["device"], str):
         problems.append(f"device={data['device']!r}"[:80] + ": expected the device's name or null")
     if data.get("backend") is not None and not isinstance(data["backend"], str):
@@ -173,13 +174,13 @@ def record_problems(data: Any, name: str | None = None) -> list[str]:
     if not integer(seed, 0, MAX_SEED):
         problems.append(f"seed={seed!r}"[:60] + f": expected an integer from 0 to {MAX_SEED}")
     elif seed_of(data) is not None and seed_of(data) != seed:
-        problems.append(f"seed={seed!r}: config.training.seed is {seed_of(data)!r}, the seed the run was made with")
+        problems.append(f"seed={seed!r}: config.training.seed is {seed_of(data)!r:.40}, the seed the run was made with")
     if not problems and not span_label(data["span"]):
         expected = result_name(data["shape"], data["span"], seed)
         if data["name"] != expected:
             problems.append(f"name={data['name']!r}: the shape, span and seed make {expected!r}")
     if name is not None and data["name"] != name:
-        problems.append(f"name={data['name']!r}: expected {name!r}")
+        problems.append(f"name={data['name']!r}"[:80] + f": expected {name!r}")
     if data["best_epoch"] is None:  # metrics_problems allows it where no evaluation stopped the run
         problems += number(None, "best_epoch", 0)
     return problems
@@ -190,12 +191,14 @@ def stopping_problems(value: Any) -> list[str]:
     if value is None:
         return []
     if not isinstance(value, dict):
-        return [f"early_stopping={value!r}: expected an object or null"]
+        return [f"early_stopping={value!r}"[:80] + ": expected an object or null"]
     patience = value.get("patience")
-    problems = [] if integer(patience, 1) else [f"early_stopping.patience={patience!r}: expected an integer >= 1"]
+    problems = [] if integer(patience, 1) else [f"early_stopping.patience={patience!r}"[:80] + ": expected an integer "
+                                                ">= 1"]
     problems += number(value.get("num_train_epochs"), "early_stopping.num_train_epochs", 0)
     if not isinstance(value.get("stopped_early"), bool):
-        problems.append(f"early_stopping.stopped_early={value.get('stopped_early')!r}: expected true or false")
+        problems.append(f"early_stopping.stopped_early={value.get('stopped_early')!r}"[:80] + ": expected true or "
+                        "false")
     elif value["stopped_early"]:
         problems += number(value.get("stopped_at_epoch"), "early_stopping.stopped_at_epoch", 0)
     return problems

@@ -45,9 +45,11 @@ def load_runs(runs_dir: Path, say=print) -> dict[str, dict[str, dict[int, dict]]
     through `say`, with what is wrong, and left out."""
     runs: dict = defaultdict(lambda: defaultdict(dict))
     paths: dict = {}
-    for path in sorted(runs_dir.glob("*/*/seed*/metrics.json")):
+    for path in sorted(folder / "metrics.json" for folder in runs_dir.glob("*/*/seed*/")):
         if not re.fullmatch(r"seed\d+", path.parent.name):
             continue  # a run moved aside by sweep.py (seed0.replaced-1), made with other settings
+        if not (path.exists() or path.is_symlink()):  # a link to nothing is named below; glob passed it by
+            continue
         data = read_json(path)
         problems = metrics_problems(data)
         if problems:
@@ -305,6 +307,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"report: {err}") from None
     if not runs:
         raise SystemExit(f"report: no usable metrics.json under {args.runs_dir}/<shape>/<span>/seed<k>/")
+    outputs = ["report.md", "report.csv", *(f"{kind}_{shape}.png" for shape in runs for kind in ("loss_curves",
+                                                                                                  "improvements")),
+               *(f"diagnostics_{shape}_{span_dir(label)}.png" for shape, spans in runs.items() for label in spans)]
+    for path in map(out.joinpath, outputs):  # found before anything is written
+        if path.is_dir() or (path.is_symlink() and not path.exists()):
+            what = "a folder" if path.is_dir() else "a link to nothing"
+            raise SystemExit(f"report: {path} is {what}, where the report writes a file; move it away")
     out.mkdir(parents=True, exist_ok=True)
     text, records = ["## Results", "", "Δ %: (baseline − value) / baseline · 100 against standard:QKV111 of the "
                      "same shape (positive is better); ± is the standard deviation over seeds.", ""], []

@@ -551,7 +551,11 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
         raise ValueError("--fsdp: Accelerate shards only on GPUs and other accelerators; on CPUs this would train "
                          "unsharded, as DDP. Drop --fsdp (torchrun --nproc_per_node N gives DDP on CPUs), or run on "
                          "GPUs")
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.strip().isdecimal():
+        raise ValueError(f"the environment variable WORLD_SIZE={world!r:.40}: expected the number of processes a "
+                         "launcher started (torchrun sets it), or leave it unset")
+    launched = int(world)
     if launched > 1 and training.world_size == 1:
         raise ValueError(f"a launcher started {launched} processes, but the Trainer would run each alone (on a "
                          "machine without GPUs, torchrun needs --use_cpu true)")

@@ -17,6 +17,7 @@
 #   bash scripts/gpu_check.sh [all|figures|tests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+[ $# -le 1 ] || { echo "gpu_check.sh: one part at a time, got $# ($*; allowed: all, figures, tests)" >&2; exit 2; }
 PART="${1:-all}"
 case "$PART" in
     all|figures|tests) ;;

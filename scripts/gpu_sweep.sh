@@ -13,7 +13,7 @@
 # env.txt (GPU and package versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml EXTRA=()
+PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml MAX_RUNS=
 while [ $# -gt 0 ]; do
     case "$1" in --parallel|--accum|--budget|--config|--max_runs)
         [ $# -ge 2 ] || { echo "gpu_sweep.sh: $1 needs a value" >&2; exit 2; } ;;
@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
         --accum) ACCUM="$2"; shift 2 ;;
         --budget) BUDGET="$2"; shift 2 ;;
         --config) CONFIG="$2"; shift 2 ;;
-        --max_runs) EXTRA+=(--max_runs "$2"); shift 2 ;;
+        --max_runs) MAX_RUNS="${2:-empty}"; shift 2 ;;
         *) echo "gpu_sweep.sh: unknown option $1 (allowed: --parallel, --accum, --budget, --config, --max_runs)" >&2
            exit 2 ;;
     esac
@@ -32,6 +32,11 @@ for flag in parallel:"$PARALLEL" accum:"$ACCUM"; do
     [[ "${flag#*:}" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_sweep.sh: --${flag%%:*} ${flag#*:}: expected an integer >= 1" >&2
                                              exit 2; }
 done
+[[ "$BUDGET" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$ ]] || {
+    echo "gpu_sweep.sh: --budget $BUDGET: expected a number of seconds >= 0" >&2; exit 2; }
+[[ "$MAX_RUNS" =~ ^[0-9]*$ ]] || { echo "gpu_sweep.sh: --max_runs $MAX_RUNS: expected an integer >= 0" >&2; exit 2; }
+EXTRA=(${MAX_RUNS:+--max_runs "$MAX_RUNS"})
+[ -f "$CONFIG" ] || { echo "gpu_sweep.sh: --config $CONFIG: no such file" >&2; exit 2; }
 # more than 3 digits cannot divide 128, and bash's arithmetic would wrap a number past 2^63
 if [ ${#ACCUM} -gt 3 ] || [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi
 OUT="${OUT:-runs/gpu_out}"

@@ -16,6 +16,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PY=.venv/bin/python
 $PY -m pip install -q --upgrade pip >/dev/null
-$PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==${TORCH_VERSION}"
+# torch at the pinned version (a local build's +cpu and the like aside), else that version installed
+$PY -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != sys.argv[1])" "$TORCH_VERSION" 2>/dev/null \
+    || $PY -m pip install -q "torch==${TORCH_VERSION}"
 $PY -m pip install -q -e ".[dev]"
 echo "$want" > "$stamp"

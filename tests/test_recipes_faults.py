@@ -4,6 +4,7 @@ wrong kind: the right result, or an error that names the file, field or argument
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import shutil
@@ -102,7 +103,7 @@ def a_record(**changes) -> dict:
      "early_stopping.stopped_at_epoch is '2': expected a finite number"),
     ({"early_stopping": {**METRICS["early_stopping"], "stopped_early": "yes"}},
      "early_stopping.stopped_early='yes': expected true or false"),
-    ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
+    ({"parallel": "2"}, "parallel='2': expected an integer from 1 to 2^63 - 1"),
     ({"device": 5}, "device=5: expected the device's name or null"),
     ({"backend": ["triton"]}, "backend=['triton']: expected the attention backend's name or null"),
     ({"seed": 2**32}, "seed=4294967296: expected an integer from 0 to 4294967295"),
@@ -140,6 +141,7 @@ def test_merge_writes_nothing_where_a_file_stands_in_the_way_of_a_result(tmp_pat
 @pytest.mark.parametrize("edit,message", [
     (lambda text: "\ufeff" + text, None),  # a byte order mark, as some editors save a file: still JSON Lines
     (lambda text: text.replace("\n", "\r\n"), None),
+    (lambda text: text.replace("GPU", "GPU\u2028"), None),  # in a string: was "not valid JSON", the line cut there
     (lambda text: text.replace('"wall_s": 5.0', '"wall_s": 5.0, "wall_s": 0.1'),  # json kept the last, silently
      "line 1: not valid JSON (the key 'wall_s' is given twice in one object; keep one)"),
 ])
@@ -161,8 +163,9 @@ def test_merge_reads_records_as_they_were_edited(edit, message, tmp_path):
     ({"early_stopping": {**METRICS["early_stopping"], "patience": "1"}}, "early_stopping.patience='1': expected an"),
     ({"device": 5}, "device=5: expected the device's name or null"),
     ({"backend": 5}, "backend=5: expected the attention backend's name or null"),
-    ({"parallel": "2"}, "parallel='2': expected an integer >= 1"),
-    ({"parallel": 0}, "parallel=0: expected an integer >= 1"),  # was: counted as 1 without a word
+    ({"parallel": "2"}, "parallel='2': expected an integer from 1 to 2^63 - 1"),
+    ({"parallel": 0}, "parallel=0: expected an integer from 1 to 2^63 - 1"),  # was: counted as 1 without a word
+    ({"parallel": 10**400}, "expected an integer from 1 to 2^63 - 1"),  # was: OverflowError in the notes
     ({"epochs_run": "3"}, "epochs_run is '3': expected a finite number"),
     ({"best_epoch": None}, "best_epoch is missing: expected a finite number"),  # a run that stopped early
     ({"eval_history": [{"epoch": "2", "step": 10, "loss": 4.0}], "epochs_run": 0},
@@ -181,6 +184,72 @@ def test_merge_leaves_out_a_metrics_json_in_the_tree_with_hand_edited_run_fields
     assert f"report: leaving out {folder / 'metrics.json'}: " in err and message in err
     table = (tmp_path / "out" / "report.md").read_text()
     assert "| cpu (x86_64) | not recorded | 1 | 1 |" in table  # the whole record alone
+
+
+@pytest.mark.parametrize("changes", [{"shape": "H" * 10**6}, {"span": "score:" + "1" * 10**6}, {"name": "n" * 10**6},
+                                     {"early_stopping": ["e" * 10**6]},
+                                     {"early_stopping": {**METRICS["early_stopping"], "patience": "p" * 10**6}},
+                                     {"early_stopping": {**METRICS["early_stopping"], "stopped_early": "s" * 10**6}},
+                                     {"config": {**METRICS["config"], "training": {"seed": "s" * 10**6}}}])
+def test_merge_names_a_huge_value_without_echoing_it_whole(changes, tmp_path):
+    """The message held the value whole: a megabyte of text."""
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record(**changes)))
+    with pytest.raises(SystemExit, match=f"merge: {path}: not a result of recipes/pack.py: ") as err:
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert len(str(err.value)) < 1000
+
+
+def test_merge_names_a_key_given_twice_without_echoing_it_whole(tmp_path):
+    path = tmp_path / "in.json"
+    key = json.dumps("k" * 10**6)
+    path.write_text("{" + key + ": 1, " + key + ": 2}")
+    with pytest.raises(SystemExit, match=f"merge: {path}: not valid JSON \\(the key 'kkk") as err:
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert len(str(err.value)) < 1000
+
+
+@pytest.mark.parametrize("link", ["seed0/metrics.json", "seed0"])
+def test_merge_names_a_link_in_the_tree_that_leads_outside_it(link, tmp_path):
+    """It was blamed on the record's shape and span."""
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record()))
+    span = tmp_path / "out" / "runs" / "H2xL1" / "score-1000"
+    span.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (span / link).parent.mkdir(exist_ok=True)
+    (span / link).symlink_to(tmp_path / "elsewhere" / "x")
+    dest = span / "seed0" / "metrics.json"
+    with pytest.raises(SystemExit, match=f"merge: {dest}, where H2xL1__score-1000__seed0 goes, leads outside "
+                                         f"{tmp_path / 'out' / 'runs'} through a link"):
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_merge_names_a_pipe_given_as_input_and_a_link_loop_in_the_tree(tmp_path):
+    os.mkfifo(tmp_path / "results.jsonl")  # was: "no such file or folder"
+    with pytest.raises(SystemExit, match=f"merge: {tmp_path / 'results.jsonl'}: not a file or folder"):
+        merge.main([str(tmp_path / "results.jsonl"), "--out", str(tmp_path / "out")])
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record()))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "runs").symlink_to(tmp_path / "out" / "runs")  # was: RuntimeError: Symlink loop
+    with pytest.raises(SystemExit, match=f"merge: {tmp_path / 'out' / 'runs'}/H2xL1/.*cannot be followed"):
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+
+
+def test_a_second_merge_into_the_same_folder_stops_at_once(tmp_path):
+    """Both wrote the tree and then the report, each over the other's: the last one could leave runs out."""
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(a_record()))
+    out = tmp_path / "paper"
+    with run_identity.RunLock(out, "--out"):
+        with pytest.raises(SystemExit, match=f"{out}: another run is writing into this folder \\(process "
+                                             f"{os.getpid()} .*choose another --out"):
+            merge.main([str(path), "--out", str(out)])
+        assert not out.exists()
+    merge.main([str(path), "--out", str(out)])
+    assert (out / "report.md").is_file() and not (tmp_path / "paper.lock").exists()
 
 
 def test_merge_reports_a_run_that_recorded_no_time(tmp_path):
@@ -314,6 +383,38 @@ def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
         assert list(tmp.iterdir()) == []
     finally:
         process.kill()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a run dies with pack.py through Linux's PR_SET_PDEATHSIG")
+def test_a_pack_command_killed_by_sigkill_takes_its_runs_with_it(tmp_path):
+    """SIGKILL (a command limit's last word) reaches no handler: the run went on, unseen, beside a rerun's."""
+    pid_file = tmp_path / "run.pid"
+    script = tmp_path / "slow_run.py"
+    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    driver = tmp_path / "drive.py"
+    driver.write_text(f"import pathlib, sys\nsys.path.insert(0, {str(ROOT / 'recipes')!r})\nimport pack\n"
+                      f"pack.RUN_CLM = pathlib.Path({str(script)!r})\nimport sweep\nsweep.check_args = print\n"
+                      "sys.exit(pack.main(sys.argv[1:]))\n")
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    process = subprocess.Popen([sys.executable, str(driver), str(config), "--results", str(tmp_path / "r")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.1)
+        process.kill()
+        process.wait(timeout=60)
+        status = Path(f"/proc/{pid_file.read_text()}/status")
+        deadline = time.monotonic() + 30
+        while status.exists() and "State:\tZ" not in status.read_text():  # gone, or dead and not yet reaped
+            assert time.monotonic() < deadline, "the run goes on after pack.py was killed"
+            time.sleep(0.1)
+    finally:
+        process.kill()
+        if pid_file.is_file() and pid_file.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_a_sweep_stopped_while_a_run_goes_on_stops_the_run(tmp_path, monkeypatch):
@@ -545,6 +646,24 @@ def test_report_on_a_wrong_path_changes_nothing(argv, message, tmp_path):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("place,message", [
+    (lambda t: (t / "report.md").mkdir(), "{tmp}/report.md is a folder, where the report writes a file"),  # was:
+    (lambda t: (t / "loss_curves_H1xL1.png").mkdir(), "{tmp}/loss_curves_H1xL1.png is a folder"),  # IsADirectoryError
+    (lambda t: (t / "report.csv").symlink_to(t / "gone" / "report.csv"), "{tmp}/report.csv is a link to nothing"),
+    (lambda t: (t / "runs/H1xL1/standard-QKV111/seed1").mkdir() or  # was: left out without a word
+     (t / "runs/H1xL1/standard-QKV111/seed1/metrics.json").symlink_to(t / "gone.json"),
+     "{tmp}/runs/H1xL1/standard-QKV111/seed1/metrics.json: cannot be read (FileNotFoundError"),
+])
+def test_report_where_a_file_is_a_folder_or_a_link_to_nothing_names_it(place, message, tmp_path):
+    metrics_file(tmp_path / "runs", "standard:QKV111", 0, 6.0)
+    place(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as err:
+        report.main([str(tmp_path / "runs")])
+    assert message.replace("{tmp}", str(tmp_path)) in str(err.value)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 # run_clm.py: half-written checkpoints, and two runs on one folder
 
 
@@ -707,6 +826,17 @@ def test_a_folder_where_the_lock_goes_is_named_and_kept(tmp_path, monkeypatch):
     assert (tmp_path / "out.lock" / "metrics.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("flag", ["--results", "--tmp_dir"])
+def test_pack_names_a_folder_option_that_is_a_link_loop(flag, tmp_path, fake, capsys):
+    """--results: FileExistsError from mkdir, after the runs were planned."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(SystemExit):
+        pack.main([str(config), "--jsonl", str(tmp_path / "r.jsonl"), flag, str(tmp_path / "loop")])
+    assert f"{flag} {tmp_path / 'loop'}: a link to nothing (or to itself); expected a folder" in capsys.readouterr().err
+    assert fake() == []
+
+
 def test_pack_reads_a_jsonl_file_whatever_the_case_of_its_suffix(tmp_path, fake):
     """results.JSONL was read as one JSON value: with two lines, every run was redone and appended again."""
     config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0, 1])
@@ -714,6 +844,17 @@ def test_pack_reads_a_jsonl_file_whatever_the_case_of_its_suffix(tmp_path, fake)
     assert pack.main([str(config), "--jsonl", str(jsonl)]) == 0
     assert pack.main([str(config), "--jsonl", str(jsonl)]) == 0
     assert len(fake()) == 2 and len(jsonl.read_text().splitlines()) == 2
+
+
+def test_merge_reads_the_files_of_a_folder_whatever_the_case_of_their_suffix(tmp_path):
+    """A folder holding RESULTS.JSONL was "no result files"; one beside a.json was skipped without a word."""
+    folder = tmp_path / "in"
+    (folder / "old.json").mkdir(parents=True)  # a folder is not a result file, whatever its name
+    (folder / "old.json" / "x.json").write_text(json.dumps(a_record(min_val_loss=3.0)))
+    (folder / "RESULTS.JSONL").write_text(json.dumps(a_record()) + "\n")
+    assert merge.merge([folder], tmp_path / "runs") == (1, 0)
+    tree = tmp_path / "runs" / "H2xL1" / "score-1000" / "seed0" / "metrics.json"
+    assert json.loads(tree.read_text()) == a_record()
 
 
 @pytest.mark.parametrize("name,content,message", [
@@ -992,6 +1133,14 @@ def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path,
     assert message.replace("{file}", str(file)) in str(err.value)
 
 
+@pytest.mark.parametrize("world", ["abc", "", "2.0"])
+def test_a_world_size_that_is_not_a_count_is_named(world, tmp_path, monkeypatch):
+    """int() said "invalid literal for int() with base 10: 'abc'", naming neither the variable nor what it holds."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    error = run_clm.argument_error(["--output_dir", str(tmp_path / "o"), "--tokenizer_name", str(tmp_path)])
+    assert error.startswith(f"the environment variable WORLD_SIZE={world!r}: expected the number of processes")
+
+
 def test_a_config_file_is_read_whatever_the_case_of_its_suffix_and_only_alone(tmp_path):
     """run.YAML and run.yaml --seed 3 were read as the command line: "Some specified arguments are not used by the
     HfArgumentParser: ['run.YAML']"."""
@@ -1218,9 +1367,46 @@ def test_plot_diagnostics_without_records_names_the_file(name, text, message, tm
     (["--budget"], "--budget needs a value"),  # was: "$2: unbound variable"
     (["--accum", "3"], "--accum 3 must divide 128"),
     (["--accum", str(2**64 + 128)], f"--accum {2**64 + 128} must divide 128"),  # was: read as 128 (wrapped), on
+    (["--budget", "-1"], "--budget -1: expected a number of seconds >= 0"),  # was: pack.py's, after the installs
+    (["--budget", "nan"], "--budget nan: expected a number of seconds >= 0"),
+    (["--max_runs", "1.5"], "--max_runs 1.5: expected an integer >= 0"),
+    (["--max_runs", "2", "--max_runs", "-1"], "--max_runs -1: expected an integer >= 0"),
+    (["--max_runs", ""], "--max_runs empty: expected an integer >= 0"),  # was: no limit
+    (["--config", "no such.yaml"], "--config no such.yaml: no such file"),
 ])
 def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message, tmp_path):
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_sweep.sh"), *argv], capture_output=True, text=True,
                             env={**os.environ, "OUT": str(tmp_path / "out")})
     assert result.returncode == 2 and f"gpu_sweep.sh: {message}" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_script_runs_one_part_and_names_more(tmp_path):
+    """`gpu_check.sh figures tests` ran the figures alone without a word."""
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "figures", "tests"], capture_output=True,
+                            text=True, env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert result.returncode == 2 and "gpu_check.sh: one part at a time, got 2 (figures tests; allowed: all, " \
+        "figures, tests)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$FAKE_LOG"
+case "$*" in *__version__*) [ "${@: -1}" = "$FAKE_TORCH" ]; exit ;; esac
+"""
+
+
+@pytest.mark.parametrize("installed,installs", [("2.13.0", False), ("2.11.0", True)])
+def test_setup_installs_the_pinned_torch_where_another_is_there(installed, installs, tmp_path):
+    """Any torch passed: a new TORCH_VERSION was written to the stamp and the old torch kept, without a word."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)  # pip too: nothing is downloaded
+    python.chmod(0o755)
+    env = {**os.environ, "FAKE_LOG": str(tmp_path / "log"), "FAKE_TORCH": installed, "TORCH_VERSION": "2.13.0"}
+    subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], check=True, capture_output=True, env=env)
+    calls = (tmp_path / "log").read_text().splitlines()
+    assert ("-m pip install -q torch==2.13.0" in calls) == installs and "-m pip install -q -e .[dev]" in calls

@@ -131,7 +131,7 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise KeyGivenTwice(f"the key {key!r} is given twice in one object; keep one")
+            raise KeyGivenTwice(f"the key {key!r:.80} is given twice in one object; keep one")  # a huge key cut
         data[key] = value
     return data
 

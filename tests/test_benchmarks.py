@@ -1,0 +1,70 @@
+"""The benchmark scripts' command lines on tiny shapes (nothing here is timed)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from benchmarks import train_step  # noqa: E402
+from benchmarks.common import backend_variable_kept  # noqa: E402
+
+
+def test_train_step_leaves_the_backend_variable_as_it_found_it(monkeypatch, capsys):
+    """Each backend is picked through HF_SPANATTN_BACKEND; the script used to leave the last one set."""
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    train_step.main(["--peak", "score:1000 [tiles]", "--seq", "8", "--batch", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak"] >= 0
+    assert "HF_SPANATTN_BACKEND" not in os.environ
+
+
+@pytest.mark.parametrize("chosen", [None, "fused"])
+def test_the_backend_variable_is_restored_after_an_error_too(chosen, monkeypatch):
+    if chosen is None:
+        monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("HF_SPANATTN_BACKEND", chosen)
+    with pytest.raises(RuntimeError), backend_variable_kept():
+        os.environ["HF_SPANATTN_BACKEND"] = "tiles"
+        raise RuntimeError
+    assert os.environ.get("HF_SPANATTN_BACKEND") == chosen
+
+
+DATA = Path(__file__).parents[2] / "shared" / "data"
+RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "16", "--heads", "2", "--layers", "1",
+              "--batch", "2", "--warm", "0", "--backends", "tiles"]
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    ("rule_check", ["--seq", "0"], "argument --seq: '0': expected an integer >= 1"),  # was: ZeroDivisionError
+    ("rule_check", ["--race", "1", "--every", "0"], "argument --every: '0': expected an integer >= 1"),  # likewise
+    ("rule_check", ["--batch", "0"], "argument --batch: '0': expected an integer >= 1"),  # was: a reshape error
+    ("rule_check", ["--chars", "0"], "argument --chars: '0': expected an integer >= 1"),  # was: read as 2 M chars
+    ("rule_check", ["--warm", "-1"], "argument --warm: '-1': expected an integer >= 0"),  # was: none, said -1
+    ("rule_check", ["--seconds", "nan"], "argument --seconds: 'nan': expected a number >= 0"),  # was: no time limit
+    ("rule_check", ["--chars", "10"], "--chars 10: 0 rows of --seq 32 tokens; --batch 2 needs more"),  # was: random_
+    ("rule_check", ["--data", "{tmp}/none"], "--data {tmp}/none: no gpt2-tokenizer folder in it"),  # was: a Hub repo id
+    ("train_step", ["--peak", "score:1000", "--seq", "0"], "argument --seq: '0': expected an integer >= 1"),
+    ("train_step", ["--peak", "score:1000", "--batch", "0"], "argument --batch: '0': expected an integer >= 1"),
+    ("attention", ["--memory", "--seq", "16", "0"], "argument --seq: '0': expected an integer >= 1"),  # ZeroDivision
+    ("profile_attention", ["--device", "cpu", "--calls", "0"], "argument --calls: '0': expected an integer >= 1"),
+    ("profile_attention", ["--device", "cpu", "--dim", "x"], "argument --dim: 'x': expected an integer >= 1"),
+    ("diagnostics", ["--steps", "1"], "argument --steps: '1': expected an integer >= 2"),  # was: ZeroDivisionError
+])
+def test_benchmark_options_out_of_range_are_named_before_anything_runs(module, argv, message, tmp_path, monkeypatch,
+                                                                       capsys):
+    if module == "rule_check" and not (DATA / "gpt2-tokenizer").is_dir():
+        pytest.skip("needs ../shared/data")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in (RULE_CHECK if module == "rule_check" else []) + argv]
+    main = importlib.import_module(f"benchmarks.{module}").main
+    monkeypatch.setattr(sys, "argv", [module, *argv])  # for the scripts whose main reads sys.argv
+    with pytest.raises(SystemExit) as err:
+        main(argv) if "argv" in inspect.signature(main).parameters else main()
+    assert err.value.code == 2 and message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
