@@ -94,6 +94,7 @@ from transformers.hf_argparser import string_to_bool
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
 from hf_spanattn.integration.registry import config_of
+from hf_spanattn.ops import backend_for
 from hf_spanattn.training import Schedule, SpanAttentionCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -944,7 +945,8 @@ def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> d
         "resumed_from": resumed_from,
         "world_size": training_args.world_size,
         "device": device_name(training_args.device),
-        "backend": os.environ.get("HF_SPANATTN_BACKEND") or "auto",
+        "backend": backend_for(training_args.device.type, torch.bfloat16 if training_args.bf16
+                               else torch.float16 if training_args.fp16 else torch.float32),
         "early_stopping": early_stopping(trainer, stop_args),
         "config": run_config(all_args, training_args.world_size),
     }

@@ -432,6 +432,24 @@ def test_float64_falls_back_to_tiles(fresh_warnings):
     assert out.dtype == torch.float64
 
 
+def test_backend_for_names_the_backend_that_runs(monkeypatch, fresh_warnings):
+    """What a run records as its attention backend: run_clm.py wrote HF_SPANATTN_BACKEND=triton for a CPU run
+    without TRITON_INTERPRET, which trained on fused."""
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    assert attention.backend_for("cpu") == "tiles" and attention.backend_for("cuda") == "fused"
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert attention.backend_for("cpu") == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert attention.backend_for("cpu") == "fused" and attention.backend_for("cpu", torch.float64) == "tiles"
+    inputs, _ = make(t=8, d=8, dtype=torch.float32)
+    with pytest.warns(UserWarning, match="runs on backend='fused' here: the kernels need CUDA"):
+        span_attention(*(x.requires_grad_(True) for x in inputs), config="score:1000", is_causal=True)  # as a run
+    monkeypatch.setattr(triton_backend, "missing", lambda: "Triton is not installed")
+    assert attention.backend_for("cuda") == "fused"
+    assert attention.backend_for("cuda", backend="tiles") == "tiles"
+
+
 def test_environment_picks_triton(monkeypatch):
     """HF_SPANATTN_BACKEND=triton selects it; auto does not (fused on CUDA, tiles on the CPU)."""
     seen = []

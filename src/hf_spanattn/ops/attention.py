@@ -21,7 +21,7 @@ from hf_spanattn.ops.backward import Probe
 from hf_spanattn.ops.fused import fused_attention
 from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs, shown
 from hf_spanattn.ops.tile_engine import tile_attention
-from hf_spanattn.ops.triton.backend import triton_attention
+from hf_spanattn.ops.triton.backend import device_missing, triton_attention
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
@@ -141,6 +141,17 @@ def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
     if isinstance(config, SpanAttentionConfig):
         return config
     return as_config(config, "span_attention", "the default, score:1000") or SpanAttentionConfig()
+
+
+def backend_for(device: str, dtype: torch.dtype = torch.float32, backend: str = "auto") -> str:
+    """The backend that runs calls on a `device` of this type in `dtype` for `backend`, resolved as
+    `span_attention` resolves it (HF_SPANATTN_BACKEND included) and past a Triton that cannot run
+    there at all: what a run records as its attention backend. A call with diagnostics runs on the
+    tiles, and one whose mask or shape the Triton kernels do not take still falls back, with a warning."""
+    name = _backend(backend, dtype, device, None)
+    if name == "triton" and device_missing(device):
+        return "tiles" if dtype == torch.float64 else "fused"
+    return name
 
 
 def _backend(name: str, dtype: torch.dtype, device: str, probe: Probe | None) -> str:

@@ -62,16 +62,24 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return _Attention.apply(query, key, value, form.bias, form.causal, dropout_p, scale, key_valid, config, probe)
 
 
-def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | str,
-                 dropout_p: float) -> str | None:
-    """Why the kernels cannot run this call, or None."""
+def device_missing(device: str) -> str | None:
+    """Why the kernels cannot run on a device of this type at all (Triton not installed, or not CUDA
+    without TRITON_INTERPRET=1), or None."""
     if missing():
         return missing()
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not interpret and query.device.type != "cuda":
-        return f"the kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {query.device.type}"
-    if interpret and query.device.type != "cpu":
-        return f"TRITON_INTERPRET=1 runs CPU tensors, got {query.device.type}"
+    if not interpret and device != "cuda":
+        return f"the kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}"
+    if interpret and device != "cpu":
+        return f"TRITON_INTERPRET=1 runs CPU tensors, got {device}"
+    return None
+
+
+def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | str,
+                 dropout_p: float) -> str | None:
+    """Why the kernels cannot run this call, or None."""
+    if device_missing(query.device.type):
+        return device_missing(query.device.type)
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the kernels run float32, float16 and bfloat16 inputs, got {query.dtype}"
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
