@@ -45,18 +45,28 @@ def destination(runs_dir: Path, record: dict) -> Path:
     return dest
 
 
+def at(where: tuple[Path, str]) -> str:
+    """A record's place, as load_records(located=True) gives it, in words: the file, and its line where it has one."""
+    return f"{where[0]} {where[1]}".rstrip()
+
+
 def merge(inputs: list[Path], runs_dir: Path, replace: bool = False, write: bool = True) -> tuple[int, int]:
     """Write the inputs' records into the tree: (written, already there). Checks everything before writing; with
     `write` false, only checks."""
-    chosen: dict[Path, tuple[dict, Path]] = {}
+    chosen: dict[Path, tuple[dict, tuple[Path, str]]] = {}
     for path in inputs:
-        for record in load_records(path):
+        for where, record in load_records(path, located=True):
             dest = destination(runs_dir, record)
             if dest in chosen and chosen[dest][0] != record:
-                raise ValueError(f"{path} and {chosen[dest][1]} hold different results for {record['name']}")
-            chosen[dest] = (record, path)
+                (file, place), (first_file, first_place) = where, chosen[dest][1]
+                if file == first_file:  # two edits of one run side by side
+                    raise ValueError(f"{file} holds two different results for {record['name']} ({first_place} and "
+                                     f"{place}); keep one of them")
+                raise ValueError(f"{at(chosen[dest][1])} and {at(where)} hold different results for {record['name']}; "
+                                 "keep one of them")
+            chosen[dest] = (record, where)
     writes = []
-    for dest, (record, path) in chosen.items():
+    for dest, (record, where) in chosen.items():
         blocking = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
         if blocking is not None:
             raise ValueError(f"{blocking} is a file where the folder of {record['name']} goes; move it out of "
@@ -70,8 +80,8 @@ def merge(inputs: list[Path], runs_dir: Path, replace: bool = False, write: bool
             if there == record:
                 continue
             if whole and not replace:
-                raise ValueError(f"{dest} already holds another result for {record['name']} (new one from {path}); "
-                                 "pass --replace to put it in place of that one")
+                raise ValueError(f"{dest} already holds another result for {record['name']} (new one from "
+                                 f"{at(where)}); pass --replace to put it in place of that one")
         writes.append((dest, record))
     for dest, record in writes if write else []:
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ The YAML is a sweep in recipes/sweep.py's format (output_dir, args, spans, seeds
 file of several YAML documents runs them in order, each later document taking the keys it
 leaves out from the one before (its `args` merged key by key), and a run planned twice runs
 once. Each run is recipes/run_clm.py in a process of its own, in a temporary folder deleted
-afterwards (no checkpoint or weight is kept); `--parallel N` runs N at once on the one device.
+afterwards (no checkpoint or weight is kept; one that a killed command left behind is deleted by
+the next command on the same results); `--parallel N` runs N at once on the one device.
 A finished run writes one JSON (`result_record`) as <results>/<name>.json and/or one line of
 --jsonl. A run is skipped when its JSON is in --results, its line in --jsonl, or its
 metrics.json in the sweep's tree (<output_dir>/<shape>/<span>/seed<k>, where recipes/merge.py
@@ -29,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,9 +40,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
-from records import metrics_problems, record_problems
-from run_identity import RunLock, json_file, json_value, move_aside, path_argument, read_yaml, stopped_as_by_ctrl_c
-from sweep import plan
+from records import integer, metrics_problems, record_problems, seed_of
+from run_identity import (
+    RunLock,
+    json_file,
+    json_value,
+    move_aside,
+    path_argument,
+    read_yaml,
+    stopped_as_by_ctrl_c,
+    write_json,
+)
+from sweep import argument_name, names_flag, plan
+
+from hf_spanattn import SpanAttentionConfig
+from hf_spanattn.ops.inputs import shown
 
 RUN_CLM = Path(__file__).with_name("run_clm.py")
 REQUIRED = ("name", "shape", "span", "seed", "config", "train_history", "eval_history", "final_train_loss",
@@ -90,7 +104,7 @@ def load_sweeps(path: Path) -> list[dict]:
         if not isinstance(document, dict):
             raise ValueError(f"sweep config {path}, document {i}: expected a mapping of output_dir, args, spans, ...")
         if not isinstance(document.get("args") or {}, dict):
-            raise ValueError(f"sweep config {path}, document {i}: args={document['args']!r}: expected a mapping "
+            raise ValueError(f"sweep config {path}, document {i}: args={shown(document['args'])}: expected a mapping "
                              "of run_clm.py arguments")
         current = {**previous, **document, "args": {**(previous.get("args") or {}), **(document.get("args") or {})}}
         sweeps.append(current)
@@ -109,8 +123,16 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True)
     """The runs of the sweep documents, each once; with `check`, run_clm.py's arguments are checked here
     (data files, too: the machine that plans is the one that runs)."""
     runs: dict[str, Run] = {}
+    overrides = {argument_name(k): v for k, v in overrides.items()}
     for sweep in sweeps:
-        for folder, run_args in plan({**sweep, "args": {**(sweep.get("args") or {}), **overrides}}, check):
+        args = {k: v for k, v in (sweep.get("args") or {}).items() if argument_name(k) not in overrides}
+        try:
+            planned = plan({**sweep, "args": {**args, **overrides}}, check)
+        except ValueError as err:  # a value from --set, not from the sweep file
+            key = next((k for k in overrides if names_flag(str(err), k)), None)
+            raise ValueError(f"{err} (given by --set {shown(f'{key}={overrides[key]}')})" if key else str(err)) \
+                from None
+        for folder, run_args in planned:
             args = dict(a[2:].split("=", 1) for a in run_args)
             args.pop("output_dir")
             run = Run(result_name(folder), folder, args)
@@ -120,15 +142,16 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True)
     return list(runs.values())
 
 
-def read_records(path: Path) -> tuple[list[dict], list[str]]:
+def read_records(path: Path, located: bool = False) -> tuple[list, list[str]]:
     """(the records, what is wrong with the others) in a folder of <name>.json, a .json file (one record or
     a list) or a .jsonl file, the suffixes in any case; a record that is not a whole, well-formed result is
-    left out and named."""
+    left out and named. With `located`, each record comes as ((its file, its line or place in a list there, or
+    ''), the record)."""
     if path.is_dir():
         files = sorted(f for f in path.iterdir() if f.suffix.lower() in (".json", ".jsonl") and f.is_file())
         if not files:
             raise ValueError(f"{path}: no result files (*.json, *.jsonl)")
-        found = [read_records(f) for f in files]
+        found = [read_records(f, located) for f in files]
         return [r for records, _ in found for r in records], [p for _, problems in found for p in problems]
     if not path.is_file():
         raise ValueError(f"{path}: " + ("not a file or folder (a pipe or a device?)" if path.exists() else
@@ -136,11 +159,12 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     text = path.read_text(encoding="utf-8-sig", errors="replace")
     lines = text.split("\n")  # JSON Lines ends a line at \n alone: U+2028 and the like may stand inside a string
     if path.suffix.lower() == ".jsonl":
-        pieces = [(f"{path} line {i}", line) for i, line in enumerate(lines, 1) if line.strip()]
+        pieces = [(f"line {i}", line) for i, line in enumerate(lines, 1) if line.strip()]
     else:
-        pieces = [(str(path), text)]
+        pieces = [("", text)]
     records, problems = [], []
-    for where, piece in pieces:
+    for place, piece in pieces:
+        where = f"{path} {place}".rstrip()
         try:
             value = json_value(piece)
         except (ValueError, RecursionError) as err:  # a key given twice, numbers or nesting past Python's limits
@@ -148,19 +172,21 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
             problems.append(f"{where}: not valid JSON ({err})" + ("; cut short, as by a command stopped while "
                                                                   "writing it" if cut else ""))
             continue
-        for record in value if isinstance(value, list) else [value]:
+        listed = isinstance(value, list)
+        for i, record in enumerate(value if listed else [value], 1):
             wrong = record_problems(record)
             if wrong:
                 problems.append(f"{where}: not a result of recipes/pack.py: {'; '.join(wrong)}")
             else:
-                records.append(record)
+                records.append(((path, f"{place}, record {i} of a list".lstrip(", ") if listed else place), record)
+                               if located else record)
     return records, problems
 
 
-def load_records(path: Path) -> list[dict]:
+def load_records(path: Path, located: bool = False) -> list:
     """The records of `path` (see read_records); any that is not well-formed is an error naming it, except
     a .jsonl file's last line cut short (a command stopped while appending it), which is skipped and named."""
-    records, problems = read_records(path)
+    records, problems = read_records(path, located)
     for problem in problems:
         if not problem.endswith("stopped while writing it"):
             raise ValueError(problem)
@@ -204,12 +230,21 @@ def write_record(record: dict, results: Path | None, jsonl: Path | None) -> None
             os.fsync(f.fileno())
 
 
+def not_of(run: Run, metrics: dict) -> list[str]:
+    """[] where whole `metrics` are of `run`'s span and seed (a file moved or copied by hand may hold another's)."""
+    span, seed = SpanAttentionConfig.from_label(metrics["span"]).label, seed_of(metrics)
+    if span == run.args["span"] and seed == int(run.args["seed"]):
+        return []
+    return [f"it holds span {shown(metrics['span'])} with seed {seed}, not {run.args['span']} with seed "
+            f"{run.args['seed']}"]
+
+
 def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, say=print) -> set[str]:
     """The runs with a well-formed result in the sweep's tree, in --results or in --jsonl. A result that is
     not (partial, hand-edited, hostile) is named through `say`, and its run counts as not finished."""
     done = set()
     for run in runs:
-        places = [(run.folder / "metrics.json", metrics_problems)]
+        places = [(run.folder / "metrics.json", lambda data, run=run: metrics_problems(data) or not_of(run, data))]
         if results is not None:
             places.append((results / f"{run.name}.json", lambda data, name=run.name: record_problems(data, name)))
         for path, check in places:
@@ -243,13 +278,55 @@ def killed_with(parent: int) -> None:
         os._exit(1)
 
 
-def start(run: Run, tmp_root: str | None) -> Started:
-    tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=tmp_root))
+OWNER = ".pack-command.json"  # in a run's temporary folder: the pack command (and run) it belongs to, and its results
+
+
+def results_of(args: argparse.Namespace) -> list[str]:
+    """The results a pack command writes (--results, --jsonl), each by its real path."""
+    return [os.path.realpath(p) for p in (args.results, args.jsonl) if p is not None]
+
+
+def start(run: Run, args: argparse.Namespace) -> Started:
+    tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=args.tmp_dir))
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "results": results_of(args)}
+    write_json(tmp / OWNER, owner)
     command = [sys.executable, str(RUN_CLM), *(f"--{k}={v}" for k, v in run.args.items()), f"--output_dir={tmp}"]
     with open(tmp / "train.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
                                    preexec_fn=functools.partial(killed_with, os.getpid()) if LIBC else None)
+    write_json(tmp / OWNER, {**owner, "run_pid": process.pid})
     return Started(run, process, tmp, time.monotonic())
+
+
+def left_by_a_dead_command(folder: Path, results: list[str]) -> int | None:
+    """The process id of the pack command on the same `results` that made the temporary folder `folder` and was
+    killed (SIGKILL reaches no handler), where its OWNER file proves that and that the command and its run are
+    gone; else None (another command's folder, a live one, or one that cannot be told)."""
+    try:
+        owner = json_file(folder / OWNER)
+        pids = [owner["pid"], owner.get("run_pid", owner["pid"])]
+        ours = isinstance(owner["results"], list) and set(owner["results"]) & set(results)
+        mine = owner["host"] == socket.gethostname() and all(integer(p, 1, 2**31 - 1) for p in pids)
+    except (OSError, ValueError, RecursionError, TypeError, KeyError):
+        return None
+    if not (ours and mine) or any(RunLock.running(p, owner["host"]) for p in pids):
+        return None
+    return pids[0]
+
+
+def clear_dead_folders(args: argparse.Namespace) -> None:
+    """Remove the temporary folders that killed pack commands on these results left (see left_by_a_dead_command)."""
+    root = Path(args.tmp_dir or tempfile.gettempdir())
+    try:
+        folders = [Path(e.path) for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for folder in folders:
+        pid = left_by_a_dead_command(folder, results_of(args))
+        if pid is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"{folder}: removed, the temporary folder of a run of a pack command on these results that was "
+                  f"killed (process {pid})", flush=True)
 
 
 def may_start(tally: Tally, left: float, estimate: float | None) -> tuple[bool, float | None]:
@@ -308,7 +385,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: allowed values are >= 1")
     for item in args.set:
-        if "=" not in item or item.startswith(("=", "output_dir=", "span=", "seed=")):
+        if "=" not in item or argument_name(item.split("=")[0]) in ("", "output_dir", "span", "seed"):
             parser.error(f"--set {item!r}: expected KEY=VALUE with a run_clm.py argument other than output_dir, span "
                          "and seed (the sweep file's spans and seeds give those)")
     for flag in ("budget", "estimate", "max_runs"):
@@ -350,7 +427,7 @@ def run_all(todo: list[Run], limit: int, args: argparse.Namespace, began: float)
                 tally.launched += 1
                 print(f"[{tally.launched}/{len(todo)}] start {run.name} at {time.monotonic() - began:.0f} s",
                       flush=True)
-                running.append(start(run, args.tmp_dir))
+                running.append(start(run, args))
             if not running:
                 break
             time.sleep(0.2)
@@ -396,6 +473,7 @@ def run_sweeps(args: argparse.Namespace, began: float) -> int:
                 print(f"{path} moved to {move_aside(path, 'invalid')}", flush=True)
     if args.jsonl is not None:
         args.jsonl.parent.mkdir(parents=True, exist_ok=True)
+    clear_dead_folders(args)
     limit = len(todo) if args.max_runs is None else min(args.max_runs, len(todo))
     with stopped_as_by_ctrl_c():  # a kill of this command stops its runs too
         tally, reason = run_all(todo, limit, args, began)

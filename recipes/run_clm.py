@@ -59,6 +59,7 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import time
 import types
@@ -95,6 +96,7 @@ import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
 from hf_spanattn.integration.registry import config_of
 from hf_spanattn.ops import backend_for
+from hf_spanattn.ops.inputs import shown
 from hf_spanattn.training import Schedule, SpanAttentionCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -526,8 +528,9 @@ def argument_error(argv: list[str]) -> str | None:
     try:
         with contextlib.redirect_stderr(console):
             parse_args(argv)
-    except SystemExit:  # argparse: an unknown flag or a value of the wrong type, said on stderr
-        return console.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
+    except SystemExit:  # argparse: an unknown flag or a value of the wrong type, said on stderr, the value whole
+        said = console.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
+        return re.sub(r"'[^']{200,}'", lambda value: shown(value[0][1:-1]), said)
     except (ValueError, TypeError) as err:
         return str(err)
     return None
@@ -653,10 +656,10 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
         raise ValueError(f"{flag} {path}: no columns")
     column = "text" if "text" in rows.column_names else rows.column_names[0]
     if column != "text":
-        logger.warning("%s %s: no 'text' column; its first, %r, is read as the text", flag, path, column)
+        logger.warning("%s %s: no 'text' column; its first, %s, is read as the text", flag, path, shown(column))
     kind = rows.features[column]
     if getattr(kind, "dtype", None) not in ("string", "large_string", "null"):
-        which = f"column {column!r}" if column == "text" else f"no 'text' column, and its first, {column!r},"
+        which = f"column {column!r}" if column == "text" else f"no 'text' column, and its first, {shown(column)},"
         raise ValueError(f"{flag} {path}: {which} holds {kind}, not text")
     missing = rows[column].count(None) if builder == "json" else 0
     if missing:

@@ -350,14 +350,24 @@ class RunLock:
                 return None if time.time() - path.stat().st_mtime > 10 else f"a process starting now ({path})"
             except FileNotFoundError:
                 return None
+        if not RunLock.running(pid, host):
+            return None
+        return f"process {pid} on {host} since {info.get('started', '?')}"
+
+    @staticmethod
+    def running(pid: int, host: str) -> bool:
+        """Whether process `pid` of `host` may be running: False only where it is provably gone (on this host), or
+        dead and not yet reaped (Linux: a killed process whose parent was killed too, where nothing reaps it)."""
         if host == socket.gethostname():
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                return None
+                return False
             except PermissionError:
                 pass
-        return f"process {pid} on {host} since {info.get('started', '?')}"
+            with contextlib.suppress(OSError, IndexError):
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        return True
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ import argparse
 import codecs
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from hf_spanattn import SpanAttentionConfig
+from hf_spanattn.ops.inputs import shown
 
 sys.path.insert(0, str(Path(__file__).parent))
 from records import MAX_SEED, path_part  # noqa: E402
@@ -65,7 +67,7 @@ def shape_name(shape: dict) -> str:
 def _list_of(config: dict, key: str, kind: type, what: str) -> list:
     value = config[key]
     if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"sweep config: {key}={value!r}: expected a list of {what}")
+        raise ValueError(f"sweep config: {key}={shown(value)}: expected a list of {what}")
     if not value:
         raise ValueError(f"sweep config: {key} is empty: expected a list of {what}")
     return value
@@ -92,18 +94,28 @@ def grid(config: object) -> tuple[list[str], list[int], list[dict]]:
             raise ValueError(f"sweep config: missing {key!r} (needs output_dir, args, spans, seeds, shapes)")
     unknown = sorted(str(k) for k in config if k not in KEYS)
     if unknown:
-        raise ValueError(f"sweep config: unknown key {unknown[0]!r}; allowed keys are {', '.join(KEYS)}")
-    if not isinstance(config["output_dir"], str) or not config["output_dir"]:
-        raise ValueError(f"sweep config: output_dir={config['output_dir']!r}: expected a folder path")
+        raise ValueError(f"sweep config: unknown key {shown(unknown[0])}; allowed keys are {', '.join(KEYS)}")
+    if not isinstance(config["output_dir"], str) or not config["output_dir"] or "\0" in config["output_dir"]:
+        raise ValueError(f"sweep config: output_dir={shown(config['output_dir'])}: expected a folder path")
     if not isinstance(config.get("args") or {}, dict):
-        raise ValueError(f"sweep config: args={config['args']!r}: expected a mapping of run_clm.py arguments")
+        raise ValueError(f"sweep config: args={shown(config['args'])}: expected a mapping of run_clm.py arguments")
     shapes = config.get("shapes") if isinstance(config.get("shapes"), list) else []
     for where, given in (("args", config.get("args") or {}),
                          *((f"shapes[{i}]", shape) for i, shape in enumerate(shapes) if isinstance(shape, dict))):
-        taken = [key for key in ("span", "seed", "output_dir") if key in given]
+        names: dict[str, object] = {}
+        for key in given:  # --num_train_epochs and --num-train-epochs are one argument; argparse takes the last
+            if argument_name(key) in names:
+                raise ValueError(f"sweep config: {where} gives {shown(names[argument_name(key)])} and {shown(key)}, "
+                                 "one run_clm.py argument; keep one")
+            names[argument_name(key)] = key
+        taken = [key for key in ("span", "seed", "output_dir") if key in names]
         if taken:
             raise ValueError(f"sweep config: {where} sets {taken[0]}, which the sweep gives each run (from spans, "
                              "seeds and output_dir); remove it there")
+        held = next((key for key, value in given.items() if "\0" in flag(str(key), value)), None)
+        if held is not None:
+            raise ValueError(f"sweep config: {where}: {shown(held)} holds a NUL character, which no command line "
+                             "can pass")
     labels = _list_of(config, "spans", str, "span labels, e.g. [standard:QKV111, score:1000]")
     try:
         canonical = {label: SpanAttentionConfig.from_label(label).label for label in labels}
@@ -118,8 +130,8 @@ def grid(config: object) -> tuple[list[str], list[int], list[dict]]:
         if config.get("shapes") is not None else [{}]
     for shape in shapes:
         if path_part(shape_name(shape), "name"):
-            raise ValueError(f"sweep config: shapes: {shape}: its folder name {shape_name(shape)!r} is not one "
-                             "folder name (letters, digits and '._=+-'); give such values in args")
+            raise ValueError(f"sweep config: shapes: {shown(shape)}: its folder name {shown(shape_name(shape))} is "
+                             "not one folder name (letters, digits and '._=+-'); give such values in args")
     return spans, seeds, _once(shapes, shape_name, "shape")
 
 
@@ -136,9 +148,15 @@ def plan(config: dict, check: bool = True) -> list[tuple[Path, list[str]]]:
                 args = {**(config.get("args") or {}), **shape, "span": label, "seed": seed, "output_dir": str(folder)}
                 runs.append((folder, [flag(k, v) for k, v in args.items() if v is not None]))  # null: unset
     if check:
-        for folder, run_args in runs[: len(shapes) * len(spans) : len(spans)]:
-            check_args(folder, run_args)
+        for shape, (folder, run_args) in zip(shapes, runs[: len(shapes) * len(spans) : len(spans)]):
+            given = {**(config.get("args") or {}), **shape}
+            check_args(folder, run_args, {k for k, v in given.items() if isinstance(v, bool)})
     return runs
+
+
+def argument_name(key: object) -> str:
+    """The name of run_clm.py's argument --key: num-train-epochs and num_train_epochs are one."""
+    return str(key).replace("-", "_")
 
 
 def flag(key: str, value: object) -> str:
@@ -151,14 +169,20 @@ def flag(key: str, value: object) -> str:
     return f"--{key}={value}"
 
 
-def check_args(folder: Path, run_args: list[str]) -> None:
-    """run_clm.py's verdict on a run's arguments (precision flags are left to the machine that runs)."""
+def names_flag(error: str, key: str) -> bool:
+    """Whether `error` names the argument --key (not merely one whose name starts so)."""
+    return re.search(rf"--{re.escape(key)}(?![\w-])", error) is not None
+
+
+def check_args(folder: Path, run_args: list[str], yaml_bools: set[str] = frozenset()) -> None:
+    """run_clm.py's verdict on a run's arguments (precision flags are left to the machine that runs);
+    `yaml_bools`: the arguments the sweep file gives as true/false, which a hint may blame on YAML."""
     import run_clm
 
     error = run_clm.argument_error([a for a in run_args if not a.startswith(("--bf16=", "--fp16=", "--tf32="))])
     if error is None:
         return
-    if any(a.endswith(("=True", "=False")) for a in run_args) and ("'True'" in error or "'False'" in error):
+    if any(names_flag(error, key) for key in yaml_bools):  # not pack.py's --set, which gives text as typed
         error += " (YAML reads a bare yes/no/on/off as true/false: quote it, as 'no')"
     raise ValueError(f"sweep config: the arguments of {folder.parent.parent}: {error}")
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,6 +137,28 @@ def test_merge_writes_nothing_where_a_file_stands_in_the_way_of_a_result(tmp_pat
     with pytest.raises(SystemExit, match=f"merge: {blocking} is a file where the folder of H2xL1__score-1100__seed0 "):
         merge.main([str(path), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out" / "runs" / "H2xL1" / "score-1000").exists()
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("in.jsonl", "{a}\n{b}\n", "{path} holds two different results for H2xL1__score-1000__seed0 (line 1 and line 2)"),
+    ("in.json", "[{a}, {b}]", "{path} holds two different results for H2xL1__score-1000__seed0 (record 1 of a list "
+                              "and record 2 of a list)"),
+    ("in", None, "{path}/a.json and {path}/b.jsonl line 1 hold different results for H2xL1__score-1000__seed0"),
+])
+def test_merge_names_where_two_different_results_of_one_run_are(name, text, message, tmp_path):
+    """Two in one file were said as "in.jsonl and in.jsonl hold different results", two in one folder as the folder
+    twice."""
+    path, a, b = tmp_path / name, json.dumps(a_record()), json.dumps(a_record(wall_s=6.0))
+    if text is None:
+        path.mkdir()
+        (path / "a.json").write_text(a)
+        (path / "b.jsonl").write_text(b + "\n")
+    else:
+        path.write_text(text.format(a=a, b=b))
+    with pytest.raises(SystemExit) as err:
+        merge.main([str(path), "--out", str(tmp_path / "out")])
+    assert f"merge: {message.format(path=path)}; keep one of them" == str(err.value)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -386,7 +409,7 @@ def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a run dies with pack.py through Linux's PR_SET_PDEATHSIG")
-def test_a_pack_command_killed_by_sigkill_takes_its_runs_with_it(tmp_path):
+def test_a_pack_command_killed_by_sigkill_takes_its_runs_with_it(tmp_path, fake, capsys):
     """SIGKILL (a command limit's last word) reaches no handler: the run went on, unseen, beside a rerun's."""
     pid_file = tmp_path / "run.pid"
     script = tmp_path / "slow_run.py"
@@ -396,8 +419,10 @@ def test_a_pack_command_killed_by_sigkill_takes_its_runs_with_it(tmp_path):
                       f"pack.RUN_CLM = pathlib.Path({str(script)!r})\nimport sweep\nsweep.check_args = print\n"
                       "sys.exit(pack.main(sys.argv[1:]))\n")
     config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
-    process = subprocess.Popen([sys.executable, str(driver), str(config), "--results", str(tmp_path / "r")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    process = subprocess.Popen([sys.executable, str(driver), str(config), "--results", str(tmp_path / "r"),
+                                "--tmp_dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not pid_file.is_file() or not pid_file.read_text():
@@ -415,6 +440,36 @@ def test_a_pack_command_killed_by_sigkill_takes_its_runs_with_it(tmp_path):
         if pid_file.is_file() and pid_file.read_text():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    [left] = tmp.iterdir()  # no handler saw SIGKILL: the run's temporary folder stays, until the next command
+    assert pack.main([str(config), "--results", str(tmp_path / "r"), "--tmp_dir", str(tmp)]) == 0
+    assert list(tmp.iterdir()) == [] and fake() == [("score:1000", 0)]
+    assert f"{left}: removed, the temporary folder of a run of a pack command on these results that was killed " \
+        f"(process {process.pid})" in capsys.readouterr().out
+
+
+def test_pack_removes_only_the_temporary_folders_of_dead_commands_on_its_results(tmp_path, fake, capsys):
+    """A folder of a live command, of one on other results or without a word of whose it is, is another's to keep."""
+    tmp, results = tmp_path / "tmp", tmp_path / "r"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        owners = {"dead": {"pid": int(dead.stdout), "results": [str(results)]},
+                  "dead-run-live": {"pid": int(dead.stdout), "run_pid": live.pid, "results": [str(results)]},
+                  "live": {"pid": live.pid, "results": [str(results)]},
+                  "other-results": {"pid": int(dead.stdout), "results": [str(tmp_path / "other")]},
+                  "other-host": {"pid": int(dead.stdout), "results": [str(results)], "host": "elsewhere"},
+                  "edited": {"pid": str(dead.stdout), "results": [str(results)]}, "unmarked": None}
+        for name, owner in owners.items():
+            (tmp / name).mkdir(parents=True)
+            (tmp / name / "train.log").write_text("...")
+            if owner is not None:
+                (tmp / name / pack.OWNER).write_text(json.dumps({"host": socket.gethostname(), **owner}))
+        config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+        assert pack.main([str(config), "--results", str(results), "--tmp_dir", str(tmp)]) == 0
+    finally:
+        live.kill()
+    assert sorted(p.name for p in tmp.iterdir()) == sorted(set(owners) - {"dead"})
+    assert f"{tmp / 'dead'}: removed" in capsys.readouterr().out
 
 
 def test_a_sweep_stopped_while_a_run_goes_on_stops_the_run(tmp_path, monkeypatch):
@@ -1035,6 +1090,21 @@ def test_a_bad_sweep_file_fails_before_any_run(change, message, tmp_path):
         sweep.main([str(tmp_path / "s.yaml"), "--launcher", "false"])
     assert message in str(err.value)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("set_by", ["sweep file", "--set"])
+def test_a_true_or_false_where_a_number_goes_is_blamed_on_yaml_only_where_yaml_read_it(set_by, tmp_path, capsys):
+    """pack.py's --set num_train_epochs=True got "YAML reads a bare yes/no/on/off as true/false: quote it", which no
+    command line needs."""
+    args = {**TINY, "num_train_epochs": True} if set_by == "sweep file" else TINY
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0], args)
+    extra = ["--set", "num_train_epochs=True"] if set_by == "--set" else []
+    with pytest.raises(SystemExit) as err:
+        pack.main([str(config), "--results", str(tmp_path / "r"), *extra])
+    assert "argument --num_train_epochs/--num-train-epochs: invalid float value: 'True'" in str(err.value)
+    hint = "(YAML reads a bare yes/no/on/off as true/false: quote it, as 'no')"
+    assert str(err.value).endswith(hint if set_by == "sweep file" else "(given by --set 'num_train_epochs=True')")
+    assert not (tmp_path / "r").exists()
 
 
 def test_sweep_args_are_given_as_run_clm_py_reads_them():
