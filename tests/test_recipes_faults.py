@@ -947,6 +947,21 @@ def test_a_data_file_that_cannot_be_read_says_why(name, content, message, tmp_pa
     assert "An error occurred while generating the dataset" not in str(err.value)
 
 
+@pytest.mark.parametrize("second", ["1", "a"])
+def test_a_data_file_column_of_a_huge_name_is_named_without_echoing_it_whole(second, tmp_path, caplog):
+    """A CSV header of one 200 000-character line: the warning, and the error where the column is no text, held it."""
+    path = tmp_path / "table.csv"
+    path.write_text("c" * 200_000 + f"\n{second}\n")
+    said = []
+    try:
+        run_clm.load_file(str(path), "--train_file")
+    except ValueError as err:  # a column of numbers is no text
+        said.append(str(err))
+    assert len(said) == (second == "1")
+    said.append(caplog.text)
+    assert all("'cccc" in text and "... (200002 characters)" in text and len(text) < 2000 for text in said)
+
+
 def test_a_data_file_read_by_its_first_column_says_so(tmp_path, caplog):
     """A file of other columns, or one separated by ';', trained on its first column (ids and all) without a word."""
     path = tmp_path / "semicolons.csv"
@@ -1105,6 +1120,77 @@ def test_a_true_or_false_where_a_number_goes_is_blamed_on_yaml_only_where_yaml_r
     hint = "(YAML reads a bare yes/no/on/off as true/false: quote it, as 'no')"
     assert str(err.value).endswith(hint if set_by == "sweep file" else "(given by --set 'num_train_epochs=True')")
     assert not (tmp_path / "r").exists()
+
+
+BIG = "x" * 10**5
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"seeds": ["a"] * 1000}, "seeds=['a', 'a',"),
+    ({"output_dir": [BIG]}, "output_dir=['xxx"),
+    ({"args": BIG}, "args='xxx"),
+    ({"shapes": BIG}, "shapes='xxx"),
+    ({"shapes": [{"n_head": BIG}]}, "shapes: {'n_head': 'xxx"),
+    ({"unknown" + BIG: 1}, "unknown key 'unknownxxx"),
+    ({"args": {**TINY, "learning_rate": "9" * 10**4 + "x"}}, "invalid float value: '999"),  # argparse's message
+])
+def test_a_sweep_file_is_named_without_echoing_a_huge_value_whole(change, message, tmp_path):
+    config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
+              "shapes": [{"n_head": 2, "n_layer": 1}], **change}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as err:
+        pack.main([str(tmp_path / "s.yaml"), "--results", str(tmp_path / "r")])
+    assert message in str(err.value) and " characters)" in str(err.value) and len(str(err.value)) < 1000
+
+
+def test_a_pack_file_document_is_named_without_echoing_a_huge_value_whole(tmp_path):
+    config = write_sweep(tmp_path / "s.yaml", ["score:1000"], [0])
+    config.write_text(config.read_text() + "---\nargs: " + BIG + "\n")
+    with pytest.raises(SystemExit, match="document 2: args='xxx") as err:
+        pack.main([str(config), "--results", str(tmp_path / "r")])
+    assert len(str(err.value)) < 1000
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"output_dir": "runs\0x"}, r"output_dir='runs\x00x': expected a folder path"),  # was: a ValueError traceback
+    ({"args": {"run_name": "a\0b"}}, "args: 'run_name' holds a NUL character, which no command line can pass"),
+    # argparse took the last of the two, without a word
+    ({"args": {"num_train_epochs": 3, "num-train-epochs": 5}},
+     "args gives 'num-train-epochs' and 'num_train_epochs', one run_clm.py argument; keep one"),  # sorted by safe_dump
+    ({"args": {"output-dir": "elsewhere"}}, "args sets output_dir, which the sweep gives each run"),
+])
+def test_a_sweep_argument_no_command_line_can_pass_as_written_is_named(change, message, tmp_path, fake):
+    config = {"output_dir": str(tmp_path / "runs"), "spans": ["score:1000"], "seeds": [0], **change}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as err:
+        pack.main([str(tmp_path / "s.yaml"), "--results", str(tmp_path / "r")])
+    assert message in str(err.value) and fake() == []
+
+
+def test_a_set_argument_replaces_the_sweep_files_whatever_its_dashes(tmp_path, fake, capsys):
+    """--set num-train-epochs=2 beside the file's num_train_epochs: 3 passed both, the record holding both."""
+    config = write_sweep(tmp_path / "s.yaml", ["score:1000"], [0], {"num_train_epochs": 3})
+    assert pack.main([str(config), "--results", str(tmp_path / "r"), "--set", "num-train-epochs=2"]) == 0
+    args = json.loads((tmp_path / "r" / "H2xL1__score-1000__seed0.json").read_text())["config"]["args"]
+    assert args["num_train_epochs"] == "2" and "num-train-epochs" not in args
+    with pytest.raises(SystemExit):
+        pack.main([str(config), "--results", str(tmp_path / "r"), "--set", "output-dir=x"])
+    assert "--set 'output-dir=x': expected KEY=VALUE with a run_clm.py argument other" in capsys.readouterr().err
+
+
+def test_pack_does_not_count_a_tree_metrics_json_of_another_run_as_this_ones(tmp_path, fake, capsys):
+    """A metrics.json copied by hand into another run's folder: that run was skipped for ever, the report had the
+    other twice or once."""
+    config = write_sweep(tmp_path / "s.yaml", ["score:1000", "score:1100"], [0])
+    assert pack.main([str(config), "--results", str(tmp_path / "r"), "--max_runs", "1"]) == 0
+    record = json.loads((tmp_path / "r" / "H2xL1__score-1000__seed0.json").read_text())
+    moved = tmp_path / "tree" / "H2xL1" / "score-1100" / "seed0" / "metrics.json"
+    moved.parent.mkdir(parents=True)
+    moved.write_text(json.dumps(record))
+    assert pack.main([str(config), "--results", str(tmp_path / "r")]) == 0
+    assert fake() == [("score:1000", 0), ("score:1100", 0)]
+    assert f"{moved}: not a finished run's result (it holds span 'score:1000' with seed 0, not score:1100 with seed " \
+        "0); the run is redone" in capsys.readouterr().out
 
 
 def test_sweep_args_are_given_as_run_clm_py_reads_them():
