@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from benchmarks.common import (
     at_least,
     cuda_peak_bytes,
+    device_choice,
     peak_bytes_since,
     peak_in_subprocess,
     rerun_with_steady_heap,
@@ -88,7 +89,7 @@ def candidates(methods: list[str], backends: list[str]) -> list[tuple[str, str]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--device", type=device_choice, choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--tokens", type=int, help="B·T (default 2048 on the CPU, 16384 on CUDA)")
     parser.add_argument("--seq", type=at_least(1), nargs="+")

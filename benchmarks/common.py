@@ -71,6 +71,15 @@ def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
     return parse
 
 
+def device_choice(text: str) -> str:
+    """argparse's type of --device: cpu, or cuda where torch sees a CUDA device."""
+    import torch
+
+    if text == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("'cuda': torch sees no CUDA device here; expected cpu")
+    return text
+
+
 @contextlib.contextmanager
 def backend_variable_kept() -> Iterator[None]:
     """Leave HF_SPANATTN_BACKEND as it was found: the benchmarks pick each backend through it."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.common import at_least
+from benchmarks.common import at_least, device_choice
 
 LABELS = ["standard:QKV101", "score:1000", "score:1111@per_block"]
 TRITON_KERNELS = ("forward_kernel", "keys_kernel", "queries_kernel")  # the kernels of ops/triton/kernels.py
@@ -119,12 +119,13 @@ def interpreted_launches_recorded() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_choice, choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--labels", nargs="+", default=LABELS)
     parser.add_argument("--backends", nargs="+", help="default: fused and triton on CUDA, tiles and triton on the CPU")
     parser.add_argument("--batch", type=at_least(1))
     parser.add_argument("--heads", type=at_least(1))
-    parser.add_argument("--seq", type=int)
+    parser.add_argument("--seq", type=at_least(1))
     parser.add_argument("--dim", type=at_least(1))
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--warmup", type=at_least(0), default=3)

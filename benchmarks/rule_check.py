@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from benchmarks.common import at_least, backend_variable_kept
+from benchmarks.common import at_least, backend_variable_kept, device_choice
 from hf_spanattn import patch_model
 
 
@@ -114,7 +114,7 @@ def validation_loss(model: GPT2LMHeadModel, validation: torch.Tensor, autocast: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", type=device_choice, choices=["cpu", "cuda"])
     parser.add_argument("--rule", default="score:1000")
     parser.add_argument("--backends", default=None, help="comma-separated (default: triton,fused on CUDA, tiles)")
     parser.add_argument("--data", type=Path, default=Path(".data"),

@@ -29,6 +29,7 @@ from benchmarks.common import (
     at_least,
     backend_variable_kept,
     cuda_peak_bytes,
+    device_choice,
     peak_bytes_since,
     peak_in_subprocess,
     rerun_with_steady_heap,
@@ -73,7 +74,7 @@ def build(name: str, seq: int, batch: int, device: str, attn_dropout: float = 0.
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--device", type=device_choice, choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--seq", type=at_least(1), default=512)
     parser.add_argument("--batch", type=at_least(1))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
@@ -57,6 +58,12 @@ RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "
     ("profile_attention", ["--device", "cpu", "--calls", "0"], "argument --calls: '0': expected an integer >= 1"),
     ("profile_attention", ["--device", "cpu", "--dim", "x"], "argument --dim: 'x': expected an integer >= 1"),
     ("diagnostics", ["--steps", "1"], "argument --steps: '1': expected an integer >= 2"),  # was: ZeroDivisionError
+    ("profile_attention", ["--device", "cpu", "--seq", "-1"], "argument --seq: '-1': expected an integer >= 1"),
+    # was: torch's "Trying to create tensor with negative dimension", or "Torch not compiled with CUDA enabled"
+    ("attention", ["--memory", "--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
+    ("train_step", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
+    ("profile_attention", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
+    ("rule_check", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
 ])
 def test_benchmark_options_out_of_range_are_named_before_anything_runs(module, argv, message, tmp_path, monkeypatch,
                                                                        capsys):
@@ -65,6 +72,7 @@ def test_benchmark_options_out_of_range_are_named_before_anything_runs(module, a
     argv = [a.replace("{tmp}", str(tmp_path)) for a in (RULE_CHECK if module == "rule_check" else []) + argv]
     main = importlib.import_module(f"benchmarks.{module}").main
     monkeypatch.setattr(sys, "argv", [module, *argv])  # for the scripts whose main reads sys.argv
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's, whatever it has
     with pytest.raises(SystemExit) as err:
         main(argv) if "argv" in inspect.signature(main).parameters else main()
     assert err.value.code == 2 and message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
