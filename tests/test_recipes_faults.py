@@ -1566,3 +1566,17 @@ def test_setup_installs_the_pinned_torch_where_another_is_there(installed, insta
     subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], check=True, capture_output=True, env=env)
     calls = (tmp_path / "log").read_text().splitlines()
     assert ("-m pip install -q torch==2.13.0" in calls) == installs and "-m pip install -q -e .[dev]" in calls
+
+
+@needs_data
+def test_compare_script_dry_run_lists_the_runs_and_reports_nothing(tmp_path):
+    """After sweep.py's list of runs, report.py stopped the script with "runs/quick/runs: no such folder", exit 1."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "compare.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")  # set up already: nothing installed
+    for name in (".venv", "recipes"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "compare.sh"), "--dry_run"], capture_output=True,
+                          text=True, env={**os.environ, "SPANATTN_DATA": str(DATA)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[4/4] runs/quick/runs/" in done.stdout and not (tmp_path / "runs").exists()
