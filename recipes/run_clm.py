@@ -193,12 +193,12 @@ def overrides(text: str) -> dict[str, str]:
     pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
     bad = [p[0] for p in pairs if len(p) != 2 or not p[0].strip()]
     if bad or not pairs:
-        raise ValueError(f"--config_overrides {text!r}: expected comma-separated key=value pairs, e.g. "
+        raise ValueError(f"--config_overrides {shown(text)}: expected comma-separated key=value pairs, e.g. "
                          "n_embd=64,resid_pdrop=0.2")
     keys = [k.strip() for k, _ in pairs]
     twice = next((k for k in keys if keys.count(k) > 1), None)
     if twice is not None:
-        raise ValueError(f"--config_overrides {text!r}: {twice} is given twice; give each setting once")
+        raise ValueError(f"--config_overrides {shown(text)}: {twice} is given twice; give each setting once")
     return {k.strip(): v.strip() for k, v in pairs}
 
 
@@ -319,7 +319,7 @@ class SpanArguments:
                 where = f" {self.span_schedule}" if is_file else ""
                 raise ValueError(f"--span_schedule{where}: not valid YAML/JSON ({type(err).__name__}: {err})") from None
             if not isinstance(keyframes, list):
-                raise ValueError(f"--span_schedule {self.span_schedule!r}: expected a list of keyframes")
+                raise ValueError(f"--span_schedule {shown(self.span_schedule)}: expected a list of keyframes")
             schedule = Schedule(keyframes)
             for keyframe in schedule.keyframes:  # checked now (the steps of a run of 10^6); again when training starts
                 keyframe.settings(n_layers=10**6)
@@ -334,8 +334,8 @@ class SpanArguments:
             try:
                 overrides["layers"] = tuple(int(i) for i in self.span_layers.split(","))
             except ValueError:
-                raise ValueError(f"--span_layers {self.span_layers!r}: expected comma-separated integers (leave it "
-                                 "unset for all layers)") from None
+                raise ValueError(f"--span_layers {shown(self.span_layers)}: expected comma-separated integers (leave "
+                                 "it unset for all layers)") from None
         return SpanAttentionConfig.from_label(self.span, **overrides)
 
 
@@ -470,8 +470,8 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
     values = {k: typed(k, v, path) for k, v in values.items()}
     try:
         return parser.parse_dict({**defaults_for(values), **values})
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    except ValueError as err:  # HfArgumentParser's and Transformers' messages hold the values whole
+        raise ValueError(f"{path}: {cut_long(str(err))}") from None
     except OverflowError as err:  # as on the command line
         named = ", ".join(overflowing(values, "{}={}")) or "a number"
         raise ValueError(f"{path}: {named}: past the integers the Trainer counts steps in ({err}); give a finite "
@@ -488,7 +488,7 @@ def typed(key: str, value: Any, path: Path) -> Any:
     options = set(typing.get_args(kind)) - {type(None)} if typing.get_origin(kind) in (typing.Union, types.UnionType) \
         else {kind}
     literal = next((typing.get_args(o) for o in options if typing.get_origin(o) is Literal), None)
-    where = f"{path}: {key}={value!r}"
+    where = f"{path}: {key}={shown(value)}"
     bare = " (YAML reads a bare yes/no/on/off as true/false: quote it, as 'no')" if isinstance(value, bool) else ""
     try:
         if options == {bool}:
@@ -522,6 +522,11 @@ def typed(key: str, value: Any, path: Path) -> Any:
     return value
 
 
+def cut_long(message: str) -> str:
+    """`message` with each run of over 1000 characters without a space (a value given whole) cut to 200."""
+    return re.sub(r"\S{1001,}", lambda run: f"{run[0][:200]}... ({len(run[0])} characters)", message)
+
+
 def argument_error(argv: list[str]) -> str | None:
     """What is wrong with these run_clm.py arguments, or None (for sweeps, before any run starts)."""
     console = io.StringIO()
@@ -529,8 +534,7 @@ def argument_error(argv: list[str]) -> str | None:
         with contextlib.redirect_stderr(console):
             parse_args(argv)
     except SystemExit:  # argparse: an unknown flag or a value of the wrong type, said on stderr, the value whole
-        said = console.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
-        return re.sub(r"'[^']{200,}'", lambda value: shown(value[0][1:-1]), said)
+        return cut_long(console.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1])
     except (ValueError, TypeError) as err:
         return str(err)
     return None
@@ -813,7 +817,7 @@ def apply_overrides(config, text: str) -> None:
     (YAML's reading where the current value is None)."""
     for key, value in overrides(text).items():
         if not hasattr(config, key):
-            raise ValueError(f"--config_overrides: {key!r} is not a setting of {type(config).__name__}")
+            raise ValueError(f"--config_overrides: {shown(key)} is not a setting of {type(config).__name__}")
         try:
             if getattr(config, key) is None:
                 setattr(config, key, yaml.safe_load(value))

@@ -1289,6 +1289,25 @@ def test_a_config_file_value_of_the_wrong_type_is_named(text, message, tmp_path,
     assert message.replace("{file}", str(file)) in str(err.value)
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("learning_rate", "x" * 10**5, "learning_rate='xxx"),
+    ("do_eval", "x" * 10**5, "do_eval='xxx"),
+    ("run_name", ["x" * 10**5], "run_name=['xxx"),
+    ("seed", "9" * 5000, "seed='999"),
+    ("span_layers", "1," * 10**5, "--span_layers '1,1,"),
+    ("lr_scheduler_type", "x" * 10**5, "{file}: xxx"),  # Transformers' message
+    ("x" * 10**5, 1, "Some keys are not used by the HfArgumentParser: ['xxx"),  # HfArgumentParser's
+])
+def test_a_config_file_value_is_named_without_echoing_it_whole(key, value, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    file = tmp_path / "run.yaml"
+    file.write_text(yaml.safe_dump({key: value, "output_dir": str(tmp_path / "out")}))
+    with pytest.raises(ValueError) as err:
+        run_clm.main([str(file)])
+    assert message.replace("{file}", str(file)) in str(err.value) and " characters)" in str(err.value)
+    assert len(str(err.value)) < 1000
+
+
 @pytest.mark.parametrize("world", ["abc", "", "2.0"])
 def test_a_world_size_that_is_not_a_count_is_named(world, tmp_path, monkeypatch):
     """int() said "invalid literal for int() with base 10: 'abc'", naming neither the variable nor what it holds."""
