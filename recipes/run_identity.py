@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from hf_spanattn.config import KeyGivenTwice, unique_keys
+from hf_spanattn.ops.inputs import shown
 
 RUN_CONFIG = "run_config.json"
 # TrainingArguments that do not change what a run computes
@@ -352,7 +353,9 @@ class RunLock:
                 return None
         if not RunLock.running(pid, host):
             return None
-        return f"process {pid} on {host} since {info.get('started', '?')}"
+        started = info.get("started", "?")
+        return "process {} on {} since {}".format(pid, *(x if isinstance(x, str) and len(x) <= 200 else shown(x)
+                                                          for x in (host, started)))  # as edited, cut
 
     @staticmethod
     def running(pid: int, host: str) -> bool:

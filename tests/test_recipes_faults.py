@@ -866,6 +866,17 @@ def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys
     assert "taking over the lock of a run that ended" in capsys.readouterr().err and not lock.exists()
 
 
+@pytest.mark.parametrize("edit", [{"host": "h" * 10**6}, {"started": ["x"] * 10**5}])
+def test_a_lock_file_edited_by_hand_is_named_without_echoing_it_whole(edit, tmp_path):
+    """A host or start time of a megabyte went into the message whole."""
+    lock = tmp_path / "out.lock"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, **edit}))
+    with pytest.raises(SystemExit) as err, run_identity.RunLock(tmp_path / "out"):
+        pass
+    assert f"another run is writing into this folder (process {os.getpid()} on " in str(err.value)
+    assert " characters)" in str(err.value) and len(str(err.value)) < 1000
+
+
 def test_a_folder_where_the_lock_goes_is_named_and_kept(tmp_path, monkeypatch):
     """A run in out.lock, then one in out: an IsADirectoryError, or "another run is writing into this folder ... delete
     out.lock", the other run's folder."""
