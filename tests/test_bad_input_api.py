@@ -1426,3 +1426,19 @@ def test_an_adapter_saved_unpatched_over_settings_saved_before_warns_that_they_a
                                          "now is not patched"):
         model.save_pretrained(tmp_path)
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1100"
+
+
+def test_the_note_that_settings_are_missing_is_said_for_each_model(caplog):
+    """The settings deleted from a patched model's config: it trains on the default, which a note says; it was said
+    once per process, so a second model whose settings were deleted trained on the default without a word."""
+    import logging
+
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    models = [patch_model(tiny("gpt2", seed=seed), "simple:10") for seed in (0, 1)]
+    for model in models:
+        del model.config.span_attention
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        for model in models + models:  # each model twice: said once for each
+            model.train()(input_ids=ids, labels=ids).loss.backward()
+    notes = [r.getMessage() for r in caplog.records if "has no 'span_attention' settings" in r.getMessage()]
+    assert len(notes) == 2 and all("using the default score:1000" in n for n in notes)

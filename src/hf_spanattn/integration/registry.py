@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -226,10 +227,7 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
         return override
     config = config_of(module.config)
     if config is None:
-        logger.warning_once(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} but the model config has no {CONFIG_KEY!r} settings; "
-            f"using the default {SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model."
-        )
+        _note_default(module.config)
         config = SpanAttentionConfig()
     if config.layers is not None and layer_index(module) not in config.layers:
         if layer_index(module) is None:
@@ -239,6 +237,22 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
                 "hf_spanattn.patch_model(model) numbers the layers of models whose attention carries none.")
         return None
     return config
+
+
+# id(model config) → the model config `_note_default` spoke of (held weakly: a new config may reuse a freed id).
+_NOTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _note_default(model_config: Any) -> None:
+    """Say, once per model config, that it has no settings and its layers train with the default."""
+    message = (f"attn_implementation={ATTN_IMPLEMENTATION!r} but the model config "
+               f"({type(model_config).__name__}) has no {CONFIG_KEY!r} settings; using the default "
+               f"{SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model.")
+    if torch.compiler.is_compiling():  # a traced forward keeps no Python state: said once per process
+        logger.warning_once(message)
+    elif _NOTED.get(id(model_config)) is not model_config:
+        _NOTED[id(model_config)] = model_config
+        logger.warning(message)
 
 
 def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:
