@@ -143,11 +143,18 @@ def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
     return as_config(config, "span_attention", "the default, score:1000") or SpanAttentionConfig()
 
 
-def backend_for(device: str, dtype: torch.dtype = torch.float32, backend: str = "auto") -> str:
+def backend_for(device: str | torch.device, dtype: torch.dtype = torch.float32, backend: str = "auto") -> str:
     """The backend that runs calls on a `device` of this type in `dtype` for `backend`, resolved as
     `span_attention` resolves it (HF_SPANATTN_BACKEND included) and past a Triton that cannot run
     there at all: what a run records as its attention backend. A call with diagnostics runs on the
     tiles, and one whose mask or shape the Triton kernels do not take still falls back, with a warning."""
+    try:  # a torch.device or its str ('cuda:0'), as a tensor's device: its type decides
+        device = torch.device(device).type
+    except (TypeError, RuntimeError):
+        raise ValueError(f"backend_for: device={shown(device)}: expected a device type such as 'cpu' or 'cuda', or a "
+                         "torch.device") from None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"backend_for: dtype={shown(dtype)}: expected a torch.dtype such as torch.float32")
     name = _backend(backend, dtype, device, None)
     if name == "triton" and device_missing(device):
         return "tiles" if dtype == torch.float64 else "fused"
