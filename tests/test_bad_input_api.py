@@ -1446,3 +1446,23 @@ def test_the_note_that_settings_are_missing_is_said_for_each_model(caplog):
             model.train()(input_ids=ids, labels=ids).loss.backward()
     notes = [r.getMessage() for r in caplog.records if "has no 'span_attention' settings" in r.getMessage()]
     assert len(notes) == 2 and all("using the default score:1000" in n for n in notes)
+
+
+def test_a_model_built_from_the_config_of_a_patched_one_says_it_trains_with_span_gradients():
+    """Two models built from one config object, one patched: Transformers' attention setting lives on the config, so
+    the other trained with span gradients, and unpatching the other unpatched the first, without a word."""
+    config = tiny("llama").config
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    patched, other = (type(tiny("llama"))(config) for _ in range(2))
+    patch_model(patched, "score:1000")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patched.train()(input_ids=ids, labels=ids).loss.backward()  # the patched model itself: no warning
+    with pytest.warns(UserWarning, match=r"LlamaAttention belongs to a model that hf_spanattn.patch_model was not "
+                                         r"given, but its config object \(LlamaConfig\) is that of a model it was"):
+        other.train()(input_ids=ids, labels=ids).loss.backward()
+    patch_model(other, "simple:10")
+    with pytest.warns(UserWarning, match=r"unpatch_model: another model that patch_model was given shares the config "
+                                         r"object of LlamaForCausalLM \(both built from one config\), and is"):
+        unpatch_model(other)
+    assert patched.config._attn_implementation == "sdpa"

@@ -452,7 +452,7 @@ def test_backend_for_names_the_backend_that_runs(monkeypatch, fresh_warnings):
 
 @pytest.mark.parametrize("value, tunes", [(None, True), ("1", True), (" Yes ", True), ("on", True), ("true", True),
                                           ("0", False), ("off", False), ("FALSE", False), (" no\n", False)])
-def test_triton_tuning_takes_the_usual_spellings(value, tunes, fresh_warnings):
+def test_triton_tuning_takes_the_usual_spellings(value, tunes):
     """HF_SPANATTN_TRITON_TUNE: off, false and no turn autotuning off as 0 does (they tuned before), without a word."""
     from hf_spanattn.ops.triton import kernels
 
@@ -462,7 +462,7 @@ def test_triton_tuning_takes_the_usual_spellings(value, tunes, fresh_warnings):
 
 
 @pytest.mark.parametrize("value", ["2", "of", "disable", "x" * 10**5])
-def test_triton_tuning_warns_for_another_value_naming_the_variable(value, fresh_warnings):
+def test_triton_tuning_warns_for_another_value_naming_the_variable(value):
     from hf_spanattn.ops.triton import kernels
 
     with pytest.warns(UserWarning, match=r"HF_SPANATTN_TRITON_TUNE=.* is not one of 0, off, false, no .* the kernels "

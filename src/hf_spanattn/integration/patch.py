@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig, _looks_local, _path_argument, as_config
-from hf_spanattn.integration import adapters, card, packing
+from hf_spanattn.integration import adapters, card, packing, registry
 from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
@@ -120,6 +120,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for part in _sharing_config(base):
         setattr(part, _ORIGINAL, original)
         _PATCHED.add(part)
+    registry.PATCHED_CONFIGS[id(base.config)] = base.config
+    registry.PATCHED_MODULES.update(base.modules())
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
             module.__dict__.pop(name, None)
@@ -169,6 +171,12 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
+    inside = {m for part in sharing if any(m is base for m in part.modules()) for m in part.modules()}  # and around
+    if any(m not in inside and getattr(m, "config", None) is base.config for m in list(registry.PATCHED_MODULES)):
+        warnings.warn(f"unpatch_model: another model that patch_model was given shares the config object of "
+                      f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
+                      "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
+                      "alone.", stacklevel=2)
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
     for part in sharing:
