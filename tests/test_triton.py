@@ -450,6 +450,19 @@ def test_backend_for_names_the_backend_that_runs(monkeypatch, fresh_warnings):
     assert attention.backend_for("cuda", backend="tiles") == "tiles"
 
 
+@pytest.mark.parametrize("value, interprets", [("1", True), ("true", True), ("ON", True), ("Yes", True), ("y", True),
+                                               ("0", False), ("2", False), (" 1", False), ("off", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(value, interprets, monkeypatch):
+    """TRITON_INTERPRET=true made Triton interpret, while the kernels were told it did not (only "1" counted): CPU
+    tensors ran on fused, saying the kernels need CUDA."""
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    from triton import knobs
+
+    assert knobs.runtime.interpret is interprets  # Triton's own reading
+    assert attention.backend_for("cpu", backend="triton") == ("triton" if interprets else "fused")
+
+
 @pytest.mark.parametrize("value, tunes", [(None, True), ("1", True), (" Yes ", True), ("on", True), ("true", True),
                                           ("0", False), ("off", False), ("FALSE", False), (" no\n", False)])
 def test_triton_tuning_takes_the_usual_spellings(value, tunes):

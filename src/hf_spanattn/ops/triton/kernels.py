@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from hf_spanattn.ops.inputs import shown
+from hf_spanattn.ops.triton import interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 
 if INTERPRET:  # the interpreter's program ids are 1-element arrays, which NumPy ≥ 2.4 no longer takes as an index
     from triton.runtime import interpreter as _interpreter
