@@ -1466,3 +1466,20 @@ def test_a_model_built_from_the_config_of_a_patched_one_says_it_trains_with_span
                                          r"object of LlamaForCausalLM \(both built from one config\), and is"):
         unpatch_model(other)
     assert patched.config._attn_implementation == "sdpa"
+
+
+def test_layers_removed_from_a_model_cannot_be_selected():
+    """Layers pruned from a model whose config still counts them (or a middle one dropped): a selection of a removed
+    layer was taken, and no layer got span gradients, without a word."""
+    pruned = tiny("llama", layers=3)
+    pruned.model.layers = pruned.model.layers[:2]  # num_hidden_layers still 3
+    with pytest.raises(ValueError, match=r"layers=\[2\]: LlamaForCausalLM has no attention module of layer 2; its "
+                                         r"attention modules carry the layer indices 0, 1$"):
+        patch_model(pruned, "score:1000", layers=[2])
+    gap = tiny("llama", layers=3)
+    gap.model.layers = torch.nn.ModuleList([gap.model.layers[0], gap.model.layers[2]])
+    gap.config.num_hidden_layers = 2
+    with pytest.raises(ValueError, match=r"layers=\[0, 1\]: LlamaForCausalLM has no attention module of layer 1; "
+                                         r"its attention modules carry the layer indices 0, 2"):
+        patch_model(gap, "score:1000", layers=[0, 1])
+    assert patch_model(pruned, "score:1000", layers=[1]).config.span_attention["layers"] == [1]

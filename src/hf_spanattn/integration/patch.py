@@ -96,7 +96,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
                          "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
                          f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
-    if not attention_modules(base) and config.layers is not None:  # numbered here where the modules carry no index
+    present = attention_modules(base)
+    if not present and config.layers is not None:  # numbered here where the modules carry no index
         raise ValueError(f"layers={shown(list(config.layers))}: the attention modules of {type(base).__name__} carry "
                          "no layer index and its layers could not be found, so a selection cannot be applied; patch "
                          "every layer (layers=None)")
@@ -105,6 +106,12 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
                          f"0..{n_layers - 1}")
+    absent = [i for i in config.layers or () if i not in present]
+    if absent:  # layers removed from the model (its config still counting them), or ones without attention
+        where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
+        raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has no attention module "
+                         f"of layer {shown(absent)[1:-1]}; its attention modules carry the layer indices "
+                         f"{shown(sorted(present))[1:-1]}")
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
