@@ -259,6 +259,8 @@ CASES = [
      "label='score: 1000': expected '<method>:<alphas>"),
     ("alphas holding a signaling NaN Decimal", lambda t: SpanAttentionConfig(alphas=[decimal.Decimal("sNaN"), 0, 0, 0]),
      ValueError, "alphas=[Decimal('sNaN'), 0, 0, 0]: expected a sequence of 4 numbers"),
+    ("OrderRecorder.summary per_head a string", lambda t: OrderRecorder().summary(per_head="no"), TypeError,
+     "OrderRecorder.summary: per_head='no': expected True or False"),
     ("method a 0-d NumPy array", lambda t: SpanAttentionConfig(method=np.array("score")), ValueError,
      "method=array('score', dtype='<U5'): allowed values are standard, simple, reductionistic, score, as a str"),
     ("score_grad a 0-d NumPy array", lambda t: SpanAttentionConfig(score_grad=np.array("exact")), ValueError,
