@@ -118,7 +118,9 @@ def span_attention(
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # float8: no kernel takes them
         raise ValueError(f"span_attention: span gradients take float16, bfloat16, float32 or float64 query, key and "
                          f"value, got {dtype}")
-    if torch._C._functorch.peek_interpreter_stack() is not None:  # its wrapped tensors meet our autograd.Functions
+    # torch.func transforms wrap tensors that meet our autograd.Functions; Dynamo's tracing sees an interpreter on that
+    # stack too, where the check would break every compiled graph at the attention (and stop fullgraph=True)
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
                            "gradient, jacrev, …); take them with torch.autograd (loss.backward(), "
                            "torch.autograd.grad), or use config='standard:QKV111', which is SDPA itself")
