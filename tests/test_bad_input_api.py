@@ -177,6 +177,15 @@ def set_after(callback: SpanAttentionCallback, **attributes) -> SpanAttentionCal
     return callback
 
 
+def appended(callback: SpanAttentionCallback, keyframe: object) -> SpanAttentionCallback:
+    """The callback's schedule changed in place after it was made: `keyframe` appended, or (None) the list emptied."""
+    if keyframe is None:
+        callback.schedule.keyframes.clear()
+    else:
+        callback.schedule.keyframes.append(keyframe)
+    return callback
+
+
 def sinks_forward() -> None:
     """GPT-OSS set to span_attention without patch_model (as from_pretrained(attn_implementation=...) does)."""
     from hf_spanattn.integration import register
@@ -514,6 +523,12 @@ CASES = [
     ("callback schedule set to a label after it was made",
      lambda t: trainer_with(t, set_after(SpanAttentionCallback(), schedule="score:1000")).train(), ValueError,
      "SpanAttentionCallback: schedule='score:1000': expected a Schedule or a list of keyframes"),
+    ("callback schedule given an entry that is no keyframe after it was made",
+     lambda t: trainer_with(t, appended(SpanAttentionCallback([Keyframe(0, "score:1000")]), "x")).train(), ValueError,
+     "SpanAttentionCallback: schedule keyframe 'x': expected keys 'at', 'span' and optionally 'ramp'"),
+    ("callback schedule emptied after it was made",
+     lambda t: trainer_with(t, appended(SpanAttentionCallback([Keyframe(0, "score:1000")]), None)).train(), ValueError,
+     "SpanAttentionCallback: schedule: needs at least one keyframe"),
     ("settings read from a model's config.json", lambda t: SpanAttentionConfig.from_pretrained(
         saved_model(t, alphas=[1, 1, 0, 0]) / "config.json"), ValueError,
      "{tmp}/model/config.json: a model's config, not a span_attention_config.json; a saved model keeps its settings in "

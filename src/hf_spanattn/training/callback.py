@@ -294,6 +294,8 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
         schedule = Schedule(list(schedule))
     if schedule is not None and not isinstance(schedule, Schedule):
         raise ValueError(f"schedule={shown(schedule)}: expected a Schedule or a list of keyframes")
+    if schedule is not None:
+        schedule.__post_init__()  # its keyframes checked again, in place: the list may have been changed since
     if as_int(every) is None or as_int(every) < 0:
         raise ValueError(f"diagnostics_every={shown(every)}: expected an integer >= 0 (0 = off)")
     if not isinstance(per_head, bool):
