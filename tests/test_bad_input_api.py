@@ -1223,6 +1223,73 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="x" * 300)).train()
 
 
+def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagnostics_file(tmp_path):
+    """Two Trainers in threads of one process writing diagnostics into one file: the lock holds the process id, so
+    the second took it over as one that a stopped run of this process left, and moved the first's records aside. A
+    run of this process holds it while its training goes on in its thread; one stopped midway (in this thread, or
+    in another that lives on) is taken over."""
+    import contextlib
+    import os
+    import threading
+
+    from transformers import TrainerCallback
+
+    class Pause(TrainerCallback):
+        """Holds its run in its first step until `go`; then stops it there if `stop`."""
+
+        def __init__(self, stop: bool = False) -> None:
+            self.started, self.go, self.ended, self.leave = (threading.Event() for _ in range(4))
+            self.stop = stop
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started.set()
+            self.go.wait(60)
+            if self.stop:
+                raise KeyboardInterrupt
+
+    def run_in_a_thread(pause: Pause) -> threading.Thread:
+        def run() -> None:
+            with contextlib.suppress(KeyboardInterrupt):
+                trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1), pause).train()
+            pause.ended.set()
+            pause.leave.wait(60)  # the thread lives on after its run
+
+        thread = threading.Thread(target=run, name="first run")
+        thread.start()
+        assert pause.started.wait(60)
+        return thread
+
+    records, lock = tmp_path / "span_diagnostics.jsonl", tmp_path / "span_diagnostics.jsonl.lock"
+    first = Pause()
+    thread = run_in_a_thread(first)
+    try:
+        with pytest.raises(ValueError, match=f"{records}: another run is writing diagnostics into this file \\(thread "
+                                             f"'first run' of this process, {os.getpid()}, on .*, see {lock}\\)"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    finally:
+        first.go.set()
+        first.leave.set()
+        thread.join(60)
+    assert steps_in(records) == [1, 1] and not lock.exists()  # the first run's records, where it wrote them
+    stopped = Pause(stop=True)
+    thread = run_in_a_thread(stopped)
+    stopped.go.set()
+    assert stopped.ended.wait(60) and lock.exists() and thread.is_alive()
+    try:
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()  # stopped, its thread alive
+    finally:
+        stopped.leave.set()
+        thread.join(60)
+    assert steps_in(records) == [1, 1] and not lock.exists()
+    stopped = Pause(stop=True)
+    stopped.go.set()
+    with pytest.raises(KeyboardInterrupt):  # stopped in this thread, as in a notebook
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1), stopped).train()
+    assert lock.exists()
+    trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert steps_in(records) == [1, 1] and not lock.exists()
+
+
 def test_a_diagnostics_file_that_is_a_pipe_is_refused(tmp_path):
     """Writing a record into a named pipe waits for a reader: the run hung at its first recorded step."""
     import os

@@ -11,9 +11,11 @@ import os
 import socket
 import stat
 import sys
+import threading
 import time
 import uuid
 import warnings
+import weakref
 from typing import Any
 
 from transformers import TrainerCallback
@@ -37,6 +39,9 @@ from hf_spanattn.training.schedule import Schedule
 
 DIAGNOSTICS_FILE = "span_diagnostics.jsonl"
 logger = logging.getLogger(__name__)
+# the diagnostics locks this process holds: real path -> (thread id, callback) of the run that took it
+_held: dict[str, tuple[int, weakref.ref]] = {}
+_held_guard = threading.Lock()
 
 
 class SpanAttentionCallback(TrainerCallback, ExportableState):
@@ -54,7 +59,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             span_diagnostics.jsonl). The file always lies in the output dir: an absolute path outside it
             (as one read back from the trainer_state.json of a run that has moved) keeps only its file name.
             A resumed run first drops the records past the step it resumes from. While a run writes it,
-            `<file>.lock` (the process id) stops a second run from writing into it.
+            `<file>.lock` (the process id) stops a second run, in another process or thread, from writing into it.
 
     Settings are validated when training starts. The schedule is a function of the global step,
     so a run resumed from a checkpoint continues it at the same point.
@@ -157,7 +162,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                              f"{checkpoint}, a checkpoint that the Trainer writes over or deletes (save_total_limit); "
                              "name a file outside the checkpoint folders")
         if self.diagnostics_every and state.is_world_process_zero:
-            _take_lock(self._path)
+            _take_lock(self._path, self)
             _start_records(self._path, state.global_step, state.log_history)
         self._apply(state.global_step)
 
@@ -247,7 +252,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     module.__dict__.pop(name, None)
         self._applied = None
         if self._path is not None:
-            _release_lock(self._path)
+            _release_lock(self._path, self)
 
     # -- schedule ---------------------------------------------------------------------------
     def settings_at(self, step: int) -> dict:
@@ -380,12 +385,19 @@ def _start_records(path: str, step: int, log_history: list) -> None:
             write_whole(path, lambda f: f.write(data.decode("utf-8", "surrogateescape")))
 
 
-def _take_lock(path: str) -> None:
+def _take_lock(path: str, owner: SpanAttentionCallback) -> None:
     """`<path>.lock`, holding the process id, while a run writes diagnostics into `path`: a second run writing into
-    the same file (a second Trainer on the same output dir) would mix its records with the first's and move them
-    aside. A lock whose process is gone, or that this process left (a run stopped midway in a notebook), is taken
-    over; a file of that name that is no lock is left as it is."""
+    the same file (a second Trainer on the same output dir, in another process or another thread) would mix its
+    records with the first's and move them aside. A lock whose process is gone, or that this process left (a run
+    stopped midway in a notebook: no training of its callback is going on), is taken over; a file of that name that
+    is no lock is left as it is."""
     lock = f"{path}.lock"
+    with _held_guard:  # threads of this process: one at a time sees who holds the lock and takes it
+        _take_lock_file(path, lock)
+        _held[os.path.realpath(lock)] = (threading.get_ident(), weakref.ref(owner))
+
+
+def _take_lock_file(path: str, lock: str) -> None:
     for _ in range(3):
         try:
             os.makedirs(os.path.dirname(lock), exist_ok=True)
@@ -438,7 +450,8 @@ def _lock_holder(lock: str) -> str | None:
         raise not_a_lock
     if host == socket.gethostname():
         if pid == os.getpid():
-            return None
+            thread = _training_thread(lock)
+            return None if thread is None else f"thread {thread!r} of this process, {pid}, on {host[:100]}"
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -455,8 +468,30 @@ def _is_a_pipe(path: str) -> bool:
         return False
 
 
-def _release_lock(path: str) -> None:
+def _training_thread(lock: str) -> str | None:
+    """The name of the thread of this process whose training run holds `lock`, or None where the run that took it
+    has stopped (its callback is gone, or no training of its callback is on its thread's call stack) or runs on
+    this thread (which trains one run at a time)."""
+    ident, owner = _held.get(os.path.realpath(lock), (None, lambda: None))
+    owner = owner()
+    if owner is None or ident == threading.get_ident():
+        return None
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        handler = getattr(frame.f_locals.get("self"), "__dict__", {}).get("callback_handler")  # a Trainer's
+        if isinstance(handler, CallbackHandler) and any(c is owner for c in handler.callbacks):
+            return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+        frame = frame.f_back
+    return None
+
+
+def _release_lock(path: str, owner: SpanAttentionCallback) -> None:
     lock = f"{path}.lock"
+    with _held_guard:
+        held = _held.get(os.path.realpath(lock), (None, lambda: None))[1]
+        if held() is not owner:  # another run of this process took it over
+            return
+        del _held[os.path.realpath(lock)]
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, RecursionError):
         with open(lock) as f:
             mine = json.load(f).get("pid") == os.getpid()
