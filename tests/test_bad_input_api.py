@@ -691,6 +691,18 @@ def test_a_diagnostics_file_that_names_a_folder_fails_when_training_starts(tmp_p
     assert trainer.state.global_step == 0
 
 
+@pytest.mark.parametrize("name", ["README.md", "config.json", "./trainer_state.json"])
+def test_a_diagnostics_file_named_as_a_file_the_trainer_writes_is_refused(name, tmp_path):
+    """Records written into README.md or config.json of the output dir were written over, without a word, by the
+    Trainer's create_model_card or save_model."""
+    trainer = trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file=name))
+    with pytest.raises(ValueError, match=f"diagnostics_file='{name}' is a file that the Trainer writes into its "
+                                         "output_dir \\(saving the model, its state, its metrics or its card\\), "
+                                         "over the records; name another file"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not (tmp_path / name).exists()
+
+
 def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
     """`layers=` is patch_model's argument; load_pretrained passes it on (to a model's or an adapter's base model)
     rather than to the model class, which refused it."""

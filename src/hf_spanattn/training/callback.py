@@ -19,9 +19,22 @@ import weakref
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import _re_checkpoint, has_length
+from transformers.utils import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
+from hf_spanattn.config import CONFIG_NAME as SETTINGS_NAME
 from hf_spanattn.config import SpanAttentionConfig, write_whole
 from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import (
@@ -42,6 +55,13 @@ logger = logging.getLogger(__name__)
 # the diagnostics locks this process holds: real path -> (thread id, callback) of the run that took it
 _held: dict[str, tuple[int, weakref.ref]] = {}
 _held_guard = threading.Lock()
+# what the Trainer writes into its output dir (save_model, save_state, save_metrics, create_model_card), over a
+# diagnostics file of the same name
+TRAINER_FILES = {CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
+                 WEIGHTS_INDEX_NAME, ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME,
+                 SETTINGS_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME, "README.md", "all_results.json",
+                 "train_results.json", "eval_results.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"}
 
 
 class SpanAttentionCallback(TrainerCallback, ExportableState):
@@ -161,6 +181,10 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r} lies in the folder "
                              f"{checkpoint}, a checkpoint that the Trainer writes over or deletes (save_total_limit); "
                              "name a file outside the checkpoint folders")
+        if self.diagnostics_every and os.path.relpath(self._path, args.output_dir) in TRAINER_FILES:
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r} is a file that the "
+                             "Trainer writes into its output_dir (saving the model, its state, its metrics or its "
+                             "card), over the records; name another file")
         if self.diagnostics_every and state.is_world_process_zero:
             _take_lock(self._path, self)
             _start_records(self._path, state.global_step, state.log_history)
