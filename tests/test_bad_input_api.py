@@ -703,6 +703,40 @@ def test_a_diagnostics_file_named_as_a_file_the_trainer_writes_is_refused(name, 
     assert trainer.state.global_step == 0 and not (tmp_path / name).exists()
 
 
+def test_a_settings_section_set_to_null_says_so(tmp_path):
+    """config.json's "span_attention": null (a hand edit) warned that the field 'span_attention' was "not given, but a
+    field 'span_attention' is, which is not read"."""
+    model = tiny("gpt2")
+    patch_model(model, "score:1100").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "span_attention": None}))
+    with pytest.warns(UserWarning, match=f"{tmp_path}/config.json, field 'span_attention': null, which gives no "
+                                         "settings; patching with the default score:1000") as warned:
+        loaded = load_pretrained(tmp_path)
+    assert config_of(loaded.config).label == "score:1000" and len(warned) == 1
+
+
+def test_a_settings_save_into_a_folder_that_takes_no_file_names_the_settings_file(tmp_path, monkeypatch):
+    """A folder where no file can be made (read-only, immutable): the error named only the partial file written
+    beside the settings first."""
+    import builtins
+
+    import hf_spanattn.config
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith(".partial"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    SpanAttentionConfig().save_pretrained(tmp_path)
+    monkeypatch.setattr(hf_spanattn.config, "open", refused, raising=False)
+    saved = tmp_path / "span_attention_config.json"
+    with pytest.raises(PermissionError, match=f"{saved}: cannot be saved \\(Permission denied when writing "
+                                              f"{saved}.[0-9]+.partial beside it first\\)"):
+        SpanAttentionConfig.from_label("score:1100").save_pretrained(tmp_path)
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1000"
+
+
 def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
     """`layers=` is patch_model's argument; load_pretrained passes it on (to a model's or an adapter's base model)
     rather than to the model class, which refused it."""
