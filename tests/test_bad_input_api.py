@@ -1273,7 +1273,7 @@ def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagno
     """Two Trainers in threads of one process writing diagnostics into one file: the lock holds the process id, so
     the second took it over as one that a stopped run of this process left, and moved the first's records aside. A
     run of this process holds it while its training goes on in its thread; one stopped midway (in this thread, or
-    in another that lives on) is taken over."""
+    in another that lives on) is taken over. One callback given to two Trainers that train at once is refused."""
     import contextlib
     import os
     import threading
@@ -1293,10 +1293,10 @@ def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagno
             if self.stop:
                 raise KeyboardInterrupt
 
-    def run_in_a_thread(pause: Pause) -> threading.Thread:
+    def run_in_a_thread(pause: Pause, callback: SpanAttentionCallback | None = None) -> threading.Thread:
         def run() -> None:
             with contextlib.suppress(KeyboardInterrupt):
-                trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1), pause).train()
+                trainer_with(tmp_path, callback or SpanAttentionCallback(diagnostics_every=1), pause).train()
             pause.ended.set()
             pause.leave.wait(60)  # the thread lives on after its run
 
@@ -1334,6 +1334,19 @@ def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagno
     assert lock.exists()
     trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
     assert steps_in(records) == [1, 1] and not lock.exists()
+    # one callback given to two Trainers training at once: the second took the first's layers and records from it
+    shared, first = SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1), Pause()
+    thread = run_in_a_thread(first, shared)
+    try:
+        with pytest.raises(ValueError, match="SpanAttentionCallback: this callback is in a training run going on "
+                                             "in thread 'first run'; give each Trainer a SpanAttentionCallback of"):
+            trainer_with(tmp_path / "other", shared).train()
+    finally:
+        first.go.set()
+        first.leave.set()
+        thread.join(60)
+    assert [json.loads(line)["span"] for line in records.read_text().splitlines()] == ["score:1100"] * 2
+    assert not lock.exists() and not (tmp_path / "other" / "span_diagnostics.jsonl").exists()
 
 
 def test_a_diagnostics_file_that_is_a_pipe_is_refused(tmp_path):

@@ -141,6 +141,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     # -- the Trainer's events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        thread = _running_in(getattr(self, "_thread", None), self)
+        if thread is not None:  # starting afresh would take the layers, settings and records from under that run
+            raise ValueError(f"SpanAttentionCallback: this callback is in a training run going on in thread "
+                             f"{thread!r}; give each Trainer a SpanAttentionCallback of its own")
+        self._thread = threading.get_ident()
         self._check()
         self._start_afresh()
         self._move_first()
@@ -494,11 +499,15 @@ def _is_a_pipe(path: str) -> bool:
 
 def _training_thread(lock: str) -> str | None:
     """The name of the thread of this process whose training run holds `lock`, or None where the run that took it
-    has stopped (its callback is gone, or no training of its callback is on its thread's call stack) or runs on
-    this thread (which trains one run at a time)."""
+    has stopped or runs on this thread (`_running_in`)."""
     ident, owner = _held.get(os.path.realpath(lock), (None, lambda: None))
-    owner = owner()
-    if owner is None or ident == threading.get_ident():
+    return _running_in(ident, owner())
+
+
+def _running_in(ident: Any, owner: SpanAttentionCallback | None) -> str | None:
+    """The name of thread `ident` where a Trainer holding `owner` is training, or None where none is (the run
+    stopped midway, its callback is gone) or `ident` is this thread (which trains one run at a time)."""
+    if owner is None or not isinstance(ident, int) or ident == threading.get_ident():
         return None
     frame = sys._current_frames().get(ident)
     while frame is not None:
