@@ -605,12 +605,18 @@ def test_numpy_and_path_arguments_of_the_callback_save_as_json():
     the Trainer writes into trainer_state.json) stays JSON."""
     import numpy as np
 
-    callback = SpanAttentionCallback(schedule=(Keyframe(np.int64(5), "score:1000"),), diagnostics_every=np.int64(2),
-                                     diagnostics_file=Path("d.jsonl"))
+    callback = SpanAttentionCallback(schedule=(Keyframe(np.int64(5), "score:1000"),
+                                               Keyframe(6, {np.int64(0): "score:1100", torch.tensor(1): "simple:10"})),
+                                     diagnostics_every=np.int64(2), diagnostics_file=Path("d.jsonl"))
     assert callback.schedule.keyframes[0].step(10, None) == 5
-    assert json.loads(json.dumps(callback.state()))["args"] == {
-        "schedule": [{"at": 5, "span": "score:1000", "ramp": False}], "diagnostics_every": 2,
+    assert json.loads(json.dumps(callback.state()))["args"] == {  # a layer key np.int64 failed the checkpoint save
+        "schedule": [{"at": 5, "span": "score:1000", "ramp": False},
+                     {"at": 6, "span": {"0": "score:1100", "1": "simple:10"}, "ramp": False}], "diagnostics_every": 2,
         "diagnostics_per_head": False, "diagnostics_file": "d.jsonl"}
+    assert callback.schedule.keyframes[1].settings(2)[1].label == "simple:10"
+    with pytest.raises(ValueError, match=r"keyframe span=\{Decimal\('0'\): 'score:1100'\}: layer key Decimal\('0'\) "
+                                         r"\(Decimal\): expected a layer index \(int\) or a string of them"):
+        Keyframe(0, {decimal.Decimal(0): "score:1100"})
 
 
 def train_step(model) -> None:
