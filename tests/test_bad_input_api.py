@@ -709,6 +709,23 @@ def test_a_diagnostics_file_named_as_a_file_the_trainer_writes_is_refused(name, 
     assert trainer.state.global_step == 0 and not (tmp_path / name).exists()
 
 
+def test_a_diagnostics_file_reached_through_a_symbolic_link_is_checked_where_it_lands(tmp_path):
+    """A link in the output dir to README.md, or to a checkpoint folder, took the records where the Trainer writes over
+    or deletes them."""
+    import os
+
+    os.symlink(tmp_path / "README.md", tmp_path / "d.jsonl")
+    (tmp_path / "checkpoint-1").mkdir()
+    os.symlink(tmp_path / "checkpoint-1", tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"diagnostics_file='d.jsonl' \(through a symbolic link: README.md\) is a file "
+                                         "that the Trainer writes into its output_dir"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="d.jsonl")).train()
+    with pytest.raises(ValueError, match=r"diagnostics_file='ck/d.jsonl' \(through a symbolic link: "
+                                         r"checkpoint-1/d.jsonl\) lies in the folder checkpoint-1, a checkpoint"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="ck/d.jsonl")).train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "ck", "d.jsonl"]
+
+
 def test_a_settings_section_set_to_null_says_so(tmp_path):
     """config.json's "span_attention": null (a hand edit) warned that the field 'span_attention' was "not given, but a
     field 'span_attention' is, which is not read"."""

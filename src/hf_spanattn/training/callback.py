@@ -180,16 +180,19 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         if self.diagnostics_every and _is_a_pipe(self._path):  # writing would wait for a reader for ever
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
                              "pipe or a socket; expected the name of the JSONL file to write")
-        checkpoint = next((part for part in os.path.relpath(self._path, args.output_dir).split(os.sep)[:-1]
-                           if _re_checkpoint.search(part)), None)
+        # where the records land, symbolic links followed (a link in the output dir may lead into a checkpoint)
+        landing = os.path.relpath(os.path.realpath(self._path), os.path.realpath(args.output_dir))
+        through = f" (through a symbolic link: {landing})" if landing != os.path.relpath(self._path, args.output_dir) \
+            else ""
+        checkpoint = next((part for part in landing.split(os.sep)[:-1] if _re_checkpoint.search(part)), None)
         if self.diagnostics_every and checkpoint is not None:
-            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r} lies in the folder "
-                             f"{checkpoint}, a checkpoint that the Trainer writes over or deletes (save_total_limit); "
-                             "name a file outside the checkpoint folders")
-        if self.diagnostics_every and os.path.relpath(self._path, args.output_dir) in TRAINER_FILES:
-            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r} is a file that the "
-                             "Trainer writes into its output_dir (saving the model, its state, its metrics or its "
-                             "card), over the records; name another file")
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}{through} lies in the "
+                             f"folder {checkpoint}, a checkpoint that the Trainer writes over or deletes "
+                             "(save_total_limit); name a file outside the checkpoint folders")
+        if self.diagnostics_every and landing in TRAINER_FILES:
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}{through} is a file "
+                             "that the Trainer writes into its output_dir (saving the model, its state, its metrics or "
+                             "its card), over the records; name another file")
         if self.diagnostics_every and state.is_world_process_zero:
             _take_lock(self._path, self)
             _start_records(self._path, state.global_step, state.log_history)
