@@ -1372,6 +1372,16 @@ def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagno
     assert not lock.exists() and not (tmp_path / "other" / "span_diagnostics.jsonl").exists()
 
 
+def test_a_diagnostics_file_under_a_file_names_the_cause(tmp_path):
+    """A file where the diagnostics file's folder goes: the folder's FileExistsError was taken for a lock another run
+    took meanwhile, three times: "could not take the lock of the diagnostics file"."""
+    (tmp_path / "a.txt").write_text("mine")
+    with pytest.raises(OSError, match=f"{tmp_path}/a.txt/d.jsonl: cannot make the folder of the diagnostics file "
+                                      r"\(FileExistsError: File exists; is a file in its way\?\); name another"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="a.txt/d.jsonl")).train()
+    assert (tmp_path / "a.txt").read_text() == "mine"
+
+
 def test_a_diagnostics_file_that_is_a_pipe_is_refused(tmp_path):
     """Writing a record into a named pipe waits for a reader: the run hung at its first recorded step."""
     import os

@@ -430,9 +430,14 @@ def _take_lock(path: str, owner: SpanAttentionCallback) -> None:
 
 
 def _take_lock_file(path: str, lock: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+    except OSError as err:  # a file where a folder goes (FileExistsError, which the loop takes for a lock taken)
+        raise OSError(f"SpanAttentionCallback: {path}: cannot make the folder of the diagnostics file "
+                      f"({type(err).__name__}: {err.strerror}; is a file in its way?); name another diagnostics_file") \
+            from None
     for _ in range(3):
         try:
-            os.makedirs(os.path.dirname(lock), exist_ok=True)
             holder = _lock_holder(lock)
             if holder is not None:
                 raise ValueError(f"SpanAttentionCallback: {path}: another run is writing diagnostics into this file "
