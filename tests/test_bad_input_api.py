@@ -741,8 +741,9 @@ def test_a_settings_section_set_to_null_says_so(tmp_path):
 
 def test_a_settings_save_into_a_folder_that_takes_no_file_names_the_settings_file(tmp_path, monkeypatch):
     """A folder where no file can be made (read-only, immutable): the error named only the partial file written
-    beside the settings first."""
+    beside the settings first; one that cannot replace them (a folder of that name) names them."""
     import builtins
+    import os
 
     import hf_spanattn.config
 
@@ -758,6 +759,13 @@ def test_a_settings_save_into_a_folder_that_takes_no_file_names_the_settings_fil
                                               f"{saved}.[0-9]+.partial beside it first\\)"):
         SpanAttentionConfig.from_label("score:1100").save_pretrained(tmp_path)
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1000"
+    monkeypatch.undo()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "span_attention_config.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path}/mine/span_attention_config.json: cannot be saved "
+                                                r"\(Is a directory\)$"):
+        SpanAttentionConfig().save_pretrained(tmp_path / "mine")
+    assert os.listdir(tmp_path / "mine") == ["span_attention_config.json"]
 
 
 def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):

@@ -169,8 +169,8 @@ def write_whole(path: str, write: Callable[[TextIO], Any]) -> None:
         with contextlib.suppress(OSError):
             os.remove(partial)
         if isinstance(err, OSError) and err.filename == partial:  # name the file saved, not the partial one
-            raise type(err)(err.errno, f"{path}: cannot be saved ({err.strerror} when writing {partial} beside it "
-                                       "first)") from None
+            when = "" if err.filename2 else f" when writing {partial} beside it first"  # else when replacing it
+            raise type(err)(err.errno, f"{path}: cannot be saved ({err.strerror}{when})") from None
         raise
 
 
