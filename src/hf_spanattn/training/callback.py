@@ -78,6 +78,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         diagnostics_file: JSONL output, a path relative to the Trainer's output_dir (default
             span_diagnostics.jsonl). The file always lies in the output dir: an absolute path outside it
             (as one read back from the trainer_state.json of a run that has moved) keeps only its file name.
+            A file that the Trainer writes (README.md, config.json, ...: `TRAINER_FILES`) or deletes (one
+            in a checkpoint folder) is refused, symbolic links followed.
             A resumed run first drops the records past the step it resumes from. While a run writes it,
             `<file>.lock` (the process id) stops a second run, in another process or thread, from writing into it.
 
