@@ -165,9 +165,12 @@ def write_whole(path: str, write: Callable[[TextIO], Any]) -> None:
         if os.path.exists(path):
             shutil.copymode(path, partial)
         os.replace(partial, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(partial)
+        if isinstance(err, OSError) and err.filename == partial:  # name the file saved, not the partial one
+            when = "" if err.filename2 else f" when writing {partial} beside it first"  # else when replacing it
+            raise type(err)(err.errno, f"{path}: cannot be saved ({err.strerror}{when})") from None
         raise
 
 

@@ -159,6 +159,10 @@ def _not_a_backend(base: PreTrainedModel) -> str:
 def _default_settings(model_config: Any) -> SpanAttentionConfig:
     """The default settings, for a model config without any; a field named almost as the settings' (a hand edit
     such as 'span_atention') warns that it is not read."""
+    if CONFIG_KEY in vars(model_config):  # "span_attention": null (unpatch_model removes the field)
+        warnings.warn(f"{stored_source(model_config)}: null, which gives no settings; patching with the default "
+                      f"{SpanAttentionConfig().label}", stacklevel=4)
+        return SpanAttentionConfig()
     names = [name for name in vars(model_config) if isinstance(name, str)]
     for name in difflib.get_close_matches(CONFIG_KEY, names, n=1, cutoff=0.8):
         warnings.warn(f"{stored_source(model_config)}: not given, but a field {name!r} is, which is not read; "
