@@ -177,6 +177,15 @@ def set_after(callback: SpanAttentionCallback, **attributes) -> SpanAttentionCal
     return callback
 
 
+def appended(callback: SpanAttentionCallback, keyframe: object) -> SpanAttentionCallback:
+    """The callback's schedule changed in place after it was made: `keyframe` appended, or (None) the list emptied."""
+    if keyframe is None:
+        callback.schedule.keyframes.clear()
+    else:
+        callback.schedule.keyframes.append(keyframe)
+    return callback
+
+
 def sinks_forward() -> None:
     """GPT-OSS set to span_attention without patch_model (as from_pretrained(attn_implementation=...) does)."""
     from hf_spanattn.integration import register
@@ -259,6 +268,12 @@ CASES = [
      "label='score: 1000': expected '<method>:<alphas>"),
     ("alphas holding a signaling NaN Decimal", lambda t: SpanAttentionConfig(alphas=[decimal.Decimal("sNaN"), 0, 0, 0]),
      ValueError, "alphas=[Decimal('sNaN'), 0, 0, 0]: expected a sequence of 4 numbers"),
+    ("OrderRecorder.summary per_head a string", lambda t: OrderRecorder().summary(per_head="no"), TypeError,
+     "OrderRecorder.summary: per_head='no': expected True or False"),
+    ("method a 0-d NumPy array", lambda t: SpanAttentionConfig(method=np.array("score")), ValueError,
+     "method=array('score', dtype='<U5'): allowed values are standard, simple, reductionistic, score, as a str"),
+    ("score_grad a 0-d NumPy array", lambda t: SpanAttentionConfig(score_grad=np.array("exact")), ValueError,
+     "score_grad=array('exact', dtype='<U5'): allowed values are exact, per_block, as a str"),
     ("layers a range too long for a list", lambda t: SpanAttentionConfig(layers=range(10**20)), ValueError,
      "layers=range(0, 100000000000000000000): expected None (all layers) or a sequence"),
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
@@ -508,6 +523,12 @@ CASES = [
     ("callback schedule set to a label after it was made",
      lambda t: trainer_with(t, set_after(SpanAttentionCallback(), schedule="score:1000")).train(), ValueError,
      "SpanAttentionCallback: schedule='score:1000': expected a Schedule or a list of keyframes"),
+    ("callback schedule given an entry that is no keyframe after it was made",
+     lambda t: trainer_with(t, appended(SpanAttentionCallback([Keyframe(0, "score:1000")]), "x")).train(), ValueError,
+     "SpanAttentionCallback: schedule keyframe 'x': expected keys 'at', 'span' and optionally 'ramp'"),
+    ("callback schedule emptied after it was made",
+     lambda t: trainer_with(t, appended(SpanAttentionCallback([Keyframe(0, "score:1000")]), None)).train(), ValueError,
+     "SpanAttentionCallback: schedule: needs at least one keyframe"),
     ("settings read from a model's config.json", lambda t: SpanAttentionConfig.from_pretrained(
         saved_model(t, alphas=[1, 1, 0, 0]) / "config.json"), ValueError,
      "{tmp}/model/config.json: a model's config, not a span_attention_config.json; a saved model keeps its settings in "
@@ -605,12 +626,18 @@ def test_numpy_and_path_arguments_of_the_callback_save_as_json():
     the Trainer writes into trainer_state.json) stays JSON."""
     import numpy as np
 
-    callback = SpanAttentionCallback(schedule=(Keyframe(np.int64(5), "score:1000"),), diagnostics_every=np.int64(2),
-                                     diagnostics_file=Path("d.jsonl"))
+    callback = SpanAttentionCallback(schedule=(Keyframe(np.int64(5), "score:1000"),
+                                               Keyframe(6, {np.int64(0): "score:1100", torch.tensor(1): "simple:10"})),
+                                     diagnostics_every=np.int64(2), diagnostics_file=Path("d.jsonl"))
     assert callback.schedule.keyframes[0].step(10, None) == 5
-    assert json.loads(json.dumps(callback.state()))["args"] == {
-        "schedule": [{"at": 5, "span": "score:1000", "ramp": False}], "diagnostics_every": 2,
+    assert json.loads(json.dumps(callback.state()))["args"] == {  # a layer key np.int64 failed the checkpoint save
+        "schedule": [{"at": 5, "span": "score:1000", "ramp": False},
+                     {"at": 6, "span": {"0": "score:1100", "1": "simple:10"}, "ramp": False}], "diagnostics_every": 2,
         "diagnostics_per_head": False, "diagnostics_file": "d.jsonl"}
+    assert callback.schedule.keyframes[1].settings(2)[1].label == "simple:10"
+    with pytest.raises(ValueError, match=r"keyframe span=\{Decimal\('0'\): 'score:1100'\}: layer key Decimal\('0'\) "
+                                         r"\(Decimal\): expected a layer index \(int\) or a string of them"):
+        Keyframe(0, {decimal.Decimal(0): "score:1100"})
 
 
 def train_step(model) -> None:
@@ -689,6 +716,77 @@ def test_a_diagnostics_file_that_names_a_folder_fails_when_training_starts(tmp_p
                                          "of the JSONL file"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("name", ["README.md", "config.json", "./trainer_state.json"])
+def test_a_diagnostics_file_named_as_a_file_the_trainer_writes_is_refused(name, tmp_path):
+    """Records written into README.md or config.json of the output dir were written over, without a word, by the
+    Trainer's create_model_card or save_model."""
+    trainer = trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file=name))
+    with pytest.raises(ValueError, match=f"diagnostics_file='{name}' is a file that the Trainer writes into its "
+                                         "output_dir \\(saving the model, its state, its metrics or its card\\), "
+                                         "over the records; name another file"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not (tmp_path / name).exists()
+
+
+def test_a_diagnostics_file_reached_through_a_symbolic_link_is_checked_where_it_lands(tmp_path):
+    """A link in the output dir to README.md, or to a checkpoint folder, took the records where the Trainer writes over
+    or deletes them."""
+    import os
+
+    os.symlink(tmp_path / "README.md", tmp_path / "d.jsonl")
+    (tmp_path / "checkpoint-1").mkdir()
+    os.symlink(tmp_path / "checkpoint-1", tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"diagnostics_file='d.jsonl' \(through a symbolic link: README.md\) is a file "
+                                         "that the Trainer writes into its output_dir"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="d.jsonl")).train()
+    with pytest.raises(ValueError, match=r"diagnostics_file='ck/d.jsonl' \(through a symbolic link: "
+                                         r"checkpoint-1/d.jsonl\) lies in the folder checkpoint-1, a checkpoint"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="ck/d.jsonl")).train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "ck", "d.jsonl"]
+
+
+def test_a_settings_section_set_to_null_says_so(tmp_path):
+    """config.json's "span_attention": null (a hand edit) warned that the field 'span_attention' was "not given, but a
+    field 'span_attention' is, which is not read"."""
+    model = tiny("gpt2")
+    patch_model(model, "score:1100").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "span_attention": None}))
+    with pytest.warns(UserWarning, match=f"{tmp_path}/config.json, field 'span_attention': null, which gives no "
+                                         "settings; patching with the default score:1000") as warned:
+        loaded = load_pretrained(tmp_path)
+    assert config_of(loaded.config).label == "score:1000" and len(warned) == 1
+
+
+def test_a_settings_save_into_a_folder_that_takes_no_file_names_the_settings_file(tmp_path, monkeypatch):
+    """A folder where no file can be made (read-only, immutable): the error named only the partial file written
+    beside the settings first; one that cannot replace them (a folder of that name) names them."""
+    import builtins
+    import os
+
+    import hf_spanattn.config
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith(".partial"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    SpanAttentionConfig().save_pretrained(tmp_path)
+    monkeypatch.setattr(hf_spanattn.config, "open", refused, raising=False)
+    saved = tmp_path / "span_attention_config.json"
+    with pytest.raises(PermissionError, match=f"{saved}: cannot be saved \\(Permission denied when writing "
+                                              f"{saved}.[0-9]+.partial beside it first\\)"):
+        SpanAttentionConfig.from_label("score:1100").save_pretrained(tmp_path)
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1000"
+    monkeypatch.undo()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "span_attention_config.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path}/mine/span_attention_config.json: cannot be saved "
+                                                r"\(Is a directory\)$"):
+        SpanAttentionConfig().save_pretrained(tmp_path / "mine")
+    assert os.listdir(tmp_path / "mine") == ["span_attention_config.json"]
 
 
 def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
@@ -1223,6 +1321,96 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="x" * 300)).train()
 
 
+def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagnostics_file(tmp_path):
+    """Two Trainers in threads of one process writing diagnostics into one file: the lock holds the process id, so
+    the second took it over as one that a stopped run of this process left, and moved the first's records aside. A
+    run of this process holds it while its training goes on in its thread; one stopped midway (in this thread, or
+    in another that lives on) is taken over. One callback given to two Trainers that train at once is refused."""
+    import contextlib
+    import os
+    import threading
+
+    from transformers import TrainerCallback
+
+    class Pause(TrainerCallback):
+        """Holds its run in its first step until `go`; then stops it there if `stop`."""
+
+        def __init__(self, stop: bool = False) -> None:
+            self.started, self.go, self.ended, self.leave = (threading.Event() for _ in range(4))
+            self.stop = stop
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started.set()
+            self.go.wait(60)
+            if self.stop:
+                raise KeyboardInterrupt
+
+    def run_in_a_thread(pause: Pause, callback: SpanAttentionCallback | None = None) -> threading.Thread:
+        def run() -> None:
+            with contextlib.suppress(KeyboardInterrupt):
+                trainer_with(tmp_path, callback or SpanAttentionCallback(diagnostics_every=1), pause).train()
+            pause.ended.set()
+            pause.leave.wait(60)  # the thread lives on after its run
+
+        thread = threading.Thread(target=run, name="first run")
+        thread.start()
+        assert pause.started.wait(60)
+        return thread
+
+    records, lock = tmp_path / "span_diagnostics.jsonl", tmp_path / "span_diagnostics.jsonl.lock"
+    first = Pause()
+    thread = run_in_a_thread(first)
+    try:
+        with pytest.raises(ValueError, match=f"{records}: another run is writing diagnostics into this file \\(thread "
+                                             f"'first run' of this process, {os.getpid()}, on .*, see {lock}\\)"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    finally:
+        first.go.set()
+        first.leave.set()
+        thread.join(60)
+    assert steps_in(records) == [1, 1] and not lock.exists()  # the first run's records, where it wrote them
+    stopped = Pause(stop=True)
+    thread = run_in_a_thread(stopped)
+    stopped.go.set()
+    assert stopped.ended.wait(60) and lock.exists() and thread.is_alive()
+    try:
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()  # stopped, its thread alive
+    finally:
+        stopped.leave.set()
+        thread.join(60)
+    assert steps_in(records) == [1, 1] and not lock.exists()
+    stopped = Pause(stop=True)
+    stopped.go.set()
+    with pytest.raises(KeyboardInterrupt):  # stopped in this thread, as in a notebook
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1), stopped).train()
+    assert lock.exists()
+    trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert steps_in(records) == [1, 1] and not lock.exists()
+    # one callback given to two Trainers training at once: the second took the first's layers and records from it
+    shared, first = SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1), Pause()
+    thread = run_in_a_thread(first, shared)
+    try:
+        with pytest.raises(ValueError, match="SpanAttentionCallback: this callback is in a training run going on "
+                                             "in thread 'first run'; give each Trainer a SpanAttentionCallback of"):
+            trainer_with(tmp_path / "other", shared).train()
+    finally:
+        first.go.set()
+        first.leave.set()
+        thread.join(60)
+    assert [json.loads(line)["span"] for line in records.read_text().splitlines()] == ["score:1100"] * 2
+    assert not lock.exists() and not (tmp_path / "other" / "span_diagnostics.jsonl").exists()
+
+
+def test_a_diagnostics_file_under_a_file_names_the_cause(tmp_path):
+    """A file where the diagnostics file's folder goes: the folder's FileExistsError was taken for a lock another run
+    took meanwhile, three times: "could not take the lock of the diagnostics file"."""
+    (tmp_path / "a.txt").write_text("mine")
+    with pytest.raises(OSError, match=f"{tmp_path}/a.txt/d.jsonl: cannot make the folder of the diagnostics file "
+                                      r"\(FileExistsError: File exists; is a file in its way\?\); name another"):
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="a.txt/d.jsonl")).train()
+    assert (tmp_path / "a.txt").read_text() == "mine"
+
+
 def test_a_diagnostics_file_that_is_a_pipe_is_refused(tmp_path):
     """Writing a record into a named pipe waits for a reader: the run hung at its first recorded step."""
     import os
@@ -1426,3 +1614,56 @@ def test_an_adapter_saved_unpatched_over_settings_saved_before_warns_that_they_a
                                          "now is not patched"):
         model.save_pretrained(tmp_path)
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1100"
+
+
+def test_the_note_that_settings_are_missing_is_said_for_each_model(caplog):
+    """The settings deleted from a patched model's config: it trains on the default, which a note says; it was said
+    once per process, so a second model whose settings were deleted trained on the default without a word."""
+    import logging
+
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    models = [patch_model(tiny("gpt2", seed=seed), "simple:10") for seed in (0, 1)]
+    for model in models:
+        del model.config.span_attention
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        for model in models + models:  # each model twice: said once for each
+            model.train()(input_ids=ids, labels=ids).loss.backward()
+    notes = [r.getMessage() for r in caplog.records if "has no 'span_attention' settings" in r.getMessage()]
+    assert len(notes) == 2 and all("using the default score:1000" in n for n in notes)
+
+
+def test_a_model_built_from_the_config_of_a_patched_one_says_it_trains_with_span_gradients():
+    """Two models built from one config object, one patched: Transformers' attention setting lives on the config, so
+    the other trained with span gradients, and unpatching the other unpatched the first, without a word."""
+    config = tiny("llama").config
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    patched, other = (type(tiny("llama"))(config) for _ in range(2))
+    patch_model(patched, "score:1000")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patched.train()(input_ids=ids, labels=ids).loss.backward()  # the patched model itself: no warning
+    with pytest.warns(UserWarning, match=r"LlamaAttention belongs to a model that hf_spanattn.patch_model was not "
+                                         r"given, but its config object \(LlamaConfig\) is that of a model it was"):
+        other.train()(input_ids=ids, labels=ids).loss.backward()
+    patch_model(other, "simple:10")
+    with pytest.warns(UserWarning, match=r"unpatch_model: another model that patch_model was given shares the config "
+                                         r"object of LlamaForCausalLM \(both built from one config\), and is"):
+        unpatch_model(other)
+    assert patched.config._attn_implementation == "sdpa"
+
+
+def test_layers_removed_from_a_model_cannot_be_selected():
+    """Layers pruned from a model whose config still counts them (or a middle one dropped): a selection of a removed
+    layer was taken, and no layer got span gradients, without a word."""
+    pruned = tiny("llama", layers=3)
+    pruned.model.layers = pruned.model.layers[:2]  # num_hidden_layers still 3
+    with pytest.raises(ValueError, match=r"layers=\[2\]: LlamaForCausalLM has no attention module of layer 2; its "
+                                         r"attention modules carry the layer indices 0, 1$"):
+        patch_model(pruned, "score:1000", layers=[2])
+    gap = tiny("llama", layers=3)
+    gap.model.layers = torch.nn.ModuleList([gap.model.layers[0], gap.model.layers[2]])
+    gap.config.num_hidden_layers = 2
+    with pytest.raises(ValueError, match=r"layers=\[0, 1\]: LlamaForCausalLM has no attention module of layer 1; "
+                                         r"its attention modules carry the layer indices 0, 2"):
+        patch_model(gap, "score:1000", layers=[0, 1])
+    assert patch_model(pruned, "score:1000", layers=[1]).config.span_attention["layers"] == [1]

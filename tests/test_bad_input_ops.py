@@ -549,3 +549,19 @@ def test_nested_tensors_get_sdpas_result_or_say_span_gradients_need_dense_ones()
     assert all(x.grad is not None for x in leaves)
     with pytest.raises(TypeError, match=r"nested tensors do not take span gradients; pad them \(to_padded_tensor\)"):
         span_attention(*leaves, config="score:1000")
+
+
+def test_backend_for_takes_a_device_as_a_tensor_has_it(monkeypatch):
+    """backend_for('cpu:0') and backend_for(torch.device('cpu')) said 'fused' where span_attention on such a tensor
+    runs on the tiles; a dtype given as a string, or a device that is none, gave an answer instead of an error."""
+    from hf_spanattn.ops import backend_for
+
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    for device in ("cpu:0", torch.device("cpu"), torch.empty(0).device):
+        assert backend_for(device) == "tiles"
+    assert backend_for("cuda:0") == "fused" and backend_for(torch.device("cuda", 1), torch.float64) == "tiles"
+    for device in ("CPU", "gpu", None):
+        with pytest.raises(ValueError, match=r"backend_for: device=.*: expected a device type such as 'cpu'"):
+            backend_for(device)
+    with pytest.raises(TypeError, match=r"backend_for: dtype='float64': expected a torch.dtype"):
+        backend_for("cuda", "float64")

@@ -39,6 +39,19 @@ def test_compiled_training_gives_the_same_gradients(label, backend, monkeypatch)
     check_compiled_training("gpt2", label, backend, "aot_eager", monkeypatch)
 
 
+def test_fullgraph_training_on_the_fused_kernels(monkeypatch):
+    """Training compiles without a graph break on the fused kernels: the check for torch.func transforms saw one
+    under Dynamo and broke every graph at the attention (fullgraph=True raised naming torch.func transforms)."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    model = hf_spanattn.patch_model(tiny("llama"), "score:1000")
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager = gradients(model, ids)
+    compiled = gradients(model, ids, torch.compile(model, backend="aot_eager", fullgraph=True))
+    for name, grad in eager.items():
+        assert ((compiled[name] - grad).norm() / grad.norm()).item() < 1e-5, name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tiles", "fused"])
 def test_inductor_training_gives_the_same_gradients(backend, monkeypatch):

@@ -450,6 +450,40 @@ def test_backend_for_names_the_backend_that_runs(monkeypatch, fresh_warnings):
     assert attention.backend_for("cuda", backend="tiles") == "tiles"
 
 
+@pytest.mark.parametrize("value, interprets", [("1", True), ("true", True), ("ON", True), ("Yes", True), ("y", True),
+                                               ("0", False), ("2", False), (" 1", False), ("off", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(value, interprets, monkeypatch):
+    """TRITON_INTERPRET=true made Triton interpret, while the kernels were told it did not (only "1" counted): CPU
+    tensors ran on fused, saying the kernels need CUDA."""
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    from triton import knobs
+
+    assert knobs.runtime.interpret is interprets  # Triton's own reading
+    assert attention.backend_for("cpu", backend="triton") == ("triton" if interprets else "fused")
+
+
+@pytest.mark.parametrize("value, tunes", [(None, True), ("1", True), (" Yes ", True), ("on", True), ("true", True),
+                                          ("0", False), ("off", False), ("FALSE", False), (" no\n", False)])
+def test_triton_tuning_takes_the_usual_spellings(value, tunes):
+    """HF_SPANATTN_TRITON_TUNE: off, false and no turn autotuning off as 0 does (they tuned before), without a word."""
+    from hf_spanattn.ops.triton import kernels
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.tuning(value) is tunes
+
+
+@pytest.mark.parametrize("value", ["2", "of", "disable", "x" * 10**5])
+def test_triton_tuning_warns_for_another_value_naming_the_variable(value):
+    from hf_spanattn.ops.triton import kernels
+
+    with pytest.warns(UserWarning, match=r"HF_SPANATTN_TRITON_TUNE=.* is not one of 0, off, false, no .* the kernels "
+                                         r"autotune") as caught:
+        assert kernels.tuning(value) is True
+    assert len(str(caught[0].message)) < 500  # a huge value is cut
+
+
 def test_environment_picks_triton(monkeypatch):
     """HF_SPANATTN_BACKEND=triton selects it; auto does not (fused on CUDA, tiles on the CPU)."""
     seen = []

@@ -165,9 +165,12 @@ def write_whole(path: str, write: Callable[[TextIO], Any]) -> None:
         if os.path.exists(path):
             shutil.copymode(path, partial)
         os.replace(partial, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(partial)
+        if isinstance(err, OSError) and err.filename == partial:  # name the file saved, not the partial one
+            when = "" if err.filename2 else f" when writing {partial} beside it first"  # else when replacing it
+            raise type(err)(err.errno, f"{path}: cannot be saved ({err.strerror}{when})") from None
         raise
 
 
@@ -212,10 +215,12 @@ class SpanAttentionConfig:
     layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method={shown(self.method)}: allowed values are {', '.join(METHODS)}")
-        if self.score_grad not in SCORE_GRADS:
-            raise ValueError(f"score_grad={shown(self.score_grad)}: allowed values are {', '.join(SCORE_GRADS)}")
+        for name, allowed in (("method", METHODS), ("score_grad", SCORE_GRADS)):
+            value = getattr(self, name)  # a str (a 0-d NumPy array of one compares equal, but is no key of RULES)
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"{name}={shown(value)}: allowed values are {', '.join(allowed)}"
+                                 + ("" if isinstance(value, str) else ", as a str"))
+            object.__setattr__(self, name, allowed[allowed.index(value)])  # the plain str (np.str_ saves as one)
         if (self.method, self.score_grad) not in RULES:
             readers = " or ".join(f"method={method!r}" for method, grad in RULES if grad == self.score_grad)
             allowed = ", ".join(repr(grad) for method, grad in RULES if method == self.method)

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig, _looks_local, _path_argument, as_config
-from hf_spanattn.integration import adapters, card, packing
+from hf_spanattn.integration import adapters, card, packing, registry
 from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
@@ -96,7 +96,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
                          "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
                          f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
-    if not attention_modules(base) and config.layers is not None:  # numbered here where the modules carry no index
+    present = attention_modules(base)
+    if not present and config.layers is not None:  # numbered here where the modules carry no index
         raise ValueError(f"layers={shown(list(config.layers))}: the attention modules of {type(base).__name__} carry "
                          "no layer index and its layers could not be found, so a selection cannot be applied; patch "
                          "every layer (layers=None)")
@@ -105,6 +106,12 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
                          f"0..{n_layers - 1}")
+    absent = [i for i in config.layers or () if i not in present]
+    if absent:  # layers removed from the model (its config still counting them), or ones without attention
+        where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
+        raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has no attention module "
+                         f"of layer {shown(absent)[1:-1]}; its attention modules carry the layer indices "
+                         f"{shown(sorted(present))[1:-1]}")
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
@@ -120,6 +127,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for part in _sharing_config(base):
         setattr(part, _ORIGINAL, original)
         _PATCHED.add(part)
+    registry.PATCHED_CONFIGS[id(base.config)] = base.config
+    registry.PATCHED_MODULES.update(base.modules())
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
             module.__dict__.pop(name, None)
@@ -150,6 +159,10 @@ def _not_a_backend(base: PreTrainedModel) -> str:
 def _default_settings(model_config: Any) -> SpanAttentionConfig:
     """The default settings, for a model config without any; a field named almost as the settings' (a hand edit
     such as 'span_atention') warns that it is not read."""
+    if CONFIG_KEY in vars(model_config):  # "span_attention": null (unpatch_model removes the field)
+        warnings.warn(f"{stored_source(model_config)}: null, which gives no settings; patching with the default "
+                      f"{SpanAttentionConfig().label}", stacklevel=4)
+        return SpanAttentionConfig()
     names = [name for name in vars(model_config) if isinstance(name, str)]
     for name in difflib.get_close_matches(CONFIG_KEY, names, n=1, cutoff=0.8):
         warnings.warn(f"{stored_source(model_config)}: not given, but a field {name!r} is, which is not read; "
@@ -169,6 +182,12 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
+    inside = {m for part in sharing if any(m is base for m in part.modules()) for m in part.modules()}  # and around
+    if any(m not in inside and getattr(m, "config", None) is base.config for m in list(registry.PATCHED_MODULES)):
+        warnings.warn(f"unpatch_model: another model that patch_model was given shares the config object of "
+                      f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
+                      "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
+                      "alone.", stacklevel=2)
     if hasattr(base.config, CONFIG_KEY):
         delattr(base.config, CONFIG_KEY)
     for part in sharing:

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -224,12 +225,11 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
     override = getattr(module, OVERRIDE_ATTR, None)
     if override is not None:
         return override
+    if not torch.compiler.is_compiling():
+        _note_shared(module)
     config = config_of(module.config)
     if config is None:
-        logger.warning_once(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} but the model config has no {CONFIG_KEY!r} settings; "
-            f"using the default {SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model."
-        )
+        _note_default(module.config)
         config = SpanAttentionConfig()
     if config.layers is not None and layer_index(module) not in config.layers:
         if layer_index(module) is None:
@@ -239,6 +239,43 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
                 "hf_spanattn.patch_model(model) numbers the layers of models whose attention carries none.")
         return None
     return config
+
+
+# The model configs patch_model was given (by id, held weakly), and the modules of the models it patched: a model
+# built from the same config object as a patched one (two models from one config) runs span_attention too.
+PATCHED_CONFIGS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+PATCHED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_SHARED_NOTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _note_shared(module: torch.nn.Module) -> None:
+    """Warn, once per config, where a model that patch_model was not given trains with span gradients because
+    it shares its config object with one that it was given."""
+    model_config = module.config
+    if PATCHED_CONFIGS.get(id(model_config)) is not model_config or module in PATCHED_MODULES or \
+            _SHARED_NOTED.get(id(model_config)) is model_config:
+        return
+    _SHARED_NOTED[id(model_config)] = model_config
+    warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
+                  f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
+                  "(both built from one config), so it trains with that model's span gradients too. Build each "
+                  "model from its own config (copy.deepcopy(config)) to keep one of them stock.", stacklevel=4)
+
+
+# id(model config) → the model config `_note_default` spoke of (held weakly: a new config may reuse a freed id).
+_NOTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _note_default(model_config: Any) -> None:
+    """Say, once per model config, that it has no settings and its layers train with the default."""
+    message = (f"attn_implementation={ATTN_IMPLEMENTATION!r} but the model config "
+               f"({type(model_config).__name__}) has no {CONFIG_KEY!r} settings; using the default "
+               f"{SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model.")
+    if torch.compiler.is_compiling():  # a traced forward keeps no Python state: said once per process
+        logger.warning_once(message)
+    elif _NOTED.get(id(model_config)) is not model_config:
+        _NOTED[id(model_config)] = model_config
+        logger.warning(message)
 
 
 def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:

@@ -118,7 +118,9 @@ def span_attention(
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # float8: no kernel takes them
         raise ValueError(f"span_attention: span gradients take float16, bfloat16, float32 or float64 query, key and "
                          f"value, got {dtype}")
-    if torch._C._functorch.peek_interpreter_stack() is not None:  # its wrapped tensors meet our autograd.Functions
+    # torch.func transforms wrap tensors that meet our autograd.Functions; Dynamo's tracing sees an interpreter on that
+    # stack too, where the check would break every compiled graph at the attention (and stop fullgraph=True)
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
                            "gradient, jacrev, …); take them with torch.autograd (loss.backward(), "
                            "torch.autograd.grad), or use config='standard:QKV111', which is SDPA itself")
@@ -143,11 +145,18 @@ def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
     return as_config(config, "span_attention", "the default, score:1000") or SpanAttentionConfig()
 
 
-def backend_for(device: str, dtype: torch.dtype = torch.float32, backend: str = "auto") -> str:
+def backend_for(device: str | torch.device, dtype: torch.dtype = torch.float32, backend: str = "auto") -> str:
     """The backend that runs calls on a `device` of this type in `dtype` for `backend`, resolved as
     `span_attention` resolves it (HF_SPANATTN_BACKEND included) and past a Triton that cannot run
     there at all: what a run records as its attention backend. A call with diagnostics runs on the
     tiles, and one whose mask or shape the Triton kernels do not take still falls back, with a warning."""
+    try:  # a torch.device or its str ('cuda:0'), as a tensor's device: its type decides
+        device = torch.device(device).type
+    except (TypeError, RuntimeError):
+        raise ValueError(f"backend_for: device={shown(device)}: expected a device type such as 'cpu' or 'cuda', or a "
+                         "torch.device") from None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"backend_for: dtype={shown(dtype)}: expected a torch.dtype such as torch.float32")
     name = _backend(backend, dtype, device, None)
     if name == "triton" and device_missing(device):
         return "tiles" if dtype == torch.float64 else "fused"

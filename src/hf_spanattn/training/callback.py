@@ -11,15 +11,30 @@ import os
 import socket
 import stat
 import sys
+import threading
 import time
 import uuid
 import warnings
+import weakref
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import _re_checkpoint, has_length
+from transformers.utils import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
+from hf_spanattn.config import CONFIG_NAME as SETTINGS_NAME
 from hf_spanattn.config import SpanAttentionConfig, write_whole
 from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import (
@@ -37,6 +52,16 @@ from hf_spanattn.training.schedule import Schedule
 
 DIAGNOSTICS_FILE = "span_diagnostics.jsonl"
 logger = logging.getLogger(__name__)
+# the diagnostics locks this process holds: real path -> (thread id, callback) of the run that took it
+_held: dict[str, tuple[int, weakref.ref]] = {}
+_held_guard = threading.Lock()
+# what the Trainer writes into its output dir (save_model, save_state, save_metrics, create_model_card), over a
+# diagnostics file of the same name
+TRAINER_FILES = {CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
+                 WEIGHTS_INDEX_NAME, ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME,
+                 SETTINGS_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME, "README.md", "all_results.json",
+                 "train_results.json", "eval_results.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"}
 
 
 class SpanAttentionCallback(TrainerCallback, ExportableState):
@@ -53,8 +78,10 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         diagnostics_file: JSONL output, a path relative to the Trainer's output_dir (default
             span_diagnostics.jsonl). The file always lies in the output dir: an absolute path outside it
             (as one read back from the trainer_state.json of a run that has moved) keeps only its file name.
+            A file that the Trainer writes (README.md, config.json, ...: `TRAINER_FILES`) or deletes (one
+            in a checkpoint folder) is refused, symbolic links followed.
             A resumed run first drops the records past the step it resumes from. While a run writes it,
-            `<file>.lock` (the process id) stops a second run from writing into it.
+            `<file>.lock` (the process id) stops a second run, in another process or thread, from writing into it.
 
     Settings are validated when training starts. The schedule is a function of the global step,
     so a run resumed from a checkpoint continues it at the same point.
@@ -116,6 +143,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     # -- the Trainer's events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        thread = _running_in(getattr(self, "_thread", None), self)
+        if thread is not None:  # starting afresh would take the layers, settings and records from under that run
+            raise ValueError(f"SpanAttentionCallback: this callback is in a training run going on in thread "
+                             f"{thread!r}; give each Trainer a SpanAttentionCallback of its own")
+        self._thread = threading.get_ident()
         self._check()
         self._start_afresh()
         self._move_first()
@@ -150,14 +182,21 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         if self.diagnostics_every and _is_a_pipe(self._path):  # writing would wait for a reader for ever
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
                              "pipe or a socket; expected the name of the JSONL file to write")
-        checkpoint = next((part for part in os.path.relpath(self._path, args.output_dir).split(os.sep)[:-1]
-                           if _re_checkpoint.search(part)), None)
+        # where the records land, symbolic links followed (a link in the output dir may lead into a checkpoint)
+        landing = os.path.relpath(os.path.realpath(self._path), os.path.realpath(args.output_dir))
+        through = f" (through a symbolic link: {landing})" if landing != os.path.relpath(self._path, args.output_dir) \
+            else ""
+        checkpoint = next((part for part in landing.split(os.sep)[:-1] if _re_checkpoint.search(part)), None)
         if self.diagnostics_every and checkpoint is not None:
-            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r} lies in the folder "
-                             f"{checkpoint}, a checkpoint that the Trainer writes over or deletes (save_total_limit); "
-                             "name a file outside the checkpoint folders")
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}{through} lies in the "
+                             f"folder {checkpoint}, a checkpoint that the Trainer writes over or deletes "
+                             "(save_total_limit); name a file outside the checkpoint folders")
+        if self.diagnostics_every and landing in TRAINER_FILES:
+            raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}{through} is a file "
+                             "that the Trainer writes into its output_dir (saving the model, its state, its metrics or "
+                             "its card), over the records; name another file")
         if self.diagnostics_every and state.is_world_process_zero:
-            _take_lock(self._path)
+            _take_lock(self._path, self)
             _start_records(self._path, state.global_step, state.log_history)
         self._apply(state.global_step)
 
@@ -247,7 +286,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     module.__dict__.pop(name, None)
         self._applied = None
         if self._path is not None:
-            _release_lock(self._path)
+            _release_lock(self._path, self)
 
     # -- schedule ---------------------------------------------------------------------------
     def settings_at(self, step: int) -> dict:
@@ -294,6 +333,8 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
         schedule = Schedule(list(schedule))
     if schedule is not None and not isinstance(schedule, Schedule):
         raise ValueError(f"schedule={shown(schedule)}: expected a Schedule or a list of keyframes")
+    if schedule is not None:
+        schedule.__post_init__()  # its keyframes checked again, in place: the list may have been changed since
     if as_int(every) is None or as_int(every) < 0:
         raise ValueError(f"diagnostics_every={shown(every)}: expected an integer >= 0 (0 = off)")
     if not isinstance(per_head, bool):
@@ -380,15 +421,27 @@ def _start_records(path: str, step: int, log_history: list) -> None:
             write_whole(path, lambda f: f.write(data.decode("utf-8", "surrogateescape")))
 
 
-def _take_lock(path: str) -> None:
+def _take_lock(path: str, owner: SpanAttentionCallback) -> None:
     """`<path>.lock`, holding the process id, while a run writes diagnostics into `path`: a second run writing into
-    the same file (a second Trainer on the same output dir) would mix its records with the first's and move them
-    aside. A lock whose process is gone, or that this process left (a run stopped midway in a notebook), is taken
-    over; a file of that name that is no lock is left as it is."""
+    the same file (a second Trainer on the same output dir, in another process or another thread) would mix its
+    records with the first's and move them aside. A lock whose process is gone, or that this process left (a run
+    stopped midway in a notebook: no training of its callback is going on), is taken over; a file of that name that
+    is no lock is left as it is."""
     lock = f"{path}.lock"
+    with _held_guard:  # threads of this process: one at a time sees who holds the lock and takes it
+        _take_lock_file(path, lock)
+        _held[os.path.realpath(lock)] = (threading.get_ident(), weakref.ref(owner))
+
+
+def _take_lock_file(path: str, lock: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+    except OSError as err:  # a file where a folder goes (FileExistsError, which the loop takes for a lock taken)
+        raise OSError(f"SpanAttentionCallback: {path}: cannot make the folder of the diagnostics file "
+                      f"({type(err).__name__}: {err.strerror}; is a file in its way?); name another diagnostics_file") \
+            from None
     for _ in range(3):
         try:
-            os.makedirs(os.path.dirname(lock), exist_ok=True)
             holder = _lock_holder(lock)
             if holder is not None:
                 raise ValueError(f"SpanAttentionCallback: {path}: another run is writing diagnostics into this file "
@@ -438,7 +491,8 @@ def _lock_holder(lock: str) -> str | None:
         raise not_a_lock
     if host == socket.gethostname():
         if pid == os.getpid():
-            return None
+            thread = _training_thread(lock)
+            return None if thread is None else f"thread {thread!r} of this process, {pid}, on {host[:100]}"
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -455,8 +509,34 @@ def _is_a_pipe(path: str) -> bool:
         return False
 
 
-def _release_lock(path: str) -> None:
+def _training_thread(lock: str) -> str | None:
+    """The name of the thread of this process whose training run holds `lock`, or None where the run that took it
+    has stopped or runs on this thread (`_running_in`)."""
+    ident, owner = _held.get(os.path.realpath(lock), (None, lambda: None))
+    return _running_in(ident, owner())
+
+
+def _running_in(ident: Any, owner: SpanAttentionCallback | None) -> str | None:
+    """The name of thread `ident` where a Trainer holding `owner` is training, or None where none is (the run
+    stopped midway, its callback is gone) or `ident` is this thread (which trains one run at a time)."""
+    if owner is None or not isinstance(ident, int) or ident == threading.get_ident():
+        return None
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        handler = getattr(frame.f_locals.get("self"), "__dict__", {}).get("callback_handler")  # a Trainer's
+        if isinstance(handler, CallbackHandler) and any(c is owner for c in handler.callbacks):
+            return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+        frame = frame.f_back
+    return None
+
+
+def _release_lock(path: str, owner: SpanAttentionCallback) -> None:
     lock = f"{path}.lock"
+    with _held_guard:
+        held = _held.get(os.path.realpath(lock), (None, lambda: None))[1]
+        if held() is not owner:  # another run of this process took it over
+            return
+        del _held[os.path.realpath(lock)]
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, RecursionError):
         with open(lock) as f:
             mine = json.load(f).get("pid") == os.getpid()

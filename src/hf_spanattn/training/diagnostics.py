@@ -17,6 +17,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from hf_spanattn.ops.inputs import shown
+
 
 def _per_head(x: torch.Tensor) -> torch.Tensor:
     """Σ over batch, positions and features of x (B, H_kv, g, T, d): one value per head."""
@@ -60,6 +62,8 @@ class OrderRecorder:
 
     def summary(self, per_head: bool = False) -> dict:
         """Norms, shares and cosines over all heads (and per head if asked)."""
+        if not isinstance(per_head, bool):  # a string such as 'no' would ask for them
+            raise TypeError(f"OrderRecorder.summary: per_head={shown(per_head)}: expected True or False")
         if not self.sums:
             return {}
         out = {"rank_k": self.rank_k / self.rank_count, "rank_v": self.rank_v / self.rank_count}

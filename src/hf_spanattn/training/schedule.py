@@ -33,6 +33,13 @@ class Keyframe:
             raise ValueError(f"keyframe ramp={shown(self.ramp)}: expected True or False")
         if as_int(self.at) is not None:
             object.__setattr__(self, "at", as_int(self.at))  # a NumPy integer or 0-d tensor too; the state is JSON
+        if isinstance(self.span, dict):  # layer keys as JSON keys too (the Trainer's checkpoint failed on np.int64)
+            for key in self.span:
+                if as_int(key) is None and not isinstance(key, str):
+                    raise ValueError(f"keyframe span={shown(self.span)}: layer key {shown(key)} "
+                                     f"({type(key).__name__}): expected a layer index (int) or a string of them "
+                                     "('*', '0-3', '0,2')")
+            object.__setattr__(self, "span", {k if isinstance(k, str) else as_int(k): v for k, v in self.span.items()})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Keyframe:

@@ -7,6 +7,7 @@ take (`masks.py`). Triton is imported on first use: `missing()` says why it cann
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from hf_spanattn.ops.triton.masks import KeyMask, key_mask
 
@@ -16,4 +17,10 @@ def missing() -> str | None:
     return None if importlib.util.find_spec("triton") is not None else "Triton is not installed"
 
 
-__all__ = ["KeyMask", "key_mask", "missing"]
+def interpreting() -> bool:
+    """Whether Triton runs the kernels in its interpreter: TRITON_INTERPRET read as Triton reads it (1, true, on,
+    yes or y, in any case), so that what this package expects is what Triton does."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
+
+
+__all__ = ["KeyMask", "interpreting", "key_mask", "missing"]

@@ -18,7 +18,6 @@ graph capture a mask with a query dimension or a kernel not yet called before th
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import TYPE_CHECKING
 
@@ -29,7 +28,7 @@ from hf_spanattn.ops.backward import Probe, grouped
 from hf_spanattn.ops.fused import _spans, fused_attention, key_support
 from hf_spanattn.ops.inputs import capturing
 from hf_spanattn.ops.tile_engine import tile_attention
-from hf_spanattn.ops.triton import flash, masks, missing
+from hf_spanattn.ops.triton import flash, interpreting, masks, missing
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
@@ -67,7 +66,7 @@ def device_missing(device: str) -> str | None:
     without TRITON_INTERPRET=1), or None."""
     if missing():
         return missing()
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpret = interpreting()
     if not interpret and device != "cuda":
         return f"the kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}"
     if interpret and device != "cpu":

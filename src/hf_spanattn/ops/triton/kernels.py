@@ -16,12 +16,16 @@ draw in the forward and in both backward kernels, for every block.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from hf_spanattn.ops.inputs import shown
+from hf_spanattn.ops.triton import interpreting
+
+INTERPRET = interpreting()
 
 if INTERPRET:  # the interpreter's program ids are 1-element arrays, which NumPy ≥ 2.4 no longer takes as an index
     from triton.runtime import interpreter as _interpreter
@@ -35,12 +39,29 @@ if INTERPRET:  # the interpreter's program ids are 1-element arrays, which NumPy
     _interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
+_TUNE_OFF, _TUNE_ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes", "")
+
+
+def tuning(value: str | None) -> bool:
+    """Whether the kernels autotune, given HF_SPANATTN_TRITON_TUNE (None: unset). 0/off/false/no (any case,
+    spaces around) turn it off; unset, 1/on/true/yes tune. Another value tunes, with a warning: an error would
+    stop the first use of the kernels over a setting that changes only how long the first calls take."""
+    word = (value or "").strip().lower()
+    if word not in _TUNE_OFF + _TUNE_ON:
+        warnings.warn(f"HF_SPANATTN_TRITON_TUNE={shown(value)} is not one of 0, off, false, no (no autotuning) or "
+                      "1, on, true, yes (autotuning, the default): the kernels autotune", stacklevel=2)
+    return word not in _TUNE_OFF
+
+
+TUNE = tuning(os.environ.get("HF_SPANATTN_TRITON_TUNE"))
+
+
 def _configs(kind: str) -> list[triton.Config]:
     """Block sizes, warps and stages to autotune over (one config under the interpreter, which runs
     programs one after another and rejects several). kind: "forward", "keys" (the dK/dV side: one
     key block per program) or "queries" (the dQ side). Lists per GPU family, after the Triton
     fused-attention tutorial and FlagAttention; the autotuner picks per shape. HF_SPANATTN_TRITON_TUNE=0
-    takes the first of the list without tuning (tests: many shapes, each tuned once otherwise)."""
+    (or off, false, no) takes the first of the list without tuning (tests: many shapes, each tuned once otherwise)."""
     if INTERPRET or not torch.cuda.is_available():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
     major, _ = torch.cuda.get_device_capability()
@@ -59,7 +80,7 @@ def _configs(kind: str) -> list[triton.Config]:
                  "keys": [(32, 64, 4, 2), (64, 64, 8, 2)],
                  "queries": [(64, 32, 4, 2), (64, 64, 8, 2)]}
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table[kind]]
-    return configs if os.environ.get("HF_SPANATTN_TRITON_TUNE", "1") != "0" else configs[:1]
+    return configs if TUNE else configs[:1]
 
 
 _KEY = ["T", "S", "D", "DV", "W", "CAUSAL", "HAS_BIAS", "DROPOUT"]
