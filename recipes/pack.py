@@ -125,9 +125,9 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True)
     runs: dict[str, Run] = {}
     overrides = {argument_name(k): v for k, v in overrides.items()}
     for sweep in sweeps:
-        args = {k: v for k, v in (sweep.get("args") or {}).items() if argument_name(k) not in overrides}
+        kept = {k: v for k, v in (sweep.get("args") or {}).items() if argument_name(k) not in overrides}
         try:
-            planned = plan({**sweep, "args": {**args, **overrides}}, check)
+            planned = plan({**sweep, "args": {**kept, **overrides}}, check)
         except ValueError as err:  # a value from --set, not from the sweep file
             key = next((k for k in overrides if names_flag(str(err), k)), None)
             raise ValueError(f"{err} (given by --set {shown(f'{key}={overrides[key]}')})" if key else str(err)) \
