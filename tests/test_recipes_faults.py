@@ -381,8 +381,9 @@ def test_a_second_pack_command_on_the_same_results_stops_at_once(flag, tmp_path,
     assert pack.main([str(config), flag, str(where)]) == 0 and not where.with_name(where.name + ".lock").exists()
 
 
-def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
-    """kill (or timeout) ended pack.py at once: its runs went on, unseen, each in a temporary folder left behind."""
+def _pack_with_a_slow_run(tmp_path: Path):
+    """(pack.py process, the file its run writes its pid to, its --tmp_dir, the sweep) of a pack command on
+    results tmp_path/r whose one run sleeps 2 minutes, returned once that run has started."""
     pid_file, tmp = tmp_path / "run.pid", tmp_path / "tmp"
     tmp.mkdir()
     script = tmp_path / "slow_run.py"
@@ -394,11 +395,19 @@ def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
     config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
     process = subprocess.Popen([sys.executable, str(driver), str(config), "--results", str(tmp_path / "r"),
                                 "--tmp_dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not pid_file.is_file() or not pid_file.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("the run did not start")
+        time.sleep(0.1)
+    return process, pid_file, tmp, config
+
+
+def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
+    """kill (or timeout) ended pack.py at once: its runs went on, unseen, each in a temporary folder left behind."""
+    process, pid_file, tmp, _ = _pack_with_a_slow_run(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not pid_file.is_file() or not pid_file.read_text():
-            assert process.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.1)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) != 0
         with pytest.raises(ProcessLookupError):
@@ -411,23 +420,8 @@ def test_a_pack_command_stopped_by_sigterm_stops_its_runs(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="a run dies with pack.py through Linux's PR_SET_PDEATHSIG")
 def test_a_pack_command_killed_by_sigkill_takes_its_runs_with_it(tmp_path, fake, capsys):
     """SIGKILL (a command limit's last word) reaches no handler: the run went on, unseen, beside a rerun's."""
-    pid_file = tmp_path / "run.pid"
-    script = tmp_path / "slow_run.py"
-    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
-    driver = tmp_path / "drive.py"
-    driver.write_text(f"import pathlib, sys\nsys.path.insert(0, {str(ROOT / 'recipes')!r})\nimport pack\n"
-                      f"pack.RUN_CLM = pathlib.Path({str(script)!r})\nimport sweep\nsweep.check_args = print\n"
-                      "sys.exit(pack.main(sys.argv[1:]))\n")
-    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    process = subprocess.Popen([sys.executable, str(driver), str(config), "--results", str(tmp_path / "r"),
-                                "--tmp_dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process, pid_file, tmp, config = _pack_with_a_slow_run(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not pid_file.is_file() or not pid_file.read_text():
-            assert process.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.1)
         process.kill()
         process.wait(timeout=60)
         status = Path(f"/proc/{pid_file.read_text()}/status")
