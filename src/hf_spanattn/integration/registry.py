@@ -282,7 +282,7 @@ def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:
     """A schedule's setting and a diagnostics probe that a training run stopped midway left on the module (the
     Trainer calls no callback event when training raises) are dropped, with a warning, when a Trainer without the
     callback that set them trains the model: that Trainer trains with the model's own settings."""
-    trainer = _trainer_on_stack()
+    trainer = trainer_on_stack(sys._getframe(2))
     owner = module.__dict__[OWNER_ATTR]
     if trainer is None or any(getattr(c, OWNER_ATTR, None) == owner for c in trainer.callback_handler.callbacks):
         return  # the run of the callback that set them, or a loop of the user's own (which may hold it)
@@ -297,14 +297,14 @@ def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:
                       f"own settings ({own.label if own else 'stock gradients'}) from now on", stacklevel=4)
 
 
-def _trainer_on_stack() -> Any:
-    """The Trainer whose training or evaluation step calls the model, found on the call stack, or None."""
-    frame = sys._getframe(2)
+def trainer_on_stack(frame: Any) -> Any:
+    """The nearest Trainer (an object keeping a list of callbacks in its callback_handler, as a Trainer's
+    CallbackHandler does) whose method runs in `frame` or a frame that called it, or None: the run that calls the
+    model, or that a thread is in."""
     while frame is not None:
-        if frame.f_code.co_name in ("training_step", "compute_loss", "prediction_step"):
-            owner = frame.f_locals.get("self")
-            if isinstance(getattr(getattr(owner, "callback_handler", None), "callbacks", None), list):
-                return owner  # a transformers Trainer (or a subclass)
+        handler = getattr(frame.f_locals.get("self"), "__dict__", {}).get("callback_handler")
+        if isinstance(getattr(handler, "callbacks", None), list):
+            return frame.f_locals["self"]
         frame = frame.f_back
     return None
 

@@ -45,6 +45,7 @@ from hf_spanattn.integration.registry import (
     config_of,
     layer_count,
     settings_for,
+    trainer_on_stack,
 )
 from hf_spanattn.ops.inputs import as_int, shown
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
@@ -521,13 +522,10 @@ def _running_in(ident: Any, owner: SpanAttentionCallback | None) -> str | None:
     stopped midway, its callback is gone) or `ident` is this thread (which trains one run at a time)."""
     if owner is None or not isinstance(ident, int) or ident == threading.get_ident():
         return None
-    frame = sys._current_frames().get(ident)
-    while frame is not None:
-        handler = getattr(frame.f_locals.get("self"), "__dict__", {}).get("callback_handler")  # a Trainer's
-        if isinstance(handler, CallbackHandler) and any(c is owner for c in handler.callbacks):
-            return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
-        frame = frame.f_back
-    return None
+    trainer = trainer_on_stack(sys._current_frames().get(ident))
+    if trainer is None or not any(c is owner for c in trainer.callback_handler.callbacks):
+        return None
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
 
 
 def _release_lock(path: str, owner: SpanAttentionCallback) -> None:

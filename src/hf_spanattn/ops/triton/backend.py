@@ -77,8 +77,9 @@ def device_missing(device: str) -> str | None:
 def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, form: masks.KeyMask | str,
                  dropout_p: float) -> str | None:
     """Why the kernels cannot run this call, or None."""
-    if device_missing(query.device.type):
-        return device_missing(query.device.type)
+    reason = device_missing(query.device.type)
+    if reason:
+        return reason
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the kernels run float32, float16 and bfloat16 inputs, got {query.dtype}"
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
