@@ -13,8 +13,11 @@ the next command on the same results); `--parallel N` runs N at once on the one 
 A finished run writes one JSON (`result_record`) as <results>/<name>.json and/or one line of
 --jsonl. A run is skipped when its JSON is in --results, its line in --jsonl, or its
 metrics.json in the sweep's tree (<output_dir>/<shape>/<span>/seed<k>, where recipes/merge.py
-puts merged results). A new run starts only while the budget left is at least the longest
-run this command has finished (or --estimate before one has); the first run always starts.
+puts merged results), made with the settings this command gives it; a finished run made with
+other settings (another --set, an edited sweep file) stops the command before anything runs,
+naming the run and the settings, unless --keep_other_settings. A new run starts only while the
+budget left is at least the longest run this command has finished (or --estimate before one
+has); the first run always starts.
 While it runs, `<results>.lock` and `<jsonl>.lock` keep a second command off the same results; a
 kill (SIGTERM, as `timeout` sends) stops its runs too.
 """
@@ -25,6 +28,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import io
 import json
 import os
 import re
@@ -43,6 +47,7 @@ import yaml
 from records import integer, metrics_problems, record_problems, seed_of
 from run_identity import (
     RunLock,
+    differences,
     json_file,
     json_value,
     move_aside,
@@ -239,10 +244,87 @@ def not_of(run: Run, metrics: dict) -> list[str]:
             f"{run.args['seed']}"]
 
 
-def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, say=print) -> set[str]:
+PRECISION = ("bf16", "fp16", "tf32")  # left to the machine that runs (see sweep.check_args), compared as given
+# Settings that change how a step is computed but not what a run measures: the split of an optimizer step's
+# batch into accumulated micro-batches (the same sequences, the same mean gradient up to rounding and dropout's
+# draws). scripts/gpu_sweep.sh --accum changes it between commands to fit the memory. Evaluation and logging
+# cadence are not among them: min_val_loss is the least of the evaluations made, final_train_loss the mean
+# since the last log, and early stopping counts evaluations.
+BATCH_SPLIT = ("per_device_train_batch_size", "gradient_accumulation_steps")
+
+
+@functools.cache
+def configuration(args: tuple[tuple[str, str], ...], folder: str) -> dict:
+    """run_clm.py's configuration of a run with these arguments (see run_identity.identity), with its batch
+    split folded into the batch of one optimizer step. Raises ValueError where run_clm.py refuses them."""
+    import run_clm
+    from sweep import expected_config
+
+    argv = [f"--{k}={v}" for k, v in args if argument_name(k) not in PRECISION] + [f"--output_dir={folder}"]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            config = expected_config(argv)
+    except (SystemExit, ValueError, TypeError):  # argparse's exit, or run_clm.py's check: its message
+        raise ValueError(run_clm.argument_error(argv)) from None
+    training = config["training"]
+    for key, value in args:
+        if argument_name(key) in PRECISION:
+            try:
+                training[argument_name(key)] = run_clm.string_to_bool(value)
+            except argparse.ArgumentTypeError:
+                training[argument_name(key)] = value
+    return folded(config)
+
+
+def folded(config: dict) -> dict:
+    """`config` with the batch split (BATCH_SPLIT) replaced by the batch of one optimizer step, their product."""
+    training = dict(config.get("training") or {}) if isinstance(config.get("training") or {}, dict) else None
+    if training is None:
+        return config
+    split = [training.pop(key, None) for key in BATCH_SPLIT]
+    if all(integer(n, 1) for n in split):
+        training[" × ".join(BATCH_SPLIT)] = split[0] * split[1]
+    else:  # a hand edit: compared as recorded
+        training.update((key, n) for key, n in zip(BATCH_SPLIT, split) if n is not None)
+    return {**config, "training": training}
+
+
+def other_settings(run: Run, data: dict) -> list[str]:
+    """How the settings recorded with a finished result of `run` differ from the ones this command runs it with
+    ('group.key: recorded → wanted', at most 3), apart from the batch split; [] where they do not. A pack.py
+    record keeps the run's arguments (config.args), run_clm.py's metrics.json its whole configuration."""
+    try:
+        wanted = configuration(tuple(sorted(run.args.items())), str(run.folder))
+    except ValueError as err:  # a dry run, whose arguments plan_runs did not check
+        raise ValueError(f"the arguments of {run.name}: {err}") from None
+    config = data["config"]
+    if "args" not in config:
+        saved = folded(config)
+    elif not isinstance(config["args"], dict) or not all(
+            isinstance(v, (str, int, float, bool)) for v in config["args"].values()):
+        return [f"config.args={shown(config['args'])}: not the run's arguments as recipes/pack.py records them"]
+    else:
+        recorded = {str(k): str(v) for k, v in config["args"].items()}
+        try:
+            saved = configuration(tuple(sorted(recorded.items())), str(run.folder))
+        except ValueError as err:
+            changed = [f"{k}: " + " → ".join("(unset)" if v is None else shown(v) for v in (recorded.get(k),
+                                                                                           run.args.get(k)))
+                       for k in sorted(set(recorded) | set(run.args)) if recorded.get(k) != run.args.get(k)]
+            return [f"its arguments are refused by run_clm.py now ({str(err)[:200]})", *changed[:3]]
+    try:
+        return differences(saved, wanted, limit=3)
+    except (ValueError, TypeError, AttributeError) as err:  # a hand edit: a group, path or label wrong
+        return [f"its configuration is not one run_clm.py records ({str(err)[:200]})"]
+
+
+def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, say=print,
+                   keep_other_settings: bool = False) -> set[str]:
     """The runs with a well-formed result in the sweep's tree, in --results or in --jsonl. A result that is
-    not (partial, hand-edited, hostile) is named through `say`, and its run counts as not finished."""
-    done = set()
+    not (partial, hand-edited, hostile) is named through `say`, and its run counts as not finished. A result made
+    with other settings than the run's (other_settings) is a ValueError naming them all, or with
+    `keep_other_settings` is named through `say` and counts as finished."""
+    done, found = set(), []
     for run in runs:
         places = [(run.folder / "metrics.json", lambda data, run=run: metrics_problems(data) or not_of(run, data))]
         if results is not None:
@@ -251,18 +333,38 @@ def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, sa
             if not path.exists():
                 continue
             try:
-                problems = check(json_file(path))
+                data = json_file(path)
+                problems = check(data)
             except (OSError, ValueError, RecursionError) as err:
                 problems = [f"not valid JSON ({type(err).__name__}: {str(err)[:200]})"]
             if problems:
                 say(f"{path}: not a finished run's result ({'; '.join(problems)}); the run is redone", flush=True)
             else:
-                done.add(run.name)
+                found.append((str(path), run, data))
     if jsonl is not None and jsonl.exists():
-        records, problems = read_records(jsonl)
+        records, problems = read_records(jsonl, located=True)
         for problem in problems:
             say(f"{problem}; the line is ignored", flush=True)
-        done |= {r["name"] for r in records}
+        by_name = {run.name: run for run in runs}
+        found += [(f"{path} {place}", by_name[r["name"]], r) for (path, place), r in records if r["name"] in by_name]
+    unlike = []
+    for where, run, data in found:
+        diffs = other_settings(run, data)
+        if diffs and keep_other_settings:
+            say(f"{where}: {run.name} was made with other settings ({'; '.join(diffs)}); counted finished "
+                "(--keep_other_settings)", flush=True)
+        elif diffs:
+            unlike.append(f"{where} holds {run.name} made with other settings than this command's "
+                          f"({'; '.join(diffs)})")
+            continue
+        done.add(run.name)
+    if unlike:
+        more = f"; and {len(unlike) - 5} more" if len(unlike) > 5 else ""
+        raise ValueError(f"{'; '.join(unlike[:5])}{more}. Nothing was run: one results folder would mix settings. "
+                         "To run them with this command's settings, give another --results folder or --jsonl file "
+                         "(for a result in the sweep's tree, another output_dir in the sweep file), or move those "
+                         "results away (nothing here deletes them); to count them finished as they are, give "
+                         "--keep_other_settings")
     return done
 
 
@@ -378,6 +480,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max_runs", type=int, help="start at most this many runs")
     parser.add_argument("--tmp_dir", type=path_argument,
                         help="where the runs' temporary folders go (default: the system's)")
+    parser.add_argument("--keep_other_settings", action="store_true",
+                        help="count a finished run made with other settings as finished (default: stop, naming it)")
     parser.add_argument("--dry_run", action="store_true", help="list the runs to do and exit")
     args = parser.parse_args(argv)
     if args.results is None and args.jsonl is None:
@@ -457,7 +561,7 @@ def run_sweeps(args: argparse.Namespace, began: float) -> int:
     try:
         runs = plan_runs(load_sweeps(args.config), dict(item.split("=", 1) for item in args.set),
                          check=not args.dry_run)
-        done = finished_names(runs, args.results, args.jsonl)
+        done = finished_names(runs, args.results, args.jsonl, keep_other_settings=args.keep_other_settings)
     except ValueError as err:
         raise SystemExit(f"pack: {err}") from None
     todo = [r for r in runs if r.name not in done]

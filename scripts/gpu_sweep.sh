@@ -4,16 +4,18 @@
 # without internet access and a 10-minute limit per command: fetch the wheels and the data on a
 # connected machine first, and copy `.whl/` and `.data/` beside the checkout there:
 #   bash scripts/fetch_gpu_wheels.sh && bash scripts/fetch_gpu_data.sh        # connected machine, once
-#   bash scripts/gpu_sweep.sh [--parallel N] [--accum K] [--budget S] [--max_runs N]   # GPU machine
+#   bash scripts/gpu_sweep.sh [--parallel N] [--accum K] [--budget S] [--max_runs N] [--keep_other_settings]
 # then, back here:  python recipes/merge.py <$OUT>/results.jsonl --out results/paper
 #   --parallel N  runs at once on the GPU (default 1)
 #   --accum K     batch 128 as K accumulated steps of 128/K (default 1: one step, if memory allows)
 #   --budget S    seconds in which runs may start and finish (default 540, inside the 600 s command)
+#   --keep_other_settings  count runs finished in $OUT or the tree with other settings (an edited sweep file)
+#                 as finished; without it such a run stops the command, named (another --accum is no other setting)
 # Writes to $OUT (default runs/gpu_out): results.jsonl (one line per finished run), pack.log and
 # env.txt (GPU and package versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml MAX_RUNS=
+PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml MAX_RUNS= KEEP=
 while [ $# -gt 0 ]; do
     case "$1" in --parallel|--accum|--budget|--config|--max_runs)
         [ $# -ge 2 ] || { echo "gpu_sweep.sh: $1 needs a value" >&2; exit 2; } ;;
@@ -24,7 +26,9 @@ while [ $# -gt 0 ]; do
         --budget) BUDGET="$2"; shift 2 ;;
         --config) CONFIG="$2"; shift 2 ;;
         --max_runs) MAX_RUNS="${2:-empty}"; shift 2 ;;
-        *) echo "gpu_sweep.sh: unknown option $1 (allowed: --parallel, --accum, --budget, --config, --max_runs)" >&2
+        --keep_other_settings) KEEP=--keep_other_settings; shift ;;
+        *) echo "gpu_sweep.sh: unknown option $1 (allowed: --parallel, --accum, --budget, --config, --max_runs," \
+                "--keep_other_settings)" >&2
            exit 2 ;;
     esac
 done
@@ -35,7 +39,7 @@ done
 [[ "$BUDGET" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$ ]] || {
     echo "gpu_sweep.sh: --budget $BUDGET: expected a number of seconds >= 0" >&2; exit 2; }
 [[ "$MAX_RUNS" =~ ^[0-9]*$ ]] || { echo "gpu_sweep.sh: --max_runs $MAX_RUNS: expected an integer >= 0" >&2; exit 2; }
-EXTRA=(${MAX_RUNS:+--max_runs "$MAX_RUNS"})
+EXTRA=(${MAX_RUNS:+--max_runs "$MAX_RUNS"} $KEEP)
 [ -f "$CONFIG" ] || { echo "gpu_sweep.sh: --config $CONFIG: no such file" >&2; exit 2; }
 # more than 3 digits cannot divide 128, and bash's arithmetic would wrap a number past 2^63
 if [ ${#ACCUM} -gt 3 ] || [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi

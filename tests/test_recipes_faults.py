@@ -323,6 +323,40 @@ def test_pack_moves_a_symlinked_partial_result_aside_and_not_the_file_it_points_
 # pack.py: what counts as a finished run
 
 
+@pytest.mark.parametrize("where", ["--results", "--jsonl", "tree"])
+def test_pack_stops_at_a_finished_run_made_with_other_settings(where, tmp_path, fake, capsys):
+    """A rerun with another --set counts a finished run only where its recorded settings are this command's, apart
+    from the batch split (gpu_sweep.sh --accum); else it stops before running anything, naming the run, the setting
+    and its two values, unless --keep_other_settings."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000", "score:1100"], [0], tree=tmp_path / "paper" / "runs")
+    target = ["--results", str(tmp_path / "r")] if where != "--jsonl" else ["--jsonl", str(tmp_path / "r.jsonl")]
+    first = ["--set", "learning_rate=0.001", "--set", "per_device_train_batch_size=4",
+             "--set", "gradient_accumulation_steps=2"]
+    assert pack.main([str(config), *target, *first, "--max_runs", "1"]) == 0
+    if where == "tree":  # merged, and read from the sweep's tree by a command on new results
+        merge.main([str(tmp_path / "r"), "--out", str(tmp_path / "paper")])
+        target = ["--results", str(tmp_path / "new")]
+    saved = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "calls.jsonl"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        pack.main([str(config), *target, "--set", "learning_rate=2e-3"])
+    message = str(err.value)
+    assert "H2xL1__score-1000__seed0 made with other settings than this command's (training.learning_rate: " \
+           "0.001 → 0.002; training.per_device_train_batch_size × gradient_accumulation_steps: 8 → 128)" in message
+    assert "--keep_other_settings" in message and "another --results" in message
+    assert fake() == [("score:1000", 0)]  # nothing ran
+    assert {p: p.read_bytes() for p in saved} == saved and not (tmp_path / "new").exists()
+    # the same settings, written otherwise and with the batch of 8 split as 2 × 4: finished
+    assert pack.main([str(config), *target, "--set", "learning_rate=1e-3", "--set", "per_device_train_batch_size=2",
+                      "--set", "gradient-accumulation-steps=4", "--dry_run"]) == 0
+    assert "2 runs, 1 finished before, 1 to do" in capsys.readouterr().out
+    assert pack.main([str(config), *target, "--set", "learning_rate=2e-3", "--keep_other_settings", "--max_runs",
+                      "1"]) == 0
+    said = capsys.readouterr().out
+    assert "H2xL1__score-1000__seed0 was made with other settings (training.learning_rate: 0.001 → 0.002;" in said
+    assert fake() == [("score:1000", 0), ("score:1100", 0)]  # score:1000 kept as finished, score:1100 run
+
+
 @pytest.mark.parametrize("text", ["{}", '{"name": "H2xL1__score-1000__seed0", "min_val_loss": 1', "[]",
                                   "RECORD_OF_ANOTHER_RUN", "RECORD_WITH_NULL_LOSS"])
 def test_pack_redoes_a_run_whose_result_file_is_partial_or_hostile(text, tmp_path, fake, capsys):
