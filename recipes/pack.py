@@ -51,6 +51,7 @@ from run_identity import (
     json_file,
     json_value,
     move_aside,
+    not_a_file,
     path_argument,
     read_yaml,
     stopped_as_by_ctrl_c,
@@ -99,7 +100,7 @@ class Tally:
 def load_sweeps(path: Path) -> list[dict]:
     """The YAML documents of a sweep file, each later one completed by the one before."""
     if not path.is_file():
-        raise ValueError(f"sweep config {path}: no such file")
+        raise ValueError(f"sweep config {path}: {not_a_file(path)}")
     try:
         documents = [d for d in read_yaml(path.read_text(), documents=True) if d is not None]
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -160,6 +161,7 @@ def read_records(path: Path, located: bool = False) -> tuple[list, list[str]]:
         return [r for records, _ in found for r in records], [p for _, problems in found for p in problems]
     if not path.is_file():
         raise ValueError(f"{path}: " + ("not a file or folder (a pipe or a device?)" if path.exists() else
+                                        "a link to nothing (or to itself)" if path.is_symlink() else
                                         "no such file or folder"))
     text = path.read_text(encoding="utf-8-sig", errors="replace")
     lines = text.split("\n")  # JSON Lines ends a line at \n alone: U+2028 and the like may stand inside a string

@@ -104,6 +104,7 @@ from records import MAX_SEED  # noqa: E402
 from run_identity import (  # noqa: E402
     RunLock,
     json_value,
+    not_a_file,
     read_json,
     read_yaml,
     resume_point,
@@ -252,7 +253,7 @@ class DataArguments:
             if flag == "--data_dir" and not os.path.isfile(path):
                 raise ValueError(f"--data_dir {self.data_dir} has no {os.path.basename(path)}; pass --{split}_file")
             if not os.path.isfile(path):
-                raise ValueError(f"{flag} {path}: " + ("not a file" if os.path.exists(path) else "no such file"))
+                raise ValueError(f"{flag} {path}: {not_a_file(path)}")
             if Path(path).suffix.lower() not in FILE_BUILDERS:
                 raise ValueError(f"{flag} {path}: allowed file types are {', '.join(FILE_BUILDERS)}")
             if os.path.getsize(path) <= 3 and Path(path).read_bytes() in (b"", codecs.BOM_UTF8):
@@ -311,7 +312,7 @@ class SpanArguments:
         schedule = None
         if self.span_schedule is not None:
             if self.span_schedule.endswith((".yaml", ".yml", ".json")) and not os.path.isfile(self.span_schedule):
-                raise ValueError(f"--span_schedule {self.span_schedule}: no such file")
+                raise ValueError(f"--span_schedule {self.span_schedule}: {not_a_file(self.span_schedule)}")
             is_file = os.path.isfile(self.span_schedule)
             try:
                 keyframes = read_yaml(Path(self.span_schedule).read_text() if is_file else self.span_schedule)
@@ -460,7 +461,7 @@ def overflowing(given: dict[str, Any], form: str = "--{} {}") -> list[str]:
 
 def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
     if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+        raise ValueError(f"{path}: {not_a_file(path)}")
     try:
         values = read_yaml(path.read_text())  # YAML reads JSON too
     except (yaml.YAMLError, UnicodeDecodeError) as err:

@@ -58,6 +58,17 @@ def path_argument(text: str) -> Path:
     return Path(nonempty(text))
 
 
+def not_a_file(path: str | Path) -> str:
+    """Why `path`, which is not a file, is not one, in words: there is nothing there, a link to nothing, a folder, or
+    something else (a pipe, a device)."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return "a link to nothing (or to itself)"
+    if not path.exists():
+        return "no such file"
+    return "not a file: a folder" if path.is_dir() else "not a file (a pipe or a device?)"
+
+
 def json_value(text: str) -> Any:
     """The JSON in `text` (see unique_keys)."""
     return json.loads(text, object_pairs_hook=unique_keys)

@@ -46,6 +46,7 @@ from run_identity import (  # noqa: E402
     differences,
     move_aside,
     nonempty,
+    not_a_file,
     read_json,
     read_yaml,
     saved_config,
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if not launcher:
         parser.error("--launcher is empty: give the command that runs run_clm.py, e.g. python")
     if not Path(args.config).is_file():
-        raise ValueError(f"{args.config}: " + ("not a file" if Path(args.config).exists() else "no such file"))
+        raise ValueError(f"{args.config}: {not_a_file(args.config)}")
     if shutil.which(launcher[0]) is None:
         parser.error(f"--launcher {args.launcher!r}: no command {launcher[0]!r} here")
     try:

@@ -1265,6 +1265,24 @@ def test_a_key_given_twice_in_a_yaml_file_is_named(recipe, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
 
 
+@pytest.mark.parametrize("kind,what", [("folder", "not a file: a folder"), ("pipe", "not a file (a pipe or a device?)"),
+                                       ("loop", "a link to nothing (or to itself)")])
+@pytest.mark.parametrize("name,read", [
+    ("s.yaml", lambda path: pack.main([str(path), "--results", str(path.parent / "r")])),
+    ("s.yaml", lambda path: sweep.main([str(path), "--dry_run"])),
+    ("run.yaml", lambda path: run_clm.parse_args([str(path)])),
+    ("train.txt", lambda path: run_clm.parse_args(["--train_file", str(path), "--output_dir", str(path.parent / "o")])),
+    ("at.yaml", lambda path: run_clm.main(["--span_schedule", str(path), "--output_dir", str(path.parent / "o")])),
+], ids=["pack", "sweep", "run_clm-config", "run_clm-train_file", "run_clm-span_schedule"])
+def test_a_file_argument_that_is_a_folder_a_pipe_or_a_link_loop_is_named_as_such(name, read, kind, what, tmp_path):
+    """A folder or a pipe given as the sweep file, run_clm.py's config, data or schedule file was 'no such file'."""
+    path = tmp_path / name
+    {"folder": path.mkdir, "pipe": lambda: os.mkfifo(path), "loop": lambda: path.symlink_to(name)}[kind]()
+    with pytest.raises((SystemExit, ValueError)) as err:
+        read(path)
+    assert f"{path}: {what}" in str(err.value)
+
+
 @pytest.mark.parametrize("content,message", [
     ("spans: [score:1000]\n---\nspans: [score:1100]\n", "2 YAML documents; sweep.py runs one (recipes/pack.py runs"),
     (b"\xff\xfespans: []", "not valid YAML (UnicodeDecodeError"),
