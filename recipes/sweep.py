@@ -308,6 +308,8 @@ def prune(folder: Path) -> None:
     from run_clm import TOKENIZER_FILES
 
     for path in folder.iterdir():
+        if path.is_symlink():  # put there by hand: what it leads to is not the run's to delete
+            continue
         if path.is_dir() and path.name.startswith("checkpoint-"):
             shutil.rmtree(path)
         elif path.suffix in (".safetensors", ".bin", ".pt", ".pth") or path.name in TOKENIZER_FILES:

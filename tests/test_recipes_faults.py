@@ -1283,6 +1283,22 @@ def test_a_file_argument_that_is_a_folder_a_pipe_or_a_link_loop_is_named_as_such
     assert f"{path}: {what}" in str(err.value)
 
 
+def test_sweep_prunes_a_finished_run_but_leaves_links_put_into_its_folder(tmp_path):
+    """A link named checkpoint-N to a folder elsewhere stopped the sweep after its run (rmtree refuses a link)."""
+    run, mine = tmp_path / "run", tmp_path / "mine"
+    (run / "checkpoint-4").mkdir(parents=True)
+    (mine / "checkpoint").mkdir(parents=True)
+    (mine / "checkpoint" / "model.safetensors").write_text("kept")
+    (mine / "w.bin").write_text("kept")
+    (run / "checkpoint-9").symlink_to(mine / "checkpoint")
+    (run / "old.bin").symlink_to(mine / "w.bin")
+    for name in ("model.safetensors", "metrics.json", "config.json"):
+        (run / name).write_text("{}")
+    sweep.prune(run)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-9", "config.json", "metrics.json", "old.bin"]
+    assert (mine / "checkpoint" / "model.safetensors").read_text() == (mine / "w.bin").read_text() == "kept"
+
+
 @pytest.mark.parametrize("content,message", [
     ("spans: [score:1000]\n---\nspans: [score:1100]\n", "2 YAML documents; sweep.py runs one (recipes/pack.py runs"),
     (b"\xff\xfespans: []", "not valid YAML (UnicodeDecodeError"),
