@@ -1629,6 +1629,17 @@ def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message
     assert not (tmp_path / "out").exists()
 
 
+def test_ci_passes_its_arguments_on_to_the_test_script(tmp_path):
+    """`bash .ci/run -m slow` ran the default suite without a word."""
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "scripts" / "test.sh").write_text('printf "%s|" "$@"\n')
+    result = subprocess.run(["bash", str(tmp_path / ".ci" / "run"), "-m", "slow", "a b.py"], capture_output=True,
+                            text=True, cwd="/")
+    assert result.returncode == 0 and result.stdout == "-m|slow|a b.py|"
+
+
 def test_gpu_check_script_runs_one_part_and_names_more(tmp_path):
     """`gpu_check.sh figures tests` ran the figures alone without a word."""
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "figures", "tests"], capture_output=True,
