@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pack import TRAINING_KEYS  # noqa: E402
+from pack import TRAINING_KEYS, folded  # noqa: E402
 from plot_diagnostics import plot as plot_diagnostics  # noqa: E402
 from plot_diagnostics import read_records as read_diagnostics  # noqa: E402
 from records import metrics_problems  # noqa: E402
@@ -227,11 +227,12 @@ def paper_scale(metrics: dict) -> bool:
 
 def setting(metrics: dict) -> dict:
     """The settings of a run other than its span and seed that make its result, as a configuration
-    run_identity.differences compares (a pack.py record keeps the training arguments in TRAINING_KEYS)."""
+    run_identity.differences compares (a pack.py record keeps the training arguments in TRAINING_KEYS), the
+    batch split aside as pack.py sets it aside (folded)."""
     config = metrics["config"]
     training = config.get("training") or {}
-    return {"model": config.get("model") or {}, "data": config.get("data") or {},
-            "training": {k: training.get(k) for k in TRAINING_KEYS if k not in ("seed", "data_seed")}}
+    return folded({"model": config.get("model") or {}, "data": config.get("data") or {},
+                   "training": {k: training.get(k) for k in TRAINING_KEYS if k not in ("seed", "data_seed")}})
 
 
 def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> str:

@@ -619,6 +619,19 @@ def test_report_names_runs_that_differ_in_more_than_the_span(tmp_path, capsys):
     assert f"report: H1xL1: runs of other settings than the span: {said}\n" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("split,said", [((64, 2), None), ((32, 2), "training.per_device_train_batch_size × "
+                                                                    "gradient_accumulation_steps: 128 → 64")])
+def test_report_takes_the_batch_split_for_no_other_setting(split, said, tmp_path):
+    """Runs of one batch of 128 in 1 or 2 steps (gpu_sweep.sh --accum) were named as runs of other settings."""
+    runs = tmp_path / "runs"
+    for label, (batch, steps) in (("standard:QKV111", (128, 1)), ("score:1000", split)):
+        training = {"seed": 0, "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
+        metrics_file(runs, label, 0, 6.0, config={"training": training, "data": {"block_size": 8}})
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert ("Not like the others" in text) == (said is not None) and (said is None or f"({said})" in text)
+
+
 def test_report_reads_a_span_label_as_its_setting(tmp_path):
     """score:1,0,0,0 is score:1000: one row, and two runs of it with one seed are named."""
     runs = tmp_path / "runs"
