@@ -120,6 +120,9 @@ def load_sweeps(path: Path) -> list[dict]:
     return sweeps
 
 
+MAX_NAME = 230  # a result's file name, <name>.json.invalid-<n> (or its temporary folder's), within 255 bytes
+
+
 def result_name(folder: Path) -> str:
     """<shape>__<span>__seed<k> from the run's folder, in letters, digits, '.', '_' and '-' only."""
     return re.sub(r"[^A-Za-z0-9._-]", "-", "__".join(folder.parts[-3:]))
@@ -142,6 +145,10 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True)
             args = dict(a[2:].split("=", 1) for a in run_args)
             args.pop("output_dir")
             run = Run(result_name(folder), folder, args)
+            if len(run.name) > MAX_NAME:
+                raise ValueError(f"the run {folder} has the result name {shown(run.name, 80)}: more than the "
+                                 f"{MAX_NAME} characters a result file's name may have here; give the shape's "
+                                 "longer arguments in args, or shorter ones")
             if run.name in runs and runs[run.name].folder != folder:
                 raise ValueError(f"runs {runs[run.name].folder} and {folder} have the same result name {run.name}")
             runs.setdefault(run.name, run)

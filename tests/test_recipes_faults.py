@@ -323,6 +323,17 @@ def test_pack_moves_a_symlinked_partial_result_aside_and_not_the_file_it_points_
 # pack.py: what counts as a finished run
 
 
+def test_pack_refuses_a_result_name_too_long_for_a_file_before_anything_runs(tmp_path, fake):
+    """A shape's folder name of 190 characters beside a span of 4 long alphas: 'File name too long' from the
+    results folder's check, a traceback."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:" + ",".join(["0.12345678901234566"] * 4)], [0])
+    sweep_file = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**sweep_file, "shapes": [{"n_head": 2, "n_layer": 1, "run_name": "x" * 180}]}))
+    with pytest.raises(SystemExit, match=r"\(291 characters\): more than the 230 characters a result file's name"):
+        pack.main([str(config), "--results", str(tmp_path / "r")])
+    assert fake() == [] and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("where", ["--results", "--jsonl", "tree"])
 def test_pack_stops_at_a_finished_run_made_with_other_settings(where, tmp_path, fake, capsys):
     """A rerun with another --set counts a finished run only where its recorded settings are this command's, apart
