@@ -129,11 +129,13 @@ def result_name(folder: Path) -> str:
 
 
 def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True) -> list[Run]:
-    """The runs of the sweep documents, each once; with `check`, run_clm.py's arguments are checked here
-    (data files, too: the machine that plans is the one that runs)."""
+    """The runs of the sweep documents, each once (as its first document plans it; a later one that gives it other
+    arguments is told); with `check`, run_clm.py's arguments are checked here (data files, too: the machine that
+    plans is the one that runs)."""
     runs: dict[str, Run] = {}
+    document: dict[str, int] = {}  # the document that planned each run first
     overrides = {argument_name(k): v for k, v in overrides.items()}
-    for sweep in sweeps:
+    for i, sweep in enumerate(sweeps, 1):
         kept = {k: v for k, v in (sweep.get("args") or {}).items() if argument_name(k) not in overrides}
         try:
             planned = plan({**sweep, "args": {**kept, **overrides}}, check)
@@ -149,9 +151,18 @@ def plan_runs(sweeps: list[dict], overrides: dict[str, str], check: bool = True)
                 raise ValueError(f"the run {folder} has the result name {shown(run.name, 80)}: more than the "
                                  f"{MAX_NAME} characters a result file's name may have here; give the shape's "
                                  "longer arguments in args, or shorter ones")
-            if run.name in runs and runs[run.name].folder != folder:
-                raise ValueError(f"runs {runs[run.name].folder} and {folder} have the same result name {run.name}")
-            runs.setdefault(run.name, run)
+            first = runs.setdefault(run.name, run)
+            document.setdefault(run.name, i)
+            if first.folder != folder:
+                raise ValueError(f"runs {first.folder} and {folder} have the same result name {run.name}")
+            given, again = ({argument_name(k): v for k, v in r.args.items()} for r in (first, run))
+            if given != again:  # a result is named by shape, span and seed alone: one of them runs
+                changed = "; ".join(f"{k}: " + " → ".join("(unset)" if v is None else shown(v, 60)
+                                                          for v in (given.get(k), again.get(k)))
+                                    for k in sorted(set(given) | set(again)) if given.get(k) != again.get(k))
+                print(f"sweep config, document {i}: {run.name} is planned by document {document[run.name]} "
+                      f"already, which it runs with its own arguments, not these ({changed}); a run of other "
+                      "arguments needs a sweep file and results of its own", flush=True)
     return list(runs.values())
 
 
@@ -356,9 +367,14 @@ def finished_names(runs: list[Run], results: Path | None, jsonl: Path | None, sa
             say(f"{problem}; the line is ignored", flush=True)
         by_name = {run.name: run for run in runs}
         found += [(f"{path} {place}", by_name[r["name"]], r) for (path, place), r in records if r["name"] in by_name]
-    unlike = []
+    unlike, compared = [], True
     for where, run, data in found:
-        diffs = other_settings(run, data)
+        try:
+            diffs = other_settings(run, data)
+        except ValueError as err:  # a dry run's arguments, unchecked (its data elsewhere, say): as before
+            if compared:
+                say(f"the settings of finished runs are not compared ({err})", flush=True)
+            compared, diffs = False, []
         if diffs and keep_other_settings:
             say(f"{where}: {run.name} was made with other settings ({'; '.join(diffs)}); counted finished "
                 "(--keep_other_settings)", flush=True)

@@ -128,7 +128,7 @@ def test_a_failed_run_stops_new_starts_and_shows_its_log(tmp_path, fake, monkeyp
     assert not list(scratch.iterdir())  # temporary folders removed, the failed run's too
 
 
-def test_several_documents_run_in_order_and_inherit(tmp_path):
+def test_several_documents_run_in_order_and_inherit(tmp_path, capsys):
     path = tmp_path / "sweep.yaml"
     path.write_text("output_dir: out\nargs: {n_embd: 64, block_size: 32}\nspans: [score:1000]\nseeds: [0]\n"
                     "shapes: [{n_head: 2, n_layer: 1}]\n---\nargs: {block_size: 16}\nspans: [score:1100, score:1000]\n")
@@ -136,6 +136,9 @@ def test_several_documents_run_in_order_and_inherit(tmp_path):
     assert [r.name for r in runs] == ["H2xL1__score-1000__seed0", "H2xL1__score-1100__seed0"]
     assert runs[0].args["block_size"] == "32" and runs[1].args["block_size"] == "16"
     assert {r.args["n_embd"] for r in runs} == {"32"} and "output_dir" not in runs[0].args
+    # was: the second document's block_size for score:1000 went unused without a word
+    assert "sweep config, document 2: H2xL1__score-1000__seed0 is planned by document 1 already, which it runs with " \
+           "its own arguments, not these (block_size: '32' → '16')" in capsys.readouterr().out
 
 
 def test_early_stopping_records_its_epoch_and_keeps_the_full_schedule(tmp_path, monkeypatch):

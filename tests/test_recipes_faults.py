@@ -368,6 +368,18 @@ def test_pack_stops_at_a_finished_run_made_with_other_settings(where, tmp_path, 
     assert fake() == [("score:1000", 0), ("score:1100", 0)]  # score:1000 kept as finished, score:1100 run
 
 
+def test_a_dry_run_away_from_the_data_lists_the_runs_without_comparing_settings(tmp_path, fake, capsys):
+    """A dry run does not check the runs' arguments (its data may be on the machine that runs): the settings of
+    finished runs cannot be compared there, and it says so rather than stop."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000", "score:1100"], [0])
+    assert pack.main([str(config), "--results", str(tmp_path / "r"), "--max_runs", "1"]) == 0
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000", "score:1100"], [0], {"train_file": "elsewhere.txt"})
+    assert pack.main([str(config), "--results", str(tmp_path / "r"), "--dry_run"]) == 0
+    said = capsys.readouterr().out
+    assert "the settings of finished runs are not compared (the arguments of H2xL1__score-1000__seed0: " \
+           "--train_file elsewhere.txt: no such file)\n2 runs, 1 finished before, 1 to do" in said
+
+
 @pytest.mark.parametrize("text", ["{}", '{"name": "H2xL1__score-1000__seed0", "min_val_loss": 1', "[]",
                                   "RECORD_OF_ANOTHER_RUN", "RECORD_WITH_NULL_LOSS"])
 def test_pack_redoes_a_run_whose_result_file_is_partial_or_hostile(text, tmp_path, fake, capsys):
