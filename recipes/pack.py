@@ -55,6 +55,7 @@ from run_identity import (
     path_argument,
     read_yaml,
     stopped_as_by_ctrl_c,
+    too_long,
     write_json,
 )
 from sweep import argument_name, names_flag, plan
@@ -525,6 +526,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                ("--tmp_dir", args.tmp_dir, True)):
         if path is None:
             continue
+        if too_long(path):
+            parser.error(f"{flag} {shown(str(path), 120)}: {too_long(path)}")
         if folder and path.is_symlink() and not path.exists():
             parser.error(f"{flag} {path}: a link to nothing (or to itself); expected a folder")
         if path.exists() and path.is_dir() != folder:

@@ -337,6 +337,19 @@ def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | No
     return resume_from_checkpoint or last_checkpoint(out, first)
 
 
+MAX_NAME_BYTES = 240  # of a folder or file that RunLock guards: 255, the most file systems allow, less suffixes
+
+
+def too_long(path: Path) -> str | None:
+    """What in `path` is too long a name for a folder or file with a lock beside it (see MAX_NAME_BYTES), or None;
+    the file system would say "File name too long", naming no argument."""
+    size = max(len(os.fsencode(part)) for part in Path(path).parts) if Path(path).parts else 0
+    if size <= MAX_NAME_BYTES:
+        return None
+    return (f"a name of {size} bytes in it; allowed are {MAX_NAME_BYTES} (a lock, <name>.lock, and what is moved "
+            "aside, <name>.replaced-<n>, go beside it)")
+
+
 class RunLock:
     """`<folder>.lock`, holding the process id, while a run writes into `folder`: a second run on the same
     folder stops at once and says which process holds it. A lock whose process is gone (a killed run) is
@@ -384,6 +397,9 @@ class RunLock:
         return True
 
     def __enter__(self) -> RunLock:
+        long = too_long(self.path.with_suffix(""))
+        if long:
+            raise SystemExit(f"{self.flag} {shown(str(self.path.with_suffix('')), 120)}: {long}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.is_symlink() or self.path.exists() and not self.path.is_file():
             raise SystemExit(f"{self.path} is where the lock of {self.path.with_suffix('')} goes, but it is not a lock "

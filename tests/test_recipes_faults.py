@@ -7,6 +7,7 @@ import codecs
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -1663,6 +1664,28 @@ def test_gpu_sweep_script_names_a_bad_option_before_doing_anything(argv, message
                             env={**os.environ, "OUT": str(tmp_path / "out")})
     assert result.returncode == 2 and f"gpu_sweep.sh: {message}" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("call", [
+    lambda t, name: pack.main([str(t / "s.yaml"), "--results", str(t / name)]),
+    lambda t, name: pack.main([str(t / "s.yaml"), "--jsonl", str(t / f"{name}.jsonl")]),
+    lambda t, name: pack.main([str(t / "s.yaml"), "--results", str(t / "r"), "--tmp_dir", str(t / name)]),
+    lambda t, name: merge.main([str(t / "s.yaml"), "--out", str(t / name)]),
+    lambda t, name: run_clm.main(["--output_dir", str(t / name), "--data_dir", TINY["data_dir"],
+                                  "--train_file", TINY["train_file"], "--tokenizer_name", TINY["tokenizer_name"]]),
+], ids=["pack-results", "pack-jsonl", "pack-tmp_dir", "merge-out", "run_clm-output_dir"])
+def test_a_name_too_long_for_a_lock_beside_it_is_named_with_its_argument(call, tmp_path, capsys):
+    """A folder name of 252 bytes: "OSError: File name too long" tracebacks (from the lock <name>.lock), after the
+    sweep file was read."""
+    write_sweep(tmp_path / "s.yaml", ["score:1000"], [0])
+    if "merge" in str(call.__code__.co_names):
+        (tmp_path / "s.yaml").write_text(json.dumps(a_record()))
+    with pytest.raises(SystemExit) as err:
+        call(tmp_path, "o" * 252)
+    said = str(err.value) + capsys.readouterr().err
+    assert re.search(r"(--results|--jsonl|--tmp_dir|--out|--output_dir) \S+ \(\d+ characters\): a name of 25[28] "
+                     r"bytes in it; allowed are 240 \(a lock, <name>.lock", said), said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]
 
 
 def test_ci_passes_its_arguments_on_to_the_test_script(tmp_path):
