@@ -526,11 +526,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                ("--tmp_dir", args.tmp_dir, True)):
         if path is None:
             continue
-        if too_long(path):
+        if flag != "--tmp_dir" and too_long(path):
             parser.error(f"{flag} {shown(str(path), 120)}: {too_long(path)}")
-        if folder and path.is_symlink() and not path.exists():
-            parser.error(f"{flag} {path}: a link to nothing (or to itself); expected a folder")
-        if path.exists() and path.is_dir() != folder:
+        try:
+            if folder and path.is_symlink() and not path.exists():
+                parser.error(f"{flag} {path}: a link to nothing (or to itself); expected a folder")
+            exists = path.exists()
+        except OSError as err:  # a name past the file system's limit
+            parser.error(f"{flag} {shown(str(path), 120)}: {err.strerror}")
+        if exists and path.is_dir() != folder:
             parser.error(f"{flag} {path}: " + ("exists and is not a folder" if folder else "is a folder; expected the "
                                                                                            "path of a .jsonl file"))
         blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
