@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import re
 import statistics
 import sys
@@ -33,6 +34,7 @@ from records import metrics_problems  # noqa: E402
 from run_identity import data_source, differences, path_argument, read_json, span_dir  # noqa: E402
 
 from hf_spanattn import SpanAttentionConfig  # noqa: E402
+from hf_spanattn.ops.inputs import shown  # noqa: E402
 
 BASELINE = "standard:QKV111"
 PAPER_DELTA = 0.56  # Δ % of score:1000 in the paper (GPT-2 d = 256, 6 layers, 50 epochs of WikiText-2)
@@ -312,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
                                                                                                   "improvements")),
                *(f"diagnostics_{shape}_{span_dir(label)}.png" for shape, spans in runs.items() for label in spans)]
     for path in map(out.joinpath, outputs):  # found before anything is written
+        if len(os.fsencode(path.name)) > 255:  # the most a file system allows: matplotlib's "File name too long"
+            raise SystemExit(f"report: {shown(str(path), 120)}: a file name of {len(os.fsencode(path.name))} bytes, "
+                             "past the 255 a file system allows; give the shape's folder under the runs a shorter name")
         if path.is_dir() or (path.is_symlink() and not path.exists()):
             what = "a folder" if path.is_dir() else "a link to nothing"
             raise SystemExit(f"report: {path} is {what}, where the report writes a file; move it away")

@@ -656,6 +656,18 @@ def test_report_takes_the_batch_split_for_no_other_setting(split, said, tmp_path
     assert ("Not like the others" in text) == (said is not None) and (said is None or f"({said})" in text)
 
 
+def test_report_names_a_figure_name_too_long_for_a_file_before_writing(tmp_path):
+    """A shape folder of 246 characters: matplotlib's "File name too long" traceback at the first figure."""
+    runs, shape = tmp_path / "runs", "H1xL1_" + "x" * 240
+    for label, value in (("standard:QKV111", 6.0), ("score:1000", 5.9)):
+        folder = metrics_file(runs, label, 0, value).parent.parent
+        (runs / shape).mkdir(exist_ok=True)
+        folder.rename(runs / shape / folder.name)
+    with pytest.raises(SystemExit, match=r"report: .*loss_curves_H1xL1_x+.*: a file name of 262 bytes, past the 255"):
+        report.main([str(runs), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_report_reads_a_span_label_as_its_setting(tmp_path):
     """score:1,0,0,0 is score:1000: one row, and two runs of it with one seed are named."""
     runs = tmp_path / "runs"
