@@ -57,6 +57,7 @@ from run_identity import (
     stopped_as_by_ctrl_c,
     too_long,
     write_json,
+    write_whole,
 )
 from sweep import argument_name, names_flag, plan
 
@@ -242,10 +243,8 @@ def result_record(run: Run, metrics: dict, wall_s: float, parallel: int) -> dict
 
 
 def write_record(record: dict, results: Path | None, jsonl: Path | None) -> None:
-    if results is not None:
-        tmp = results / f".{record['name']}.json.tmp"
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(results / f"{record['name']}.json")  # whole or absent, even if killed mid-write
+    if results is not None:  # whole or absent, even if killed mid-write
+        write_whole(results / f"{record['name']}.json", json.dumps(record, indent=1) + "\n")
     if jsonl is not None:
         with open(jsonl, "a+b") as f:
             end = f.seek(0, os.SEEK_END)

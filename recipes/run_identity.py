@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -136,11 +137,26 @@ def stopped_as_by_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def write_json(path: Path, data: Any) -> None:
-    """`data` as JSON in `path`, whole or not at all (a run stopped while writing leaves the old file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+def write_whole(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all: written to a new hidden file beside it, then renamed over it (a run
+    stopped while writing leaves the old file). A file left at that hidden name by a stopped write is written over;
+    a folder or link there, put by hand, is left as it is and another name taken."""
+    for n in itertools.count():
+        tmp = path.with_name(f".{path.name}.tmp" + (f"-{n}" if n else ""))
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
+        try:
+            with open(tmp, "x") as f:  # never through a link, nor into a file another writer has open
+                f.write(text)
+            break
+        except FileExistsError:
+            continue
     tmp.replace(path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """`data` as JSON in `path`, whole or not at all (see write_whole)."""
+    write_whole(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def data_files(data: dict, recorded_before_pretrained: bool) -> dict[str, str]:

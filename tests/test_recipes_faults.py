@@ -335,6 +335,29 @@ def test_pack_refuses_a_result_name_too_long_for_a_file_before_anything_runs(tmp
     assert fake() == [] and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("kind", ["folder", "link"])
+def test_a_result_is_written_whole_past_whatever_is_at_its_temporary_name(kind, tmp_path, fake):
+    """<results>/.<name>.json.tmp a folder: IsADirectoryError after the run, its result not written; a link to a
+    user's file: the record written into that file, the link renamed to the result. run_clm.py's metrics.json and
+    run_config.json go the same way (run_identity.write_json)."""
+    results, mine = tmp_path / "r", tmp_path / "mine.txt"
+    results.mkdir()
+    mine.write_text("mine")
+    for name in (".H2xL1__score-1000__seed0.json.tmp", ".metrics.json.tmp"):
+        if kind == "folder":
+            (results / name).mkdir()
+        else:
+            (results / name).symlink_to(mine)
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    assert pack.main([str(config), "--results", str(results)]) == 0
+    assert pack.load_records(results)[0]["name"] == "H2xL1__score-1000__seed0"
+    run_identity.write_json(results / "metrics.json", {"a": 1})
+    assert json.loads((results / "metrics.json").read_text()) == {"a": 1} and mine.read_text() == "mine"
+    assert not (results / "H2xL1__score-1000__seed0.json").is_symlink()
+    assert sorted(p.name for p in results.iterdir()) == [".H2xL1__score-1000__seed0.json.tmp", ".metrics.json.tmp",
+                                                          "H2xL1__score-1000__seed0.json", "metrics.json"]
+
+
 @pytest.mark.parametrize("where", ["--results", "--jsonl", "tree"])
 def test_pack_stops_at_a_finished_run_made_with_other_settings(where, tmp_path, fake, capsys):
     """A rerun with another --set counts a finished run only where its recorded settings are this command's, apart
