@@ -271,6 +271,7 @@ PRECISION = ("bf16", "fp16", "tf32")  # left to the machine that runs (see sweep
 # cadence are not among them: min_val_loss is the least of the evaluations made, final_train_loss the mean
 # since the last log, and early stopping counts evaluations.
 BATCH_SPLIT = ("per_device_train_batch_size", "gradient_accumulation_steps")
+MAX_ARGS = 1000  # more than run_clm.py has; argparse takes time quadratic in their number to refuse more
 
 
 @functools.cache
@@ -320,7 +321,7 @@ def other_settings(run: Run, data: dict) -> list[str]:
     config = data["config"]
     if "args" not in config:
         saved = folded(config)
-    elif not isinstance(config["args"], dict) or not all(
+    elif not isinstance(config["args"], dict) or len(config["args"]) > MAX_ARGS or not all(
             isinstance(v, (str, int, float, bool)) for v in config["args"].values()):
         return [f"config.args={shown(config['args'])}: not the run's arguments as recipes/pack.py records them"]
     else:

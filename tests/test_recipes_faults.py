@@ -392,6 +392,27 @@ def test_pack_stops_at_a_finished_run_made_with_other_settings(where, tmp_path, 
     assert fake() == [("score:1000", 0), ("score:1100", 0)]  # score:1000 kept as finished, score:1100 run
 
 
+@pytest.mark.parametrize("args,said", [
+    ([1], "config.args=[1]: not the run's arguments as recipes/pack.py records them"),
+    ({"learning_rate": {"a": 1}}, "'learning_rate': {'a': 1}}: not the run's arguments"),
+    # 1001 arguments, more than run_clm.py has: argparse would take minutes, quadratic in their number, at 10^5
+    ({f"k{i}": "1" for i in range(1001)}, " characters): not the run's arguments"),
+    ({"../x": "1"}, "its arguments are refused by run_clm.py now (Some specified arguments are not used by the "
+                    "HfArgumentParser: ['--../x=1']); ../x: '1' → (unset)"),
+])
+def test_a_record_whose_arguments_are_hostile_stops_the_command_named(args, said, tmp_path, fake):
+    record = one_record(tmp_path, fake)
+    results = tmp_path / "r"
+    results.mkdir()
+    config = record["config"]
+    record["config"] = {**config, "args": {**config["args"], **args} if isinstance(args, dict) else args}
+    (results / f"{record['name']}.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit) as err:
+        pack.main([str(tmp_path / "sweep.yaml"), "--results", str(results)])
+    assert f"{record['name']} made with other settings than this command's (" in str(err.value)
+    assert said in str(err.value) and len(str(err.value)) < 2000
+
+
 def test_a_dry_run_away_from_the_data_lists_the_runs_without_comparing_settings(tmp_path, fake, capsys):
     """A dry run does not check the runs' arguments (its data may be on the machine that runs): the settings of
     finished runs cannot be compared there, and it says so rather than stop."""
