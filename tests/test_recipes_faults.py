@@ -1787,6 +1787,21 @@ def test_setup_installs_the_pinned_torch_where_another_is_there(installed, insta
     assert ("-m pip install -q torch==2.13.0" in calls) == installs and "-m pip install -q -e .[dev]" in calls
 
 
+@pytest.mark.parametrize("flag,reported", [("--dry", False), ("--dry_ru", False), ("--d", True), ("--dry_runs", True)])
+def test_compare_script_takes_an_abbreviated_dry_run_for_one(flag, reported, tmp_path):
+    """sweep.py (argparse) reads --dry as --dry_run; the script then ran report.py, which stopped it (no such
+    folder)."""
+    for name in ("scripts", "recipes", ".venv/bin"):
+        (tmp_path / name).mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "compare.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "recipes" / "sweep.py").write_text("print('listed')\n")
+    (tmp_path / "recipes" / "report.py").write_text("print('reported')\n")
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "compare.sh"), flag], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("listed\n") and ("reported" in done.stdout) == reported
+
+
 @needs_data
 def test_compare_script_dry_run_lists_the_runs_and_reports_nothing(tmp_path):
     """After sweep.py's list of runs, report.py stopped the script with "runs/quick/runs: no such folder", exit 1."""
