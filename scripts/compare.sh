@@ -4,6 +4,9 @@
 #   SPANATTN_DATA=../shared/data bash scripts/compare.sh     # offline: local WikiText-2 + tokenizer
 # Writes runs/quick/report.md, report.csv and the PNG figures. Extra arguments go to sweep.py.
 set -euo pipefail
+if [ -n "${SPANATTN_DATA:-}" ] && [[ "$SPANATTN_DATA" != /* ]]; then
+    SPANATTN_DATA="$PWD/$SPANATTN_DATA"  # relative to where the script was called, not to the checkout
+fi
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 args=()

@@ -5,8 +5,9 @@
 # the paper used has only a 1 MB train prefix offline. Checks the files against the data's README.
 #   bash scripts/fetch_gpu_data.sh              # SPANATTN_DATA=... for another copy of ../shared/data
 set -euo pipefail
+DATA="${SPANATTN_DATA:-$(dirname "$0")/../../shared/data}"
+[[ "$DATA" = /* ]] || DATA="$PWD/$DATA"  # a relative SPANATTN_DATA is read from where the script was called
 cd "$(dirname "$0")/.."
-DATA="${SPANATTN_DATA:-../shared/data}"
 mkdir -p .data/wikitext-2-v1 .data/gpt2-tokenizer
 cp "$DATA"/wikitext-2-v1/train.txt "$DATA"/wikitext-2-v1/validation.txt .data/wikitext-2-v1/
 cp "$DATA"/gpt2-tokenizer/* .data/gpt2-tokenizer/

@@ -1803,6 +1803,31 @@ def test_compare_script_takes_an_abbreviated_dry_run_for_one(flag, reported, tmp
 
 
 @needs_data
+@pytest.mark.parametrize("script", ["compare.sh", "fetch_gpu_data.sh"])
+def test_scripts_read_a_relative_data_folder_from_where_they_are_called(script, tmp_path):
+    """SPANATTN_DATA=shared/data from /work was read from the checkout (cd there first): "cannot stat" or
+    "no such file" for a folder that is there."""
+    repo = tmp_path / "repo"
+    for name in ("scripts", "recipes", ".venv/bin"):
+        (repo / name).mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts")
+    (repo / "scripts" / "setup.sh").write_text("exit 0\n")
+    (repo / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    (repo / "recipes" / "sweep.py").write_text("import sys; print(sys.argv[1:])\n")
+    (repo / "recipes" / "report.py").write_text("\n")
+    relative = os.path.relpath(DATA, tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    done = subprocess.run(["bash", str(repo / "scripts" / script)], capture_output=True, text=True,
+                          cwd=tmp_path / "elsewhere", env={**os.environ, "SPANATTN_DATA": relative})
+    assert done.returncode == 0, done.stderr
+    if script == "compare.sh":
+        assert f"'--train_file', '{tmp_path / 'elsewhere' / relative}/wikitext-2-v1/train.txt'" in done.stdout
+    else:
+        assert (repo / ".data" / "wikitext-2-v1" / "train.txt").stat().st_size == (DATA / "wikitext-2-v1" /
+                                                                                   "train.txt").stat().st_size
+
+
+@needs_data
 def test_compare_script_dry_run_lists_the_runs_and_reports_nothing(tmp_path):
     """After sweep.py's list of runs, report.py stopped the script with "runs/quick/runs: no such folder", exit 1."""
     (tmp_path / "scripts").mkdir()
