@@ -1807,7 +1807,7 @@ def test_compare_script_takes_an_abbreviated_dry_run_for_one(flag, reported, tmp
 def test_scripts_read_a_relative_data_folder_from_where_they_are_called(script, tmp_path):
     """SPANATTN_DATA=shared/data from /work was read from the checkout (cd there first): "cannot stat" or
     "no such file" for a folder that is there."""
-    repo = tmp_path / "repo"
+    repo = tmp_path / "deeper" / "repo"  # the relative path leads elsewhere from there
     for name in ("scripts", "recipes", ".venv/bin"):
         (repo / name).mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / script, repo / "scripts")
