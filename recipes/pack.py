@@ -114,7 +114,10 @@ def load_sweeps(path: Path) -> list[dict]:
         if not isinstance(document.get("args") or {}, dict):
             raise ValueError(f"sweep config {path}, document {i}: args={shown(document['args'])}: expected a mapping "
                              "of run_clm.py arguments")
-        current = {**previous, **document, "args": {**(previous.get("args") or {}), **(document.get("args") or {})}}
+        given = document.get("args") or {}
+        named = {argument_name(k) for k in given}  # num-train-epochs here replaces num_train_epochs there
+        inherited = {k: v for k, v in (previous.get("args") or {}).items() if argument_name(k) not in named}
+        current = {**previous, **document, "args": {**inherited, **given}}
         sweeps.append(current)
         previous = current
     if not sweeps:

@@ -1376,6 +1376,21 @@ def test_a_file_argument_that_is_a_folder_a_pipe_or_a_link_loop_is_named_as_such
     assert f"{path}: {what}" in str(err.value)
 
 
+def test_a_later_sweep_document_replaces_an_argument_however_the_earlier_one_spelled_it(tmp_path):
+    """Document 1's num-train-epochs and document 2's num_train_epochs: "args gives 'num-train-epochs' and
+    'num_train_epochs', one run_clm.py argument; keep one", though each document gave one."""
+    path = tmp_path / "sweep.yaml"
+    path.write_text("output_dir: out\nargs: {num-train-epochs: 3}\nspans: [score:1000]\nseeds: [0]\n---\n"
+                    "args: {num_train_epochs: 5}\nspans: [score:1100]\n")
+    runs = pack.plan_runs(pack.load_sweeps(path), {}, check=False)
+    assert [(r.args.get("num-train-epochs"), r.args.get("num_train_epochs")) for r in runs] == [("3", None),
+                                                                                               (None, "5")]
+    path.write_text("output_dir: out\nargs: {num-train-epochs: 3, num_train_epochs: 5}\nspans: [score:1000]\n"
+                    "seeds: [0]\n")
+    with pytest.raises(ValueError, match="args gives 'num-train-epochs' and 'num_train_epochs'"):  # in one document
+        pack.plan_runs(pack.load_sweeps(path), {}, check=False)
+
+
 def test_sweep_prunes_a_finished_run_but_leaves_links_put_into_its_folder(tmp_path):
     """A link named checkpoint-N to a folder elsewhere stopped the sweep after its run (rmtree refuses a link)."""
     run, mine = tmp_path / "run", tmp_path / "mine"
