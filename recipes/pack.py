@@ -318,7 +318,7 @@ def other_settings(run: Run, data: dict) -> list[str]:
     ('group.key: recorded → wanted', at most 3), apart from the batch split; [] where they do not. A pack.py
     record keeps the run's arguments (config.args), run_clm.py's metrics.json its whole configuration."""
     try:
-        wanted = configuration(tuple(sorted(run.args.items())), str(run.folder))
+        wanted = configuration(tuple(run.args.items()), str(run.folder))
     except ValueError as err:  # a dry run, whose arguments plan_runs did not check
         raise ValueError(f"the arguments of {run.name}: {err}") from None
     config = data["config"]
@@ -330,7 +330,7 @@ def other_settings(run: Run, data: dict) -> list[str]:
     else:
         recorded = {str(k): str(v) for k, v in config["args"].items()}
         try:
-            saved = configuration(tuple(sorted(recorded.items())), str(run.folder))
+            saved = configuration(tuple(recorded.items()), str(run.folder))
         except ValueError as err:
             changed = [f"{k}: " + " → ".join("(unset)" if v is None else shown(v) for v in (recorded.get(k),
                                                                                            run.args.get(k)))

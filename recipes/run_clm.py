@@ -412,8 +412,9 @@ def given_flags(argv: list[str]) -> dict[str, str]:
 
 
 def training_defaults(argv: list[str]) -> list[str]:
-    """`argv` completed with `defaults_for` it."""
-    given = given_flags(argv)
+    """`argv` completed with `defaults_for` it (--num-train-epochs, as HfArgumentParser takes it too, is
+    --num_train_epochs: a default added after it would win)."""
+    given = {name.replace("-", "_"): value for name, value in given_flags(argv).items()}
     added = defaults_for(given)
     return [*argv, *(x for k, v in added.items() if k not in given
                      for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)))]

@@ -146,13 +146,21 @@ def plan(config: dict, check: bool = True) -> list[tuple[Path, list[str]]]:
             for label in spans:
                 folder = Path(os.path.expanduser(config["output_dir"])) / shape_name(shape) / span_dir(label) / \
                     f"seed{seed}"
-                args = {**(config.get("args") or {}), **shape, "span": label, "seed": seed, "output_dir": str(folder)}
+                args = {**shared(config.get("args") or {}, shape), **shape, "span": label, "seed": seed,
+                        "output_dir": str(folder)}
                 runs.append((folder, [flag(k, v) for k, v in args.items() if v is not None]))  # null: unset
     if check:
         for shape, (folder, run_args) in zip(shapes, runs[: len(shapes) * len(spans) : len(spans)]):
-            given = {**(config.get("args") or {}), **shape}
+            given = {**shared(config.get("args") or {}, shape), **shape}
             check_args(folder, run_args, {k for k, v in given.items() if isinstance(v, bool)})
     return runs
+
+
+def shared(args: dict, shape: dict) -> dict:
+    """The sweep's args that `shape` leaves to it: a shape's value replaces theirs, however either spells the
+    argument (num-train-epochs, num_train_epochs)."""
+    named = {argument_name(k) for k in shape}
+    return {k: v for k, v in args.items() if argument_name(k) not in named}
 
 
 def argument_name(key: object) -> str:

@@ -1391,6 +1391,26 @@ def test_a_later_sweep_document_replaces_an_argument_however_the_earlier_one_spe
         pack.plan_runs(pack.load_sweeps(path), {}, check=False)
 
 
+def test_run_clm_keeps_a_flag_spelled_with_dashes_over_the_papers_default(tmp_path):
+    """--num-train-epochs 5 (HfArgumentParser's alias of --num_train_epochs) trained 50 epochs: the paper's default,
+    added after it as --num_train_epochs 50, won; --do-eval false evaluated all the same."""
+    *_, training, _, _ = run_clm.parse_args(["--num-train-epochs", "5", "--learning-rate=0.1", "--do-eval", "false",
+                                             "--per-device-train-batch-size", "4", "--output_dir", str(tmp_path)])
+    assert (training.num_train_epochs, training.learning_rate, training.do_eval, training.eval_strategy.value,
+            training.per_device_train_batch_size) == (5, 0.1, False, "no", 4)
+
+
+def test_a_sweep_shape_replaces_an_argument_of_args_however_either_spells_it(tmp_path):
+    """args {num_train_epochs: 3} and a shape {num-train-epochs: 5}: both flags passed, and pack.py's records held
+    both; the shape's (its folder's name says 5) won only by its place on the command line."""
+    config = {"output_dir": str(tmp_path), "args": {"num_train_epochs": 3, "learning_rate": 0.001}, "spans":
+              ["score:1000"], "seeds": [0], "shapes": [{"n_head": 2, "n_layer": 1, "num-train-epochs": 5}]}
+    (folder, run_args), = sweep.plan(config, check=False)
+    assert folder.parts[-3] == "H2xL1_num-train-epochs=5"
+    assert [a for a in run_args if a.startswith(("--num", "--learning"))] == ["--learning_rate=0.001",
+                                                                         "--num-train-epochs=5"]
+
+
 def test_sweep_prunes_a_finished_run_but_leaves_links_put_into_its_folder(tmp_path):
     """A link named checkpoint-N to a folder elsewhere stopped the sweep after its run (rmtree refuses a link)."""
     run, mine = tmp_path / "run", tmp_path / "mine"
