@@ -494,12 +494,12 @@ def test_float16_with_a_scale_past_the_half_range_is_sdpas_on_the_tiles(label, s
         assert rel(got, wide) < max(2 * rel(sdpa_got, wide_sdpa), tol)
 
 
-@pytest.mark.parametrize("d_v", [1, 9])
+@pytest.mark.parametrize("d_v", [1, 9, 40])
 @pytest.mark.parametrize("label", ["score:1111", "score:1000", "score:0,1,1,0", "score:1100@per_block", "simple:10",
                                    "reductionistic:1100"])
 def test_a_value_head_dim_unlike_the_query_s_runs_on_the_fused_kernels(label, d_v):
-    """Π_K and Π_V of different widths (the fused backend stacked them): the float64 reference's
-    output and gradients, as on the tiles."""
+    """Π_K and Π_V of different widths (the fused backend stacked them), and a value wider than the query and key
+    with the rule's operand columns (40 > 4 + 3·4): the float64 reference's output and gradients, as on the tiles."""
     from reference import reference
 
     config = SpanAttentionConfig.from_label(label)

@@ -79,12 +79,15 @@ class _Operands(torch.autograd.Function):
         if not extra_k and not extra_q:
             return q.view_as(q), k.view_as(k), v.view_as(v)
         width_k, width_q = sum(ctx.widths[0].values()), sum(ctx.widths[1].values())
+        # the fused kernels want V as wide as Q and K: the narrower side gets zero columns (a value wider than the
+        # augmented query and key gives them zero columns past the operands', which change no score)
+        width = max(d + width_k + width_q, v.shape[-1])
         q_aug = torch.cat([q, q.new_zeros(b, h_q, t, width_k),
-                           *(y.reshape(b, h_q, t, -1).to(q.dtype) for y in extra_q.values())], dim=-1)
+                           *(y.reshape(b, h_q, t, -1).to(q.dtype) for y in extra_q.values()),
+                           q.new_zeros(b, h_q, t, width - d - width_k - width_q)], dim=-1)
         k_aug = torch.cat([k, *(x.squeeze(2).to(k.dtype) for x in extra_k.values()),
-                           k.new_zeros(b, h_kv, t, width_q)], dim=-1)
-        # the fused kernels want V as wide as Q and K
-        v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], q_aug.shape[-1] - v.shape[-1])], dim=-1)
+                           k.new_zeros(b, h_kv, t, width - d - width_k)], dim=-1)
+        v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], width - v.shape[-1])], dim=-1)
         return q_aug, k_aug, v_aug
 
     @staticmethod
