@@ -1667,3 +1667,48 @@ def test_layers_removed_from_a_model_cannot_be_selected():
                                          r"its attention modules carry the layer indices 0, 2"):
         patch_model(gap, "score:1000", layers=[0, 1])
     assert patch_model(pruned, "score:1000", layers=[1]).config.span_attention["layers"] == [1]
+
+
+def _tiny_llava() -> torch.nn.Module:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    text = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       intermediate_size=64, vocab_size=VOCAB + 1, max_position_embeddings=64)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1)
+    return LlavaForConditionalGeneration(config).double().train()
+
+
+def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(tmp_path):
+    """A vision-language model's text and vision attention read their sub-configs (text_config, vision_config), while
+    patch_model writes the settings on the model's config: every tower trained with the default score:1000, whatever
+    the label, with only a note that the settings were missing. Here score:1111 gives the stock gradients."""
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_spanattn.integration.registry import settings_for
+
+    ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, pixel_values=pixels, labels=ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    stock = _tiny_llava()
+    patched = patch_model(_tiny_llava(), "score:1111")
+    expected, got = grads(stock), grads(patched)
+    scale = max(grad.norm() for grad in expected.values())  # (key biases have a gradient of 0, up to rounding)
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-12 * scale, name
+    attention = [m for m in patched.modules() if type(m).__name__ in ("LlamaAttention", "CLIPAttention")]
+    patch_model(patched, "simple:10")
+    assert [settings_for(m).label for m in attention] == ["simple:10"] * 4
+    patched.save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, layers=[1])
+    text = [m for m in loaded.modules() if type(m).__name__ == "LlamaAttention"]
+    assert [getattr(settings_for(m), "label", None) for m in text] == [None, "simple:10"]
+    patch_model(loaded.model.language_model, "score:1100")  # the text model alone: its own config's settings
+    assert [settings_for(m).label for m in text] == ["score:1100"] * 2

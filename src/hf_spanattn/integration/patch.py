@@ -16,7 +16,7 @@ import weakref
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig, _looks_local, _path_argument, as_config
 from hf_spanattn.integration import adapters, card, packing, registry
@@ -28,6 +28,7 @@ from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
     OWNER_ATTR,
     PROBE_ATTR,
+    SETTINGS_FROM_ATTR,
     attention_modules,
     config_of,
     documents_of,
@@ -132,6 +133,11 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
             module.__dict__.pop(name, None)
+        # a composite model's towers read their sub-config (text_config, vision_config): the settings are the model's
+        if isinstance(getattr(module, "config", None), PretrainedConfig) and module.config is not base.config:
+            module.__dict__[SETTINGS_FROM_ATTR] = base.config
+        else:
+            module.__dict__.pop(SETTINGS_FROM_ATTR, None)
     if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
         setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
@@ -178,7 +184,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     original = _original(base)
     sharing = _sharing_config(base)
     for module in base.modules():
-        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR):
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
