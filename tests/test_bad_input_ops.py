@@ -565,3 +565,17 @@ def test_backend_for_takes_a_device_as_a_tensor_has_it(monkeypatch):
             backend_for(device)
     with pytest.raises(TypeError, match=r"backend_for: dtype='float64': expected a torch.dtype"):
         backend_for("cuda", "float64")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_backend_for_a_dtype_span_gradients_do_not_take_is_an_error(dtype, monkeypatch):
+    """backend_for answered 'tiles' or 'fused' for integer, bool, complex and float8 dtypes, in which span_attention
+    refuses its inputs: an answer for a run that cannot happen."""
+    from hf_spanattn.ops import backend_for
+
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match=rf"backend_for: dtype={dtype}: span gradients take torch.float16, "
+                                             r"torch.bfloat16, torch.float32, torch.float64$"):
+            backend_for(device, dtype)
+    assert backend_for("cpu", torch.bfloat16) == "tiles" and backend_for("cuda", torch.float16) == "fused"
