@@ -579,3 +579,24 @@ def test_backend_for_a_dtype_span_gradients_do_not_take_is_an_error(dtype, monke
                                              r"torch.bfloat16, torch.float32, torch.float64$"):
             backend_for(device, dtype)
     assert backend_for("cpu", torch.bfloat16) == "tiles" and backend_for("cuda", torch.float16) == "fused"
+
+
+@pytest.mark.parametrize(("label", "backend"), [("score:1000", "tiles"), ("score:1100@per_block", "tiles"),
+                                                ("score:1000", "fused"), ("score:1100@per_block", "fused")])
+def test_a_mask_changed_in_place_after_the_forward_pass_is_not_read_by_the_backward_pass(label, backend):
+    """The fused per-block backward read the mask tensor when it ran: changed in place after the forward pass, it
+    gave the gradients of the new mask for the output of the old one, without a word. Now the backward pass uses the
+    forward's mask (as SDPA on the CPU) or, where it needs the tensor itself, says it was changed."""
+    dtype = torch.float64 if backend == "tiles" else torch.float32
+    inputs = [x.to(dtype).requires_grad_() for x in qkv().values()]
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    out = span_attention(*inputs, attn_mask=mask.clone(), config=label, backend=backend)
+    expected = torch.autograd.grad(out.sum(), inputs)
+    out = span_attention(*inputs, attn_mask=mask, config=label, backend=backend)
+    mask[0, ..., :2] = False
+    if backend == "fused" and label.endswith("per_block"):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), inputs)
+        return
+    for got, want in zip(torch.autograd.grad(out.sum(), inputs), expected):
+        assert torch.equal(got, want)

@@ -144,16 +144,17 @@ class _PerBlock(torch.autograd.Function):
                 config: SpanAttentionConfig):
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
         detached = attn_mask.detach() if attn_mask is not None else None
-        ctx.call = dict(attn_mask=detached, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=q.shape[1] != k.shape[1])
+        ctx.call = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         ctx.config = config
-        ctx.save_for_backward(q, k, v, key_valid)
-        return F.scaled_dot_product_attention(q, k, v, **ctx.call)
+        # saved as the inputs are: changed in place before the backward pass, it is an error, not another mask
+        ctx.save_for_backward(q, k, v, key_valid, detached)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=detached, **ctx.call)
 
     @staticmethod
     @backward.first_order_only
     def backward(ctx, d_out):
-        q, k, v, key_valid = ctx.saved_tensors
+        q, k, v, key_valid, attn_mask = ctx.saved_tensors
+        ctx.call["attn_mask"] = attn_mask
         config = ctx.config
         with _replaying(ctx.rng, q.device):  # dV and the mask's gradient are SDPA's, whatever the rule
             dv, *d_mask = _attention_grads(ctx.call, (q, k, v), d_out, wanted=(2,), mask_grad=ctx.needs_input_grad[3])
