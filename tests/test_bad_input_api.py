@@ -1712,3 +1712,18 @@ def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(
     assert [getattr(settings_for(m), "label", None) for m in text] == [None, "simple:10"]
     patch_model(loaded.model.language_model, "score:1100")  # the text model alone: its own config's settings
     assert [settings_for(m).label for m in text] == ["score:1100"] * 2
+
+
+def test_a_hybrid_model_s_layers_without_attention_cannot_be_selected():
+    """A hybrid model whose convolution layers carry a layer index too (LFM2: conv, attention, conv, attention): a
+    selection of a convolution layer was taken, and no layer got span gradients, without a word."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                        block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"] * 2)
+    model = Lfm2ForCausalLM(config)
+    with pytest.raises(ValueError, match=r"layers=\[0, 1\]: Lfm2ForCausalLM has no attention module of layer 0; its "
+                                         r"attention modules carry the layer indices 1, 3$"):
+        patch_model(model, "score:1000", layers=[0, 1])
+    assert patch_model(model, "score:1000", layers=[3, 1]).config.span_attention["layers"] == [1, 3]

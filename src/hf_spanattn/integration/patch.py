@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import os
 import types
 import warnings
@@ -107,12 +108,15 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
                          f"0..{n_layers - 1}")
-    absent = [i for i in config.layers or () if i not in present]
+    # a hybrid model's convolution or state-space layers carry a layer index too, but no attention
+    attending = {i for i, modules in present.items() if any(m in neo or _calls_the_registry(m) for m in modules)}
+    attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
+    absent = [i for i in config.layers or () if i not in attending]
     if absent:  # layers removed from the model (its config still counting them), or ones without attention
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has no attention module "
                          f"of layer {shown(absent)[1:-1]}; its attention modules carry the layer indices "
-                         f"{shown(sorted(present))[1:-1]}")
+                         f"{shown(sorted(attending))[1:-1]}")
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
@@ -148,6 +152,12 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
+
+
+def _calls_the_registry(module: torch.nn.Module) -> bool:
+    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 def _not_a_backend(base: PreTrainedModel) -> str:
