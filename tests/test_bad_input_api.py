@@ -546,6 +546,12 @@ CASES = [
         t, subfolder="mine"), FileNotFoundError, "{tmp}/mine: no such folder"),
     ("settings from a folder with a subfolder of another type", lambda t: SpanAttentionConfig.from_pretrained(
         t, subfolder=3), TypeError, "subfolder=3: expected a folder inside {tmp}"),
+    ("schedule resolved for a negative number of steps",  # named the keyframe: "at='50%': must be … not negative"
+     lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe("50%", "score:1100")]).resolve(-4, None, 2), ValueError,
+     "schedule: max_steps=-4: expected an int ≥ 0"),
+    ("schedule resolved for zero steps per epoch",  # said both keyframes fall on step 0
+     lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe("1ep", "score:1100")]).resolve(10, 0, 2), ValueError,
+     "schedule: steps_per_epoch=0: expected an int ≥ 1 or None (training data without a length)"),
 ]
 
 

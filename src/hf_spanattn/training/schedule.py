@@ -127,6 +127,11 @@ class Schedule:
     def resolve(self, max_steps: int, steps_per_epoch: int | None,
                 n_layers: int) -> list[tuple[int, LayerSettings, bool]]:
         """(step, per-layer settings, ramp) per keyframe, validated; raises ValueError with the cause."""
+        for name, value, least in (("max_steps", max_steps, 0), ("steps_per_epoch", steps_per_epoch, 1),
+                                   ("n_layers", n_layers, 0)):
+            if (value is not None or name != "steps_per_epoch") and (as_int(value) is None or as_int(value) < least):
+                raise ValueError(f"schedule: {name}={shown(value)}: expected an int ≥ {least}"
+                                 + (" or None (training data without a length)" if name == "steps_per_epoch" else ""))
         frames = [(k.step(max_steps, steps_per_epoch), k.settings(n_layers), k.ramp) for k in self.keyframes]
         for (s0, _, _), (s1, _, _), k0, k1 in zip(frames, frames[1:], self.keyframes, self.keyframes[1:]):
             if s1 < s0:
