@@ -1533,6 +1533,25 @@ def test_hostile_attributes_restored_from_a_checkpoint_do_not_stop_the_run(stopp
     assert steps_in(out / "span_diagnostics.jsonl") == [1, 1, 2, 2, 3, 3, 4, 4]
 
 
+@pytest.mark.parametrize("name", ["on_step_begin", "state", "__class__", "__dict__"])
+def test_a_checkpoint_attribute_naming_a_method_of_the_callback_is_refused(name, stopped_run, tmp_path):
+    """The Trainer sets every attribute that trainer_state.json lists for the callback (setattr on a new one): a name
+    of a method ({"on_step_begin": 5}) failed later in Transformers' call_event ("'int' object is not callable"), or
+    at the next checkpoint save ({"state": 5}), and a special one ({"__class__": 5}) in setattr, naming nothing."""
+    out = copy_of(stopped_run, tmp_path)
+    state = out / "checkpoint-2" / "trainer_state.json"
+    data = json.loads(state.read_text())
+    data["stateful_callbacks"]["SpanAttentionCallback"]["attributes"][name] = 5
+    state.write_text(json.dumps(data))
+    with pytest.raises(AttributeError, match=f"SpanAttentionCallback: {name!r} = 5: .* trainer_state.json, field "
+                                             "stateful_callbacks.* are \\['last_step'\\]"):
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), restore_callback_states_from_checkpoint=True)
+    callback = SpanAttentionCallback()
+    callback.on_log = on_log = lambda *args, **kwargs: None  # a method replaced by code (as mock.patch does) is kept
+    callback.schedule = None
+    assert callback.on_log is on_log
+
+
 def test_an_adapter_saved_with_other_settings_than_the_patched_model_says_which_win(tmp_path):
     """The adapter holds score:1100, the model it is loaded into is patched with simple:10: the load warns naming
     both and that the model's settings win (they do: it trains with simple:10). As the model's own settings, and
