@@ -1552,6 +1552,43 @@ def test_a_checkpoint_attribute_naming_a_method_of_the_callback_is_refused(name,
     assert callback.on_log is on_log
 
 
+def test_a_patched_model_saved_whole_trains_in_a_process_that_did_not_import_the_package(tmp_path):
+    """torch.save of a patched model, torch.load in a fresh process that does not import hf_spanattn: its training
+    forward raised KeyError ('span_attention' is not registered in Transformers' AttentionInterface), and a patched
+    GPT-Neo did not load at all (its adapter, a bound method, unpickled as getattr(module, '_neo_attn')). Loading
+    either imports the package, and the model trains with the gradients it had before it was saved."""
+    import subprocess
+
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = {}
+    for family in ("gpt2", "gpt_neo"):
+        model = patch_model(tiny(family), "score:1100", layers=[1])
+        torch.save(model, tmp_path / f"{family}.pt")
+        expected[family] = gradients_of(model, ids)
+        assert not all(torch.equal(a, b) for a, b in zip(expected[family], gradients_of(tiny(family), ids)))
+    script = """if True:
+        import sys, torch
+        folder = sys.argv[1]
+        ids = torch.load(f"{folder}/ids.pt")
+        for family in ("gpt2", "gpt_neo"):  # GPT-2 first: nothing has imported hf_spanattn yet
+            model = torch.load(f"{folder}/{family}.pt", weights_only=False)
+            model(ids, labels=ids).loss.backward()
+            torch.save([p.grad for p in model.parameters()], f"{folder}/{family}.loaded.pt")
+    """
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for family in expected:
+        loaded = torch.load(tmp_path / f"{family}.loaded.pt")
+        assert all(torch.equal(a, b) for a, b in zip(loaded, expected[family], strict=True)), family
+
+
+def gradients_of(model, ids) -> list:
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
 def test_an_adapter_saved_with_other_settings_than_the_patched_model_says_which_win(tmp_path):
     """The adapter holds score:1100, the model it is loaded into is patched with simple:10: the load warns naming
     both and that the model's settings win (they do: it trains with simple:10). As the model's own settings, and

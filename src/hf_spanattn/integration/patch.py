@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-import types
 import warnings
 import weakref
 from typing import Any
@@ -116,8 +115,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
         implementation = base.config._attn_implementation  # set to ours without patch_model: SDPA is its forward
-        original = {"attn_implementation": "sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
-                    "reorder_and_upcast_attn": None}
+        original = _Original(attn_implementation="sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
+                             reorder_and_upcast_attn=None)
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -138,7 +137,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     card.set_tags(base, config)
     if neo:
         for module in neo:
-            module._attn = types.MethodType(_neo_attn, module)
+            module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
@@ -213,6 +212,21 @@ def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     which patch_model and unpatch_model may each be given: those inside it, and those patched before."""
     inside = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is model.config]
     return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
+
+
+class _Original(dict):
+    """What the first patch_model changed, kept on the model for unpatch_model. Saved with the model (torch.save),
+    it loads through `_restored`, so that unpickling the model in a process that has not imported hf_spanattn
+    imports it and registers `span_attention` in Transformers' attention registry: the model trains as it did."""
+
+    def __reduce__(self) -> tuple:
+        return _restored, (dict(self),)
+
+
+def _restored(data: dict) -> _Original:
+    register()
+    adapters.install()
+    return _Original(data)
 
 
 def _original(model: PreTrainedModel) -> dict | None:
