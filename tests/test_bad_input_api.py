@@ -546,6 +546,11 @@ CASES = [
         t, subfolder="mine"), FileNotFoundError, "{tmp}/mine: no such folder"),
     ("settings from a folder with a subfolder of another type", lambda t: SpanAttentionConfig.from_pretrained(
         t, subfolder=3), TypeError, "subfolder=3: expected a folder inside {tmp}"),
+    # a bad label in one keyframe of many named only the alphas it parsed to
+    ("keyframe with a bad label", lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:9")]).resolve(
+        10, None, 2), ValueError, "keyframe at=5 span='score:9': alphas=(9.0,): expected 4 values"),
+    ("keyframe with a bad label in its layer table", lambda t: Keyframe("50%", {"0": "score:1000", "1": "simple:1"})
+     .settings(2), ValueError, "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: alphas=(1.0,)"),
 ]
 
 
