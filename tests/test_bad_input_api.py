@@ -1609,6 +1609,19 @@ def gradients_of(model, ids) -> list:
     return [p.grad for p in model.parameters()]
 
 
+def test_an_adapter_in_a_subfolder_loads_with_its_settings(tmp_path):
+    """load_pretrained(folder, subfolder="sub") of an adapter saved in folder/sub: the subfolder went to the base
+    model's from_pretrained, which failed with "Unrecognized model in <folder>. Should have a `model_type` key",
+    naming neither the adapter nor the subfolder."""
+    folder = adapter(tmp_path)
+    folder.rename(tmp_path / "sub")
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "sub").rename(tmp_path / "repo" / "sub")
+    model = load_pretrained(tmp_path / "repo", subfolder="sub")
+    assert config_of(model.get_base_model().config).label == "score:1100"
+    assert list(model.peft_config) == ["default"]
+
+
 def test_an_adapter_saved_with_other_settings_than_the_patched_model_says_which_win(tmp_path):
     """The adapter holds score:1100, the model it is loaded into is patched with simple:10: the load warns naming
     both and that the model's settings win (they do: it trains with simple:10). As the model's own settings, and

@@ -267,9 +267,10 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
     and the field.
 
-    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
-    (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
-    patched with the settings saved beside the adapter (else those of the base model's config)."""
+    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
+    loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless
+    `is_trainable=False`, patched with the settings saved beside the adapter (else those of the base model's
+    config)."""
     name_or_path = _path_argument(name_or_path, "load_pretrained", "name_or_path",
                                   "a saved model's folder, a PEFT adapter's folder or a Hub repository id")
     if _looks_local(name_or_path) and not os.path.isdir(name_or_path):  # else Transformers takes it for a Hub id
@@ -282,6 +283,9 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
+    subfolder = kwargs.get("subfolder")
+    if isinstance(subfolder, str) and subfolder and adapters.is_adapter_folder(os.path.join(name_or_path, subfolder)):
+        name_or_path = os.path.join(name_or_path, kwargs.pop("subfolder"))  # the adapter's, not its base model's
     if adapters.is_adapter_folder(name_or_path):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)
