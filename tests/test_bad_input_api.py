@@ -1609,17 +1609,18 @@ def gradients_of(model, ids) -> list:
     return [p.grad for p in model.parameters()]
 
 
-def test_an_adapter_in_a_subfolder_loads_with_its_settings(tmp_path):
+def test_an_adapter_loads_in_a_subfolder_and_under_the_name_given(tmp_path):
     """load_pretrained(folder, subfolder="sub") of an adapter saved in folder/sub: the subfolder went to the base
     model's from_pretrained, which failed with "Unrecognized model in <folder>. Should have a `model_type` key",
-    naming neither the adapter nor the subfolder."""
+    naming neither the adapter nor the subfolder. adapter_name="mine" went there too, where Transformers takes it
+    without an adapter to load: the adapter was loaded as "default" without a word."""
     folder = adapter(tmp_path)
-    folder.rename(tmp_path / "sub")
     (tmp_path / "repo").mkdir()
-    (tmp_path / "sub").rename(tmp_path / "repo" / "sub")
+    folder.rename(tmp_path / "repo" / "sub")
     model = load_pretrained(tmp_path / "repo", subfolder="sub")
     assert config_of(model.get_base_model().config).label == "score:1100"
     assert list(model.peft_config) == ["default"]
+    assert list(load_pretrained(tmp_path / "repo" / "sub", adapter_name="mine").peft_config) == ["mine"]
 
 
 def test_an_adapter_saved_with_other_settings_than_the_patched_model_says_which_win(tmp_path):

@@ -151,6 +151,7 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
     except (ValueError, TypeError, KeyError, AttributeError) as err:  # PEFT names neither the file nor the cause
         raise ValueError(f"{os.path.join(folder, ADAPTER_CONFIG)}: PEFT cannot read it as an adapter config "
                          f"({type(err).__name__}: {err})") from None
+    adapter_name = kwargs.pop("adapter_name", "default")  # PEFT's (Transformers takes it too, loading no adapter)
     base = model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs)
     saved = os.path.join(folder, CONFIG_NAME)
     from_file = config is None and os.path.lexists(saved)  # a settings "file" that is not one is refused
@@ -164,4 +165,4 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
         raise ValueError(f"{saved}: {err}") from None
     with warnings.catch_warnings():  # settings given here over those saved beside the adapter: the caller's choice
         warnings.filterwarnings("ignore", message=".* other than those the model it was loaded into is patched with")
-        return PeftModel.from_pretrained(base, folder, is_trainable=is_trainable)
+        return PeftModel.from_pretrained(base, folder, adapter_name=adapter_name, is_trainable=is_trainable)
