@@ -869,6 +869,21 @@ def test_a_hub_id_whose_settings_cannot_be_fetched_is_named(monkeypatch):
         SpanAttentionConfig.from_pretrained("someone/settings")
 
 
+def test_hub_arguments_that_the_hub_client_cannot_take_are_named(monkeypatch):
+    """from_pretrained("me/x", revision=5): huggingface_hub's TypeError ("expected string or bytes-like object, got
+    'int'", from its regular expression on the revision) came through naming neither the argument nor the file."""
+    import huggingface_hub
+
+    def download(repo_id, filename, revision=None, **kwargs):  # as huggingface_hub 1.x does with a revision of 5
+        raise TypeError(f"expected string or bytes-like object, got {type(revision).__name__!r}")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    with pytest.raises(OSError, match="me/x: no such local file or folder, and span_attention_config.json could not "
+                                      "be fetched from a Hub repository of that name with revision=5 \\(TypeError: "
+                                      "expected string"):
+        SpanAttentionConfig.from_pretrained("me/x", revision=5)
+
+
 def test_an_adapter_save_that_selects_no_adapter_writes_no_settings(tmp_path):
     """PeftModel.save_pretrained(selected_adapters=[]) saves no adapter; the settings were written all the same (into
     the folder, as the default adapter's)."""
