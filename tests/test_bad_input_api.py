@@ -1574,11 +1574,10 @@ def test_a_checkpoint_attribute_naming_a_method_of_the_callback_is_refused(name,
 
 def test_a_patched_model_saved_whole_trains_in_a_process_that_did_not_import_the_package(tmp_path):
     """torch.save of a patched model, torch.load in a fresh process that does not import hf_spanattn: its training
-    forward raised KeyError ('span_attention' is not registered in Transformers' AttentionInterface); a model built
-    from its config saved alone was refused ('not supported'); a patched GPT-Neo did not load at all (its adapter, a
-    bound method, unpickled as getattr(module, '_neo_attn')). Loading any registers span_attention (importing the
-    package), and the model trains with the gradients it had before it was saved."""
-    import copy
+    forward raised KeyError ('span_attention' is not registered in Transformers' AttentionInterface), and a patched
+    GPT-Neo did not load at all (its adapter, a bound method, unpickled as getattr(module, '_neo_attn')). Loading
+    either registers span_attention (importing the package), and the model trains with the gradients it had before
+    it was saved; the settings section on its config stays a plain dict (config.to_dict() loads weights_only)."""
     import subprocess
 
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -1586,36 +1585,30 @@ def test_a_patched_model_saved_whole_trains_in_a_process_that_did_not_import_the
     expected = {}
     for family in ("gpt2", "gpt_neo"):
         model = patch_model(tiny(family), "score:1100", layers=[1])
-        if family == "gpt2":
-            torch.save(model.config, tmp_path / "config.pt")
-            torch.manual_seed(1)
-            expected["config"] = gradients_of(AutoModelForCausalLM.from_config(copy.deepcopy(model.config)), ids)
-            model.config.span_attention = dict(model.config.span_attention)  # set by hand: the model registers it
         torch.save(model, tmp_path / f"{family}.pt")
         expected[family] = gradients_of(model, ids)
         assert not all(torch.equal(a, b) for a, b in zip(expected[family], gradients_of(tiny(family), ids)))
+        torch.save(model.config.to_dict(), tmp_path / "config.pt")
+        assert torch.load(tmp_path / "config.pt")["span_attention"]["layers"] == [1]
     script = """if True:
         import sys, torch
-        from transformers import AttentionInterface, AutoModelForCausalLM
+        from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
         folder = sys.argv[1]
         ids = torch.load(f"{folder}/ids.pt")
         assert "hf_spanattn" not in sys.modules
-        for name in ("gpt2", "config", "gpt_neo"):
-            model = torch.load(f"{folder}/{name}.pt", weights_only=False)
-            if name == "config":
-                torch.manual_seed(1)
-                model = AutoModelForCausalLM.from_config(model)
+        for family in ("gpt2", "gpt_neo"):
+            model = torch.load(f"{folder}/{family}.pt", weights_only=False)
             model(ids, labels=ids).loss.backward()
-            torch.save([p.grad for p in model.parameters()], f"{folder}/{name}.loaded.pt")
+            torch.save([p.grad for p in model.parameters()], f"{folder}/{family}.loaded.pt")
             for registry in (AttentionInterface, AttentionMaskInterface):  # as in a fresh process for the next
                 registry._global_mapping.pop("span_attention")
     """
     run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    for name in expected:
-        loaded = torch.load(tmp_path / f"{name}.loaded.pt")
-        assert all(torch.equal(a, b) for a, b in zip(loaded, expected[name], strict=True)), name
+    for family in expected:
+        loaded = torch.load(tmp_path / f"{family}.loaded.pt")
+        assert all(torch.equal(a, b) for a, b in zip(loaded, expected[family], strict=True)), family
 
 
 def gradients_of(model, ids) -> list:

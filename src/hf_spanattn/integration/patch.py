@@ -27,8 +27,6 @@ from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
     OWNER_ATTR,
     PROBE_ATTR,
-    LoadsPackage,
-    Section,
     attention_modules,
     config_of,
     documents_of,
@@ -133,8 +131,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
             module.__dict__.pop(name, None)
-    # a section kept saves as it was read (fields and version of a newer hf_spanattn included)
-    setattr(base.config, CONFIG_KEY, Section(getattr(base.config, CONFIG_KEY) if keep else config.to_dict()))
+    if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
+        setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
     if neo:
@@ -216,8 +214,18 @@ def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
 
 
-class _Original(LoadsPackage, dict):
-    """What the first patch_model changed, kept on the model for unpatch_model."""
+class _Original(dict):
+    """What the first patch_model changed, kept on the model for unpatch_model. Saved with the model (torch.save),
+    it loads through `_restored`, so that unpickling the model in a process that has not imported hf_spanattn
+    imports it and registers `span_attention` in Transformers' attention registry: the model trains as it did."""
+
+    def __reduce__(self) -> tuple:
+        return _restored, (dict(self),)
+
+
+def _restored(data: dict) -> _Original:
+    register()
+    return _Original(data)
 
 
 def _original(model: PreTrainedModel) -> dict | None:

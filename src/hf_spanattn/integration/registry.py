@@ -45,24 +45,6 @@ def register() -> None:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-class LoadsPackage:
-    """Mixed into the dicts that patch_model keeps on a model and its config: pickled with them (torch.save), they
-    load through `_unpickled`, so that loading a patched model or its config in a process that has not imported
-    hf_spanattn imports it and registers `span_attention`: the model trains as it did, with its settings."""
-
-    def __reduce__(self) -> tuple:
-        return _unpickled, (type(self), dict(self))
-
-
-def _unpickled(cls: type, data: dict) -> dict:
-    register()
-    return cls(data)
-
-
-class Section(LoadsPackage, dict):
-    """`config.span_attention` as patch_model writes it (config.json holds it as the plain dict it is)."""
-
-
 # The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
 # which compare equal) and the folder it was loaded from (whose config.json is checked and named), so that the
 # per-call lookup is one dict read and a changed dict, or one read from another file, is parsed afresh; with
@@ -93,7 +75,7 @@ def _store(model_config: Any, config: SpanAttentionConfig) -> SpanAttentionConfi
     """Settings set on the model config by hand as a SpanAttentionConfig, or as a dict with values JSON does not
     take (NumPy numbers and arrays), stored as the dict patch_model writes, so that the config saves as JSON
     (Transformers' `to_json_string` takes JSON types only)."""
-    setattr(model_config, CONFIG_KEY, Section(config.to_dict()))
+    setattr(model_config, CONFIG_KEY, config.to_dict())
     return config
 
 
