@@ -605,6 +605,17 @@ def test_huge_values_of_the_callback_and_the_backend_variable_are_cut(tmp_path, 
                                              "ends after max_steps=1"), notes
 
 
+@pytest.mark.parametrize("file", ["a" * 100_000, "a/" * 50_000 + "x", "../" * 50_000 + "x"])
+def test_a_diagnostics_file_name_longer_than_any_path_is_refused_cut(file):
+    """A name no system opens (as a hand-edited trainer_state.json may hold): the lock's OSError repeated it whole
+    (100 000 characters), a deep one stopped the run with a RecursionError in os.makedirs naming nothing, and one
+    leading outside the output dir was repeated whole in the warning."""
+    with pytest.raises(ValueError, match=r"diagnostics_file='.*\.\.\. \(\d+ characters\): longer than a path may be "
+                                         r"\(4096 bytes\)") as err:
+        SpanAttentionCallback(diagnostics_every=1, diagnostics_file=file)
+    assert len(str(err.value)) < 1000
+
+
 def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
     """The counterpart of the table: no error where the settings agree (or nothing is there)."""
     assert resume_with_saved(tmp_path, RUN, {**RUN, "training": {**RUN["training"], "output_dir": "b"}}) \

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 # the diagnostics locks this process holds: real path -> (thread id, callback) of the run that took it
 _held: dict[str, tuple[int, weakref.ref]] = {}
 _held_guard = threading.Lock()
+_PATH_MAX = 4096  # Linux's limit on a path, in bytes (macOS's is 1024)
 _SAVED = ("last_step",)  # the attributes `state` writes into trainer_state.json
 # what the Trainer writes into its output dir (save_model, save_state, save_metrics, create_model_card), over a
 # diagnostics file of the same name
@@ -359,6 +360,9 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
                              or (os.fspath(file) and _names_a_folder(os.fspath(file))) or "\0" in os.fspath(file)):
         raise ValueError(f"diagnostics_file={shown(file)}: expected a file name (a path relative to the Trainer's "
                          "output_dir) or None")
+    if file is not None and len(os.fsencode(file)) >= _PATH_MAX:  # which no system opens, and messages would repeat
+        raise ValueError(f"diagnostics_file={shown(os.fspath(file))}: longer than a path may be ({_PATH_MAX} bytes); "
+                         "expected a file name (a path relative to the Trainer's output_dir)")
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
 
 
