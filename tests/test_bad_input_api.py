@@ -616,6 +616,17 @@ def test_a_diagnostics_file_name_longer_than_any_path_is_refused_cut(file):
     assert len(str(err.value)) < 1000
 
 
+@pytest.mark.parametrize("name", ["/x" * 100_000, "x" * 100_000])
+def test_a_huge_base_model_name_in_an_adapter_config_is_cut(name, tmp_path):
+    """adapter_config.json's base_model_name_or_path edited to 200 000 characters was repeated whole: by the package
+    (a local path that is not there) and by huggingface_hub (a name that is no Hub id, once passed on)."""
+    folder = adapter(tmp_path, base_model_name_or_path=name)
+    with pytest.raises((FileNotFoundError, ValueError), match=r"adapter_config.json, field 'base_model_name_or_path' = "
+                                                             r"'[/x]+\.\.\. \(\d+ characters\)") as err:
+        load_pretrained(folder)
+    assert len(str(err.value)) < 1500
+
+
 def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
     """The counterpart of the table: no error where the settings agree (or nothing is there)."""
     assert resume_with_saved(tmp_path, RUN, {**RUN, "training": {**RUN["training"], "output_dir": "b"}}) \

@@ -128,13 +128,21 @@ def is_patched(base: torch.nn.Module) -> bool:
 def _base_model_of(folder: str | os.PathLike, peft_config: Any) -> str:
     """The adapter's base model (`base_model_name_or_path`): a folder that exists here, or a Hub id."""
     name = peft_config.base_model_name_or_path
-    source = f"{os.path.join(folder, ADAPTER_CONFIG)}, field 'base_model_name_or_path' = {name!r}"
+    source = f"{os.path.join(folder, ADAPTER_CONFIG)}, field 'base_model_name_or_path' = {shown(name)}"
     by_hand = ("; or load the base model yourself, patch it and add the adapter: patch_model(base, "
                "SpanAttentionConfig.from_pretrained(folder)); PeftModel.from_pretrained(base, folder)")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{source}: expected the base model's folder or Hub repository id{by_hand}")
     if _looks_local(name) and not os.path.exists(name):
         raise FileNotFoundError(f"{source}: no such folder (was the base model moved? edit the field{by_hand})")
+    if not os.path.exists(name):  # a Hub id, checked here: the Hub client's error repeats the name whole
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(name)
+        except HFValidationError as err:
+            raise ValueError(f"{source}: no such folder, and not a Hub repository id ({shown(str(err), 300)})"
+                             f"{by_hand}") from None
     return name
 
 
