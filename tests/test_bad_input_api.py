@@ -627,6 +627,26 @@ def test_a_huge_base_model_name_in_an_adapter_config_is_cut(name, tmp_path):
     assert len(str(err.value)) < 1500
 
 
+def test_a_pipe_put_where_the_loaded_config_json_was_does_not_hang_patching(tmp_path):
+    """The settings are parsed naming the config.json the model was loaded from, read again for that: a pipe put in
+    its place (the folder reused) made patch_model wait for a writer for ever."""
+    import os
+    import threading
+
+    folder = saved_model(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")
+    done = threading.Thread(target=patch_model, args=(model,), daemon=True)
+    done.start()
+    done.join(timeout=30)
+    if done.is_alive():
+        with open(folder / "config.json", "w"):  # lets the read end, so that the thread ends
+            pass
+    assert not done.is_alive()
+    assert config_of(model.config).label == "score:1000"
+
+
 def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
     """The counterpart of the table: no error where the settings agree (or nothing is there)."""
     assert resume_with_saved(tmp_path, RUN, {**RUN, "training": {**RUN["training"], "output_dir": "b"}}) \
