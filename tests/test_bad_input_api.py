@@ -916,7 +916,7 @@ def test_hub_arguments_that_the_hub_client_cannot_take_are_named(monkeypatch):
     'int'", from its regular expression on the revision) came through naming neither the argument nor the file."""
     import huggingface_hub
 
-    def download(repo_id, filename, revision=None, **kwargs):  # as huggingface_hub 1.x does with a revision of 5
+    def download(repo_id, filename, revision=None, token=None):  # as huggingface_hub 1.x does with a revision of 5
         raise TypeError(f"expected string or bytes-like object, got {type(revision).__name__!r}")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
@@ -924,6 +924,9 @@ def test_hub_arguments_that_the_hub_client_cannot_take_are_named(monkeypatch):
                                       "be fetched from a Hub repository of that name with revision=5 \\(TypeError: "
                                       "expected string"):
         SpanAttentionConfig.from_pretrained("me/x", revision=5)
+    with pytest.raises(OSError, match="with revision=5, token=<hidden> \\(TypeError") as err:
+        SpanAttentionConfig.from_pretrained("me/x", revision=5, token="hf_mine")
+    assert "hf_mine" not in str(err.value)
 
 
 def test_an_adapter_save_that_selects_no_adapter_writes_no_settings(tmp_path):

@@ -377,7 +377,8 @@ class SpanAttentionConfig:
             try:
                 path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
             except (OSError, ValueError, TypeError) as err:  # not found, offline, not a repository id, a bad argument
-                given = " with " + ", ".join(f"{k}={shown(v, 60)}" for k, v in hub_kwargs.items()) if hub_kwargs else ""
+                given = ", ".join(f"{k}={'<hidden>' if k == 'token' else shown(v, 60)}" for k, v in hub_kwargs.items())
+                given = f" with {given}" if given else ""
                 raise OSError(f"{path}: no such local file or folder, and {CONFIG_NAME} could not be fetched from a "
                               f"Hub repository of that name{given} ({type(err).__name__}: {err})") from err
         data = _read_json(path)

@@ -92,7 +92,6 @@ class Keyframe:
                 table[index], named_by[index] = config, layers
         return table
 
-
     def _config(self, label: Any) -> SpanAttentionConfig:
         """A label of this keyframe parsed; a bad one names the keyframe (one of many)."""
         try:
