@@ -1670,10 +1670,14 @@ def test_an_adapter_loads_in_a_subfolder_and_under_the_name_given(tmp_path):
     folder = adapter(tmp_path)
     (tmp_path / "repo").mkdir()
     folder.rename(tmp_path / "repo" / "sub")
-    model = load_pretrained(tmp_path / "repo", subfolder="sub")
-    assert config_of(model.get_base_model().config).label == "score:1100"
-    assert list(model.peft_config) == ["default"]
+    for subfolder in ("sub", Path("sub")):
+        model = load_pretrained(tmp_path / "repo", subfolder=subfolder)
+        assert config_of(model.get_base_model().config).label == "score:1100"
+        assert list(model.peft_config) == ["default"]
     assert list(load_pretrained(tmp_path / "repo" / "sub", adapter_name="mine").peft_config) == ["mine"]
+    for name in (5, "", "a.b"):  # torch's error named only the module
+        with pytest.raises(ValueError, match=f"load_pretrained: adapter_name={name!r}: expected the name to give"):
+            load_pretrained(tmp_path / "repo" / "sub", adapter_name=name)
 
 
 def test_an_adapter_saved_with_other_settings_than_the_patched_model_says_which_win(tmp_path):

@@ -160,6 +160,9 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
         raise ValueError(f"{os.path.join(folder, ADAPTER_CONFIG)}: PEFT cannot read it as an adapter config "
                          f"({type(err).__name__}: {err})") from None
     adapter_name = kwargs.pop("adapter_name", "default")  # PEFT's (Transformers takes it too, loading no adapter)
+    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:  # torch names only the module
+        raise ValueError(f"load_pretrained: adapter_name={shown(adapter_name)}: expected the name to give the adapter, "
+                         "a non-empty string without '.' (by default 'default')")
     base = model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs)
     saved = os.path.join(folder, CONFIG_NAME)
     from_file = config is None and os.path.lexists(saved)  # a settings "file" that is not one is refused

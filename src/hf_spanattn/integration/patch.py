@@ -291,9 +291,10 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
-    subfolder = kwargs.get("subfolder")
+    subfolder = os.fspath(kwargs["subfolder"]) if isinstance(kwargs.get("subfolder"), (str, os.PathLike)) else None
     if isinstance(subfolder, str) and subfolder and adapters.is_adapter_folder(os.path.join(name_or_path, subfolder)):
-        name_or_path = os.path.join(name_or_path, kwargs.pop("subfolder"))  # the adapter's, not its base model's
+        name_or_path = os.path.join(name_or_path, subfolder)  # the adapter's, not its base model's
+        del kwargs["subfolder"]
     if adapters.is_adapter_folder(name_or_path):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)
