@@ -11,7 +11,6 @@ import difflib
 import functools
 import inspect
 import os
-import types
 import warnings
 import weakref
 from typing import Any
@@ -121,8 +120,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
         implementation = base.config._attn_implementation  # set to ours without patch_model: SDPA is its forward
-        original = {"attn_implementation": "sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
-                    "reorder_and_upcast_attn": None}
+        original = _Original(attn_implementation="sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
+                             reorder_and_upcast_attn=None)
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -148,7 +147,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     card.set_tags(base, config)
     if neo:
         for module in neo:
-            module._attn = types.MethodType(_neo_attn, module)
+            module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
@@ -231,6 +230,20 @@ def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
 
 
+class _Original(dict):
+    """What the first patch_model changed, kept on the model for unpatch_model. Saved with the model (torch.save),
+    it loads through `_restored`, so that unpickling the model in a process that has not imported hf_spanattn
+    imports it and registers `span_attention` in Transformers' attention registry: the model trains as it did."""
+
+    def __reduce__(self) -> tuple:
+        return _restored, (dict(self),)
+
+
+def _restored(data: dict) -> _Original:
+    register()
+    return _Original(data)
+
+
 def _original(model: PreTrainedModel) -> dict | None:
     """What the first patch_model changed, as recorded on the model or a model inside it that shares its config."""
     return next((part.__dict__[_ORIGINAL] for part in _sharing_config(model) if _ORIGINAL in part.__dict__), None)
@@ -278,9 +291,10 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
     and the field.
 
-    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
-    (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
-    patched with the settings saved beside the adapter (else those of the base model's config)."""
+    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
+    loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter (named `adapter_name=`, by
+    default "default"), trainable unless `is_trainable=False`, patched with the settings saved beside the adapter
+    (else those of the base model's config)."""
     name_or_path = _path_argument(name_or_path, "load_pretrained", "name_or_path",
                                   "a saved model's folder, a PEFT adapter's folder or a Hub repository id")
     if _looks_local(name_or_path) and not os.path.isdir(name_or_path):  # else Transformers takes it for a Hub id
@@ -293,6 +307,10 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
+    subfolder = os.fspath(kwargs["subfolder"]) if isinstance(kwargs.get("subfolder"), (str, os.PathLike)) else None
+    if isinstance(subfolder, str) and subfolder and adapters.is_adapter_folder(os.path.join(name_or_path, subfolder)):
+        name_or_path = os.path.join(name_or_path, subfolder)  # the adapter's, not its base model's
+        del kwargs["subfolder"]
     if adapters.is_adapter_folder(name_or_path):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)

@@ -149,6 +149,8 @@ def _stored_file(model_config: Any) -> tuple[str | None, list[str]]:
             path = cached if isinstance(cached, str) else None
         except Exception:  # not a repository id
             path = None
+    if path is None or not os.path.isfile(path):  # gone, or a folder or a pipe put there since (a read would wait)
+        return None, []
     twice: list[tuple[dict, str]] = []  # (object, key) for each key an object gives again
 
     def keep_twice(pairs: list[tuple[str, Any]]) -> dict:

@@ -77,20 +77,27 @@ class Keyframe:
 
     def settings(self, n_layers: int) -> LayerSettings:
         if isinstance(self.span, str):
-            config = SpanAttentionConfig.from_label(self.span)
+            config = self._config(self.span)
             return dict.fromkeys(range(n_layers), config)
         if not isinstance(self.span, dict):
             raise ValueError(f"keyframe span={shown(self.span)}: expected a label or a {{layers: label}} table")
         table: LayerSettings = {}
         named_by: dict[int, Any] = {}
         for layers, label in self.span.items():
-            config = SpanAttentionConfig.from_label(label)
+            config = self._config(label)
             for index in _layer_list(str(layers), n_layers):
                 if index in named_by:
                     raise ValueError(f"keyframe span={shown(self.span)}: layer {index} is named by both "
                                      f"{named_by[index]!r} and {shown(layers)}; name each layer once")
                 table[index], named_by[index] = config, layers
         return table
+
+    def _config(self, label: Any) -> SpanAttentionConfig:
+        """A label of this keyframe parsed; a bad one names the keyframe (one of many)."""
+        try:
+            return SpanAttentionConfig.from_label(label)
+        except ValueError as err:
+            raise ValueError(f"keyframe at={shown(self.at)} span={shown(self.span)}: {err}") from None
 
 
 def _layer_list(spec: str, n_layers: int) -> list[int]:
