@@ -546,6 +546,17 @@ CASES = [
         t, subfolder="mine"), FileNotFoundError, "{tmp}/mine: no such folder"),
     ("settings from a folder with a subfolder of another type", lambda t: SpanAttentionConfig.from_pretrained(
         t, subfolder=3), TypeError, "subfolder=3: expected a folder inside {tmp}"),
+    ("schedule resolved for a negative number of steps",  # named the keyframe: "at='50%': must be … not negative"
+     lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe("50%", "score:1100")]).resolve(-4, None, 2), ValueError,
+     "schedule: max_steps=-4: expected an int ≥ 0"),
+    ("schedule resolved for zero steps per epoch",  # said both keyframes fall on step 0
+     lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe("1ep", "score:1100")]).resolve(10, 0, 2), ValueError,
+     "schedule: steps_per_epoch=0: expected an int ≥ 1 or None (training data without a length)"),
+    # a bad label in one keyframe of many named only the alphas it parsed to
+    ("keyframe with a bad label", lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:9")]).resolve(
+        10, None, 2), ValueError, "keyframe at=5 span='score:9': alphas=(9.0,): expected 4 values"),
+    ("keyframe with a bad label in its layer table", lambda t: Keyframe("50%", {"0": "score:1000", "1": "simple:1"})
+     .settings(2), ValueError, "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: alphas=(1.0,)"),
 ]
 
 
@@ -598,6 +609,48 @@ def test_huge_values_of_the_callback_and_the_backend_variable_are_cut(tmp_path, 
     notes = [str(w.message) for w in caught if "never reached" in str(w.message)]
     assert len(notes) == 6 and notes[-1] == ("SpanAttentionCallback: 995 more keyframes are never reached: training "
                                              "ends after max_steps=1"), notes
+
+
+@pytest.mark.parametrize("file", ["a" * 100_000, "a/" * 50_000 + "x", "../" * 50_000 + "x"])
+def test_a_diagnostics_file_name_longer_than_any_path_is_refused_cut(file):
+    """A name no system opens (as a hand-edited trainer_state.json may hold): the lock's OSError repeated it whole
+    (100 000 characters), a deep one stopped the run with a RecursionError in os.makedirs naming nothing, and one
+    leading outside the output dir was repeated whole in the warning."""
+    with pytest.raises(ValueError, match=r"diagnostics_file='.*\.\.\. \(\d+ characters\): longer than a path may be "
+                                         r"\(4096 bytes\)") as err:
+        SpanAttentionCallback(diagnostics_every=1, diagnostics_file=file)
+    assert len(str(err.value)) < 1000
+
+
+@pytest.mark.parametrize("name", ["/x" * 100_000, "x" * 100_000])
+def test_a_huge_base_model_name_in_an_adapter_config_is_cut(name, tmp_path):
+    """adapter_config.json's base_model_name_or_path edited to 200 000 characters was repeated whole: by the package
+    (a local path that is not there) and by huggingface_hub (a name that is no Hub id, once passed on)."""
+    folder = adapter(tmp_path, base_model_name_or_path=name)
+    with pytest.raises((FileNotFoundError, ValueError), match=r"adapter_config.json, field 'base_model_name_or_path' = "
+                                                             r"'[/x]+\.\.\. \(\d+ characters\)") as err:
+        load_pretrained(folder)
+    assert len(str(err.value)) < 1500
+
+
+def test_a_pipe_put_where_the_loaded_config_json_was_does_not_hang_patching(tmp_path):
+    """The settings are parsed naming the config.json the model was loaded from, read again for that: a pipe put in
+    its place (the folder reused) made patch_model wait for a writer for ever."""
+    import os
+    import threading
+
+    folder = saved_model(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")
+    done = threading.Thread(target=patch_model, args=(model,), daemon=True)
+    done.start()
+    done.join(timeout=30)
+    if done.is_alive():
+        with open(folder / "config.json", "w"):  # lets the read end, so that the thread ends
+            pass
+    assert not done.is_alive()
+    assert config_of(model.config).label == "score:1000"
 
 
 def test_same_settings_resume_and_a_fresh_folder_starts_afresh(tmp_path):
@@ -862,6 +915,24 @@ def test_a_hub_id_whose_settings_cannot_be_fetched_is_named(monkeypatch):
     with pytest.raises(OSError, match="someone/settings: no such local file or folder, and span_attention_config.json "
                                       "could not be fetched from a Hub repository of that name \\(LocalEntryNotFound"):
         SpanAttentionConfig.from_pretrained("someone/settings")
+
+
+def test_hub_arguments_that_the_hub_client_cannot_take_are_named(monkeypatch):
+    """from_pretrained("me/x", revision=5): huggingface_hub's TypeError ("expected string or bytes-like object, got
+    'int'", from its regular expression on the revision) came through naming neither the argument nor the file."""
+    import huggingface_hub
+
+    def download(repo_id, filename, revision=None, token=None):  # as huggingface_hub 1.x does with a revision of 5
+        raise TypeError(f"expected string or bytes-like object, got {type(revision).__name__!r}")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    with pytest.raises(OSError, match="me/x: no such local file or folder, and span_attention_config.json could not "
+                                      "be fetched from a Hub repository of that name with revision=5 \\(TypeError: "
+                                      "expected string"):
+        SpanAttentionConfig.from_pretrained("me/x", revision=5)
+    with pytest.raises(OSError, match="with revision=5, token=<hidden> \\(TypeError") as err:
+        SpanAttentionConfig.from_pretrained("me/x", revision=5, token="hf_mine")
+    assert "hf_mine" not in str(err.value)
 
 
 def test_an_adapter_save_that_selects_no_adapter_writes_no_settings(tmp_path):
@@ -1533,6 +1604,88 @@ def test_hostile_attributes_restored_from_a_checkpoint_do_not_stop_the_run(stopp
     assert steps_in(out / "span_diagnostics.jsonl") == [1, 1, 2, 2, 3, 3, 4, 4]
 
 
+@pytest.mark.parametrize("name", ["on_step_begin", "state", "__class__", "__dict__"])
+def test_a_checkpoint_attribute_naming_a_method_of_the_callback_is_refused(name, stopped_run, tmp_path):
+    """The Trainer sets every attribute that trainer_state.json lists for the callback (setattr on a new one): a name
+    of a method ({"on_step_begin": 5}) failed later in Transformers' call_event ("'int' object is not callable"), or
+    at the next checkpoint save ({"state": 5}), and a special one ({"__class__": 5}) in setattr, naming nothing."""
+    out = copy_of(stopped_run, tmp_path)
+    state = out / "checkpoint-2" / "trainer_state.json"
+    data = json.loads(state.read_text())
+    data["stateful_callbacks"]["SpanAttentionCallback"]["attributes"][name] = 5
+    state.write_text(json.dumps(data))
+    with pytest.raises(AttributeError, match=f"SpanAttentionCallback: {name!r} = 5: .* trainer_state.json, field "
+                                             "stateful_callbacks.* are \\['last_step'\\]"):
+        diagnosed_run(out, 4, resume=str(out / "checkpoint-2"), restore_callback_states_from_checkpoint=True)
+    callback = SpanAttentionCallback()
+    callback.on_log = on_log = lambda *args, **kwargs: None  # a method replaced by code (as mock.patch does) is kept
+    callback.schedule = None
+    assert callback.on_log is on_log
+
+
+def test_a_patched_model_saved_whole_trains_in_a_process_that_did_not_import_the_package(tmp_path):
+    """torch.save of a patched model, torch.load in a fresh process that does not import hf_spanattn: its training
+    forward raised KeyError ('span_attention' is not registered in Transformers' AttentionInterface), and a patched
+    GPT-Neo did not load at all (its adapter, a bound method, unpickled as getattr(module, '_neo_attn')). Loading
+    either registers span_attention (importing the package), and the model trains with the gradients it had before
+    it was saved; the settings section on its config stays a plain dict (config.to_dict() loads weights_only)."""
+    import subprocess
+
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = {}
+    for family in ("gpt2", "gpt_neo"):
+        model = patch_model(tiny(family), "score:1100", layers=[1])
+        torch.save(model, tmp_path / f"{family}.pt")
+        expected[family] = gradients_of(model, ids)
+        assert not all(torch.equal(a, b) for a, b in zip(expected[family], gradients_of(tiny(family), ids)))
+        torch.save(model.config.to_dict(), tmp_path / "config.pt")
+        assert torch.load(tmp_path / "config.pt")["span_attention"]["layers"] == [1]
+    script = """if True:
+        import sys, torch
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+        folder = sys.argv[1]
+        ids = torch.load(f"{folder}/ids.pt")
+        assert "hf_spanattn" not in sys.modules
+        for family in ("gpt2", "gpt_neo"):
+            model = torch.load(f"{folder}/{family}.pt", weights_only=False)
+            model(ids, labels=ids).loss.backward()
+            torch.save([p.grad for p in model.parameters()], f"{folder}/{family}.loaded.pt")
+            for registry in (AttentionInterface, AttentionMaskInterface):  # as in a fresh process for the next
+                registry._global_mapping.pop("span_attention")
+    """
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for family in expected:
+        loaded = torch.load(tmp_path / f"{family}.loaded.pt")
+        assert all(torch.equal(a, b) for a, b in zip(loaded, expected[family], strict=True)), family
+
+
+def gradients_of(model, ids) -> list:
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_an_adapter_loads_in_a_subfolder_and_under_the_name_given(tmp_path):
+    """load_pretrained(folder, subfolder="sub") of an adapter saved in folder/sub: the subfolder went to the base
+    model's from_pretrained, which failed with "Unrecognized model in <folder>. Should have a `model_type` key",
+    naming neither the adapter nor the subfolder. adapter_name="mine" went there too, where Transformers takes it
+    without an adapter to load: the adapter was loaded as "default" without a word."""
+    folder = adapter(tmp_path)
+    (tmp_path / "repo").mkdir()
+    folder.rename(tmp_path / "repo" / "sub")
+    for subfolder in ("sub", Path("sub")):
+        model = load_pretrained(tmp_path / "repo", subfolder=subfolder)
+        assert config_of(model.get_base_model().config).label == "score:1100"
+        assert list(model.peft_config) == ["default"]
+    assert list(load_pretrained(tmp_path / "repo" / "sub", adapter_name="mine").peft_config) == ["mine"]
+    for name in (5, "", "a.b"):  # torch's error named only the module
+        with pytest.raises(ValueError, match=f"load_pretrained: adapter_name={name!r}: expected the name to give"):
+            load_pretrained(tmp_path / "repo" / "sub", adapter_name=name)
+
+
 def test_an_adapter_saved_with_other_settings_than_the_patched_model_says_which_win(tmp_path):
     """The adapter holds score:1100, the model it is loaded into is patched with simple:10: the load warns naming
     both and that the model's settings win (they do: it trains with simple:10). As the model's own settings, and
@@ -1667,3 +1820,63 @@ def test_layers_removed_from_a_model_cannot_be_selected():
                                          r"its attention modules carry the layer indices 0, 2"):
         patch_model(gap, "score:1000", layers=[0, 1])
     assert patch_model(pruned, "score:1000", layers=[1]).config.span_attention["layers"] == [1]
+
+
+def _tiny_llava() -> torch.nn.Module:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    text = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       intermediate_size=64, vocab_size=VOCAB + 1, max_position_embeddings=64)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1)
+    return LlavaForConditionalGeneration(config).double().train()
+
+
+def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(tmp_path):
+    """A vision-language model's text and vision attention read their sub-configs (text_config, vision_config), while
+    patch_model writes the settings on the model's config: every tower trained with the default score:1000, whatever
+    the label, with only a note that the settings were missing. Here score:1111 gives the stock gradients."""
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_spanattn.integration.registry import settings_for
+
+    ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, pixel_values=pixels, labels=ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    stock = _tiny_llava()
+    patched = patch_model(_tiny_llava(), "score:1111")
+    expected, got = grads(stock), grads(patched)
+    scale = max(grad.norm() for grad in expected.values())  # (key biases have a gradient of 0, up to rounding)
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-12 * scale, name
+    attention = [m for m in patched.modules() if type(m).__name__ in ("LlamaAttention", "CLIPAttention")]
+    patch_model(patched, "simple:10")
+    assert [settings_for(m).label for m in attention] == ["simple:10"] * 4
+    patched.save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, layers=[1])
+    text = [m for m in loaded.modules() if type(m).__name__ == "LlamaAttention"]
+    assert [getattr(settings_for(m), "label", None) for m in text] == [None, "simple:10"]
+    patch_model(loaded.model.language_model, "score:1100")  # the text model alone: its own config's settings
+    assert [settings_for(m).label for m in text] == ["score:1100"] * 2
+
+
+def test_a_hybrid_model_s_layers_without_attention_cannot_be_selected():
+    """A hybrid model whose convolution layers carry a layer index too (LFM2: conv, attention, conv, attention): a
+    selection of a convolution layer was taken, and no layer got span gradients, without a word."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                        block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"] * 2)
+    model = Lfm2ForCausalLM(config)
+    with pytest.raises(ValueError, match=r"layers=\[0, 1\]: Lfm2ForCausalLM has no attention module of layer 0; its "
+                                         r"attention modules carry the layer indices 1, 3$"):
+        patch_model(model, "score:1000", layers=[0, 1])
+    assert patch_model(model, "score:1000", layers=[3, 1]).config.span_attention["layers"] == [1, 3]

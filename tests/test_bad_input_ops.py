@@ -494,12 +494,12 @@ def test_float16_with_a_scale_past_the_half_range_is_sdpas_on_the_tiles(label, s
         assert rel(got, wide) < max(2 * rel(sdpa_got, wide_sdpa), tol)
 
 
-@pytest.mark.parametrize("d_v", [1, 9])
+@pytest.mark.parametrize("d_v", [1, 9, 40])
 @pytest.mark.parametrize("label", ["score:1111", "score:1000", "score:0,1,1,0", "score:1100@per_block", "simple:10",
                                    "reductionistic:1100"])
 def test_a_value_head_dim_unlike_the_query_s_runs_on_the_fused_kernels(label, d_v):
-    """Π_K and Π_V of different widths (the fused backend stacked them): the float64 reference's
-    output and gradients, as on the tiles."""
+    """Π_K and Π_V of different widths (the fused backend stacked them), and a value wider than the query and key
+    with the rule's operand columns (40 > 4 + 3·4): the float64 reference's output and gradients, as on the tiles."""
     from reference import reference
 
     config = SpanAttentionConfig.from_label(label)
@@ -565,3 +565,38 @@ def test_backend_for_takes_a_device_as_a_tensor_has_it(monkeypatch):
             backend_for(device)
     with pytest.raises(TypeError, match=r"backend_for: dtype='float64': expected a torch.dtype"):
         backend_for("cuda", "float64")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_backend_for_a_dtype_span_gradients_do_not_take_is_an_error(dtype, monkeypatch):
+    """backend_for answered 'tiles' or 'fused' for integer, bool, complex and float8 dtypes, in which span_attention
+    refuses its inputs: an answer for a run that cannot happen."""
+    from hf_spanattn.ops import backend_for
+
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match=rf"backend_for: dtype={dtype}: span gradients take torch.float16, "
+                                             r"torch.bfloat16, torch.float32, torch.float64$"):
+            backend_for(device, dtype)
+    assert backend_for("cpu", torch.bfloat16) == "tiles" and backend_for("cuda", torch.float16) == "fused"
+
+
+@pytest.mark.parametrize(("label", "backend"), [("score:1000", "tiles"), ("score:1100@per_block", "tiles"),
+                                                ("score:1000", "fused"), ("score:1100@per_block", "fused")])
+def test_a_mask_changed_in_place_after_the_forward_pass_is_not_read_by_the_backward_pass(label, backend):
+    """The fused per-block backward read the mask tensor when it ran: changed in place after the forward pass, it
+    gave the gradients of the new mask for the output of the old one, without a word. Now the backward pass uses the
+    forward's mask (as SDPA on the CPU) or, where it needs the tensor itself, says it was changed."""
+    dtype = torch.float64 if backend == "tiles" else torch.float32
+    inputs = [x.to(dtype).requires_grad_() for x in qkv().values()]
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    out = span_attention(*inputs, attn_mask=mask.clone(), config=label, backend=backend)
+    expected = torch.autograd.grad(out.sum(), inputs)
+    out = span_attention(*inputs, attn_mask=mask, config=label, backend=backend)
+    mask[0, ..., :2] = False
+    if backend == "fused" and label.endswith("per_block"):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), inputs)
+        return
+    for got, want in zip(torch.autograd.grad(out.sum(), inputs), expected):
+        assert torch.equal(got, want)

@@ -257,3 +257,19 @@ def test_cu_seq_lens_that_disagree_with_the_mask_change_nothing(cu, max_length):
     assert all(rel(grads[name], grad) <= 1e-6 for name, grad in consistent.items())
     assert rel(consistent["model.layers.0.self_attn.q_proj.weight"], stock_grads["model.layers.0.self_attn.q_proj."
                                                                                  "weight"]) > 1e-4  # the rule acts
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neo"])
+def test_a_model_on_the_meta_device_takes_a_four_dimensional_mask(family):
+    """On the meta device (shapes only) a block-diagonal 4-D mask, or GPT-Neo's float mask of a padded batch, was
+    read on the host for documents: "Cannot copy out of meta tensor", where the stock model gives the shapes."""
+    same = torch.tensor([0] * 5 + [1] * 9 + [2] * 3)
+    mask = (torch.ones(17, 17, dtype=torch.bool).tril() & (same[:, None] == same[None, :]))[None, None]
+    with torch.device("meta"):
+        model = patch_model(tiny(family), "score:1000").train()
+    ids = torch.ones(1, 17, dtype=torch.long, device="meta")
+    kwargs = {"attention_mask": mask.to("meta")} if family == "llama" else \
+        {"attention_mask": torch.ones(1, 17, dtype=torch.long, device="meta")}
+    out = model(input_ids=ids, use_cache=False, **kwargs)
+    out.logits.sum().backward()
+    assert out.logits.shape == (1, 17, VOCAB) and out.logits.device.type == "meta"

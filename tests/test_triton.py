@@ -424,6 +424,22 @@ def test_a_learnable_key_bias_gets_sdpas_gradient_on_the_fused_kernels(fresh_war
     assert rel(got.cpu().double(), want_grad) < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's NumPy, at scores of -3e38
+def test_a_key_bias_past_the_float32_range_in_log2_units_is_sdpas():
+    """A float key bias above float32's largest / log2(e) (2.4e38) became +inf in the kernels' log2 units: NaN output
+    and gradients where SDPA's are finite. Two such keys keep their order (3e38 wins over 2.5e38, as in SDPA)."""
+    q, k, v, d_out = _inputs(b=2, h_q=2, h_kv=2, t=16, d=8)
+    bias = torch.zeros(2, 1, 1, 16)
+    bias[0, ..., 3], bias[0, ..., 5], bias[1, ..., 7] = 3e38, 2.5e38, -3e38
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+    out = span_attention(*leaves, attn_mask=bias.to(DEVICE), config="score:1111", backend="triton")
+    grads = torch.autograd.grad(out, leaves, d_out)
+    ref = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, attn_mask=bias.double())
+    want_grads = torch.autograd.grad(want, ref, d_out.cpu().double())
+    assert rel(out.cpu().double(), want) < 1e-5 and all(rel(g.cpu(), r) < 1e-4 for g, r in zip(grads, want_grads))
+
+
 def test_float64_falls_back_to_tiles(fresh_warnings):
     inputs, d_out = make(t=12, d=8)
     with pytest.warns(UserWarning, match="backend='tiles'"):

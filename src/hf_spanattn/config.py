@@ -376,9 +376,11 @@ class SpanAttentionConfig:
                                         "reads 'owner/name')")
             try:
                 path = hf_hub_download(path, CONFIG_NAME, **hub_kwargs)
-            except (OSError, ValueError) as err:  # not found, offline, not a repository id, ...
+            except (OSError, ValueError, TypeError) as err:  # not found, offline, not a repository id, a bad argument
+                given = ", ".join(f"{k}={'<hidden>' if k == 'token' else shown(v, 60)}" for k, v in hub_kwargs.items())
+                given = f" with {given}" if given else ""
                 raise OSError(f"{path}: no such local file or folder, and {CONFIG_NAME} could not be fetched from a "
-                              f"Hub repository of that name ({type(err).__name__}: {err})") from err
+                              f"Hub repository of that name{given} ({type(err).__name__}: {err})") from err
         data = _read_json(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of SpanAttentionConfig fields, got {shown(data)}")

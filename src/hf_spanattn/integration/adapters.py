@@ -128,13 +128,21 @@ def is_patched(base: torch.nn.Module) -> bool:
 def _base_model_of(folder: str | os.PathLike, peft_config: Any) -> str:
     """The adapter's base model (`base_model_name_or_path`): a folder that exists here, or a Hub id."""
     name = peft_config.base_model_name_or_path
-    source = f"{os.path.join(folder, ADAPTER_CONFIG)}, field 'base_model_name_or_path' = {name!r}"
+    source = f"{os.path.join(folder, ADAPTER_CONFIG)}, field 'base_model_name_or_path' = {shown(name)}"
     by_hand = ("; or load the base model yourself, patch it and add the adapter: patch_model(base, "
                "SpanAttentionConfig.from_pretrained(folder)); PeftModel.from_pretrained(base, folder)")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{source}: expected the base model's folder or Hub repository id{by_hand}")
     if _looks_local(name) and not os.path.exists(name):
         raise FileNotFoundError(f"{source}: no such folder (was the base model moved? edit the field{by_hand})")
+    if not os.path.exists(name):  # a Hub id, checked here: the Hub client's error repeats the name whole
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(name)
+        except HFValidationError as err:
+            raise ValueError(f"{source}: no such folder, and not a Hub repository id ({shown(str(err), 300)})"
+                             f"{by_hand}") from None
     return name
 
 
@@ -151,6 +159,10 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
     except (ValueError, TypeError, KeyError, AttributeError) as err:  # PEFT names neither the file nor the cause
         raise ValueError(f"{os.path.join(folder, ADAPTER_CONFIG)}: PEFT cannot read it as an adapter config "
                          f"({type(err).__name__}: {err})") from None
+    adapter_name = kwargs.pop("adapter_name", "default")  # PEFT's (Transformers takes it too, loading no adapter)
+    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:  # torch names only the module
+        raise ValueError(f"load_pretrained: adapter_name={shown(adapter_name)}: expected the name to give the adapter, "
+                         "a non-empty string without '.' (by default 'default')")
     base = model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs)
     saved = os.path.join(folder, CONFIG_NAME)
     from_file = config is None and os.path.lexists(saved)  # a settings "file" that is not one is refused
@@ -164,4 +176,4 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
         raise ValueError(f"{saved}: {err}") from None
     with warnings.catch_warnings():  # settings given here over those saved beside the adapter: the caller's choice
         warnings.filterwarnings("ignore", message=".* other than those the model it was loaded into is patched with")
-        return PeftModel.from_pretrained(base, folder, is_trainable=is_trainable)
+        return PeftModel.from_pretrained(base, folder, adapter_name=adapter_name, is_trainable=is_trainable)

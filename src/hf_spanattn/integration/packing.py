@@ -110,7 +110,10 @@ def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     """The documents of a block-diagonal 4-D mask (B or 1, H or 1, T, T): a Documents where some row
     holds several, None where every row holds at most one, "unreadable" where a row is cut into
     blocks that are not a block-diagonal causal or bidirectional mask of whole documents, "captured"
-    while a CUDA graph is captured (then the mask is not read)."""
+    while a CUDA graph is captured (then the mask is not read). None on the meta device, which holds no mask to read
+    (span_attention there gives SDPA's shapes)."""
+    if mask.device.type == "meta":
+        return None
     return _last_read(mask, lambda: _read_mask(mask, b), b)
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import os
-import types
 import warnings
 import weakref
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from hf_spanattn.config import SpanAttentionConfig, _looks_local, _path_argument, as_config
 from hf_spanattn.integration import adapters, card, packing, registry
@@ -28,6 +28,7 @@ from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
     OWNER_ATTR,
     PROBE_ATTR,
+    SETTINGS_FROM_ATTR,
     attention_modules,
     config_of,
     documents_of,
@@ -106,18 +107,21 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
                          f"0..{n_layers - 1}")
-    absent = [i for i in config.layers or () if i not in present]
+    # a hybrid model's convolution or state-space layers carry a layer index too, but no attention
+    attending = {i for i, modules in present.items() if any(m in neo or _calls_the_registry(m) for m in modules)}
+    attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
+    absent = [i for i in config.layers or () if i not in attending]
     if absent:  # layers removed from the model (its config still counting them), or ones without attention
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has no attention module "
                          f"of layer {shown(absent)[1:-1]}; its attention modules carry the layer indices "
-                         f"{shown(sorted(present))[1:-1]}")
+                         f"{shown(sorted(attending))[1:-1]}")
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
         implementation = base.config._attn_implementation  # set to ours without patch_model: SDPA is its forward
-        original = {"attn_implementation": "sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
-                    "reorder_and_upcast_attn": None}
+        original = _Original(attn_implementation="sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
+                             reorder_and_upcast_attn=None)
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -132,16 +136,27 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
             module.__dict__.pop(name, None)
+        # a composite model's towers read their sub-config (text_config, vision_config): the settings are the model's
+        if isinstance(getattr(module, "config", None), PretrainedConfig) and module.config is not base.config:
+            module.__dict__[SETTINGS_FROM_ATTR] = base.config
+        else:
+            module.__dict__.pop(SETTINGS_FROM_ATTR, None)
     if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
         setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
     if neo:
         for module in neo:
-            module._attn = types.MethodType(_neo_attn, module)
+            module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
+
+
+def _calls_the_registry(module: torch.nn.Module) -> bool:
+    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 def _not_a_backend(base: PreTrainedModel) -> str:
@@ -178,7 +193,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     original = _original(base)
     sharing = _sharing_config(base)
     for module in base.modules():
-        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR):
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
@@ -213,6 +228,20 @@ def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     which patch_model and unpatch_model may each be given: those inside it, and those patched before."""
     inside = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is model.config]
     return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
+
+
+class _Original(dict):
+    """What the first patch_model changed, kept on the model for unpatch_model. Saved with the model (torch.save),
+    it loads through `_restored`, so that unpickling the model in a process that has not imported hf_spanattn
+    imports it and registers `span_attention` in Transformers' attention registry: the model trains as it did."""
+
+    def __reduce__(self) -> tuple:
+        return _restored, (dict(self),)
+
+
+def _restored(data: dict) -> _Original:
+    register()
+    return _Original(data)
 
 
 def _original(model: PreTrainedModel) -> dict | None:
@@ -262,9 +291,10 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
     and the field.
 
-    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model) loads as its base model
-    (`base_model_name_or_path`, with `kwargs`) plus the adapter, trainable unless `is_trainable=False`,
-    patched with the settings saved beside the adapter (else those of the base model's config)."""
+    A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
+    loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter (named `adapter_name=`, by
+    default "default"), trainable unless `is_trainable=False`, patched with the settings saved beside the adapter
+    (else those of the base model's config)."""
     name_or_path = _path_argument(name_or_path, "load_pretrained", "name_or_path",
                                   "a saved model's folder, a PEFT adapter's folder or a Hub repository id")
     if _looks_local(name_or_path) and not os.path.isdir(name_or_path):  # else Transformers takes it for a Hub id
@@ -277,6 +307,10 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
+    subfolder = os.fspath(kwargs["subfolder"]) if isinstance(kwargs.get("subfolder"), (str, os.PathLike)) else None
+    if isinstance(subfolder, str) and subfolder and adapters.is_adapter_folder(os.path.join(name_or_path, subfolder)):
+        name_or_path = os.path.join(name_or_path, subfolder)  # the adapter's, not its base model's
+        del kwargs["subfolder"]
     if adapters.is_adapter_folder(name_or_path):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)
     model = model_class.from_pretrained(name_or_path, **kwargs)

@@ -32,6 +32,9 @@ OVERRIDE_ATTR = "span_attention_override"  # module attribute: settings set at r
 PROBE_ATTR = "span_attention_probe"  # module attribute: diagnostics probe for the backward pass
 OWNER_ATTR = "span_attention_owner"  # module and callback attribute: the token of the run that set the two above
 LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, where the model's modules carry none
+# module attribute: the model config that holds the settings, where the module's own config is a part of it (the text
+# or vision tower of a composite model, whose modules read their sub-config)
+SETTINGS_FROM_ATTR = "span_attention_settings_from"
 logger = logging.get_logger("hf_spanattn")
 
 
@@ -146,6 +149,8 @@ def _stored_file(model_config: Any) -> tuple[str | None, list[str]]:
             path = cached if isinstance(cached, str) else None
         except Exception:  # not a repository id
             path = None
+    if path is None or not os.path.isfile(path):  # gone, or a folder or a pipe put there since (a read would wait)
+        return None, []
     twice: list[tuple[dict, str]] = []  # (object, key) for each key an object gives again
 
     def keep_twice(pairs: list[tuple[str, Any]]) -> dict:
@@ -215,6 +220,12 @@ def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     return layers
 
 
+def settings_config(module: torch.nn.Module) -> Any:
+    """The model config whose settings apply to this module: that of the model patch_model was given, also where
+    the module reads a sub-config of it (a composite model's towers)."""
+    return getattr(module, SETTINGS_FROM_ATTR, None) or module.config
+
+
 def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
     """The settings that apply to this attention module; None where it keeps stock gradients.
 
@@ -227,9 +238,10 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
         return override
     if not torch.compiler.is_compiling():
         _note_shared(module)
-    config = config_of(module.config)
+    model_config = settings_config(module)
+    config = config_of(model_config)
     if config is None:
-        _note_default(module.config)
+        _note_default(model_config)
         config = SpanAttentionConfig()
     if config.layers is not None and layer_index(module) not in config.layers:
         if layer_index(module) is None:
@@ -328,7 +340,7 @@ def span_attention_forward(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     config = settings_for(module) if needs_grad else None  # evaluation and generation: SDPA itself
     if not needs_grad:
-        check_once(module.config)
+        check_once(settings_config(module))
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

@@ -26,6 +26,7 @@ from hf_spanattn.ops.triton.backend import device_missing, triton_attention
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
 
+SPAN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the dtypes span gradients run in
 BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"tiles": tile_attention, "fused": fused_attention,
                                                    "triton": triton_attention}
 
@@ -115,7 +116,7 @@ def span_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
         return out.reshape(layout.out_shape)
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # float8: no kernel takes them
+    if dtype not in SPAN_DTYPES:  # float8: no kernel takes them
         raise ValueError(f"span_attention: span gradients take float16, bfloat16, float32 or float64 query, key and "
                          f"value, got {dtype}")
     # torch.func transforms wrap tensors that meet our autograd.Functions; Dynamo's tracing sees an interpreter on that
@@ -157,6 +158,8 @@ def backend_for(device: str | torch.device, dtype: torch.dtype = torch.float32, 
                          "torch.device") from None
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"backend_for: dtype={shown(dtype)}: expected a torch.dtype such as torch.float32")
+    if dtype not in SPAN_DTYPES:  # no backend runs span gradients in it: span_attention refuses such inputs
+        raise ValueError(f"backend_for: dtype={dtype}: span gradients take {', '.join(map(str, SPAN_DTYPES))}")
     name = _backend(backend, dtype, device, None)
     if name == "triton" and device_missing(device):
         return "tiles" if dtype == torch.float64 else "fused"

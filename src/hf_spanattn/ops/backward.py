@@ -107,6 +107,7 @@ def evaluate(rule: rules.Rule, alphas: Sequence[float], x: RuleInputs,
         answer = rules.BlockProducts({}, [None] * len(needs.k))  # every weight zero: no block to run
     else:
         answer = products(needs)
+    del needs  # the per-block rule's blocks (…, T, d each), before its finish allocates
     return rule.finish(answer, x.q, x.k, x.spans, alphas)
 
 

@@ -79,12 +79,15 @@ class _Operands(torch.autograd.Function):
         if not extra_k and not extra_q:
             return q.view_as(q), k.view_as(k), v.view_as(v)
         width_k, width_q = sum(ctx.widths[0].values()), sum(ctx.widths[1].values())
+        # the fused kernels want V as wide as Q and K: the narrower side gets zero columns (a value wider than the
+        # augmented query and key gives them zero columns past the operands', which change no score)
+        width = max(d + width_k + width_q, v.shape[-1])
         q_aug = torch.cat([q, q.new_zeros(b, h_q, t, width_k),
-                           *(y.reshape(b, h_q, t, -1).to(q.dtype) for y in extra_q.values())], dim=-1)
+                           *(y.reshape(b, h_q, t, -1).to(q.dtype) for y in extra_q.values()),
+                           q.new_zeros(b, h_q, t, width - d - width_k - width_q)], dim=-1)
         k_aug = torch.cat([k, *(x.squeeze(2).to(k.dtype) for x in extra_k.values()),
-                           k.new_zeros(b, h_kv, t, width_q)], dim=-1)
-        # the fused kernels want V as wide as Q and K
-        v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], q_aug.shape[-1] - v.shape[-1])], dim=-1)
+                           k.new_zeros(b, h_kv, t, width - d - width_k)], dim=-1)
+        v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], width - v.shape[-1])], dim=-1)
         return q_aug, k_aug, v_aug
 
     @staticmethod
@@ -141,16 +144,17 @@ class _PerBlock(torch.autograd.Function):
                 config: SpanAttentionConfig):
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
         detached = attn_mask.detach() if attn_mask is not None else None
-        ctx.call = dict(attn_mask=detached, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=q.shape[1] != k.shape[1])
+        ctx.call = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         ctx.config = config
-        ctx.save_for_backward(q, k, v, key_valid)
-        return F.scaled_dot_product_attention(q, k, v, **ctx.call)
+        # saved as the inputs are: changed in place before the backward pass, it is an error, not another mask
+        ctx.save_for_backward(q, k, v, key_valid, detached)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=detached, **ctx.call)
 
     @staticmethod
     @backward.first_order_only
     def backward(ctx, d_out):
-        q, k, v, key_valid = ctx.saved_tensors
+        q, k, v, key_valid, attn_mask = ctx.saved_tensors
+        ctx.call["attn_mask"] = attn_mask
         config = ctx.config
         with _replaying(ctx.rng, q.device):  # dV and the mask's gradient are SDPA's, whatever the rule
             dv, *d_mask = _attention_grads(ctx.call, (q, k, v), d_out, wanted=(2,), mask_grad=ctx.needs_input_grad[3])

@@ -191,11 +191,12 @@ def _order_mix(span_v: Span, par: Part, perp: Part, alphas: Alphas) -> tuple[Par
 
 def _split(span: Span, par: Part, perp: Part, like: torch.Tensor) -> torch.Tensor:
     """Π par + Π^⊥ perp = perp + Π (par − perp)."""
-    diff = lincomb((1.0, par), (-1.0, perp))
-    if diff is None:
-        return _zero_if_none(perp, like)
-    projected = span.project(diff)
-    return projected if perp is None else projected.add_(perp)
+    if par is None:
+        return torch.zeros_like(like) if perp is None else span.reject(perp)
+    if perp is None:
+        return span.project(par)
+    diff = torch.sub(par, perp)
+    return span.project(diff, out=diff).add_(perp)
 
 
 def score_exact_operands(q: torch.Tensor, k: torch.Tensor, spans: Spans, alphas: Alphas) -> Operands:
@@ -268,14 +269,21 @@ def score_per_block_finish(products: BlockProducts, q: torch.Tensor, k: torch.Te
         if any(cross_weights[a]):
             cross_e[a] = lincomb((1.0, products.sums.get(f"cross{a}", acc_q[2 * a])), (-1.0, acc_q[2 * a + 1]))
 
+    # the T×d temporaries are dropped as soon as they are used: at a small batch they set the peak
     y_par = _split(span_v, acc_q[0], acc_q[2], like=q)
     y_perp = _split(span_v, acc_q[1], acc_q[3], like=q)
     dq = _split(span_k, y_par, y_perp, like=q)
-    dk = _split(span_v, *products.key, like=k)
+    del y_par, y_perp
+    cross = None
     if cross_e[0] is not None or cross_e[1] is not None:
-        pinv = span_k.pinv_t()  # (K⁺)ᵀ
         e_mix = _split(span_v, cross_e[0], cross_e[1], like=q)  # Ẽ
-        cross = span_k.reject(group_sum((q @ (e_mix.mT @ pinv)).add_(e_mix @ (q.mT @ pinv))))
+        del cross_e
+        pinv = span_k.pinv_t()  # (K⁺)ᵀ
+        cross = q @ (e_mix.mT @ pinv)
+        cross = span_k.reject(group_sum(cross.add_(e_mix @ (q.mT @ pinv))))
+        del e_mix, pinv
+    dk = _split(span_v, *products.key, like=k)
+    if cross is not None:
         dk = dk.add_(cross.mul_(spans.key_valid) if spans.key_valid is not None else cross)
     return dq, dk
 

@@ -41,9 +41,9 @@ class Span:
     basis: torch.Tensor
     coef: torch.Tensor | None
 
-    def project(self, w: torch.Tensor) -> torch.Tensor:
-        """Π_X W for W (…, T, n); batch dimensions broadcast."""
-        return self.basis @ (self.basis.mT @ w)
+    def project(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Π_X W for W (…, T, n); batch dimensions broadcast. `out` may be W itself."""
+        return torch.matmul(self.basis, self.basis.mT @ w, out=out)
 
     def reject(self, w: torch.Tensor) -> torch.Tensor:
         """Π_X^⊥ W = W − Π_X W."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import json
 import logging
 import math
@@ -56,6 +57,8 @@ logger = logging.getLogger(__name__)
 # the diagnostics locks this process holds: real path -> (thread id, callback) of the run that took it
 _held: dict[str, tuple[int, weakref.ref]] = {}
 _held_guard = threading.Lock()
+_PATH_MAX = 4096  # Linux's limit on a path, in bytes (macOS's is 1024)
+_SAVED = ("last_step",)  # the attributes `state` writes into trainer_state.json
 # what the Trainer writes into its output dir (save_model, save_state, save_metrics, create_model_card), over a
 # diagnostics file of the same name
 TRAINER_FILES = {CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
@@ -132,6 +135,19 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._alphas_logged_at: int | None = None
         self._path: str | None = None
         setattr(self, OWNER_ATTR, uuid.uuid4().hex)  # marks what this run sets on the layers (a string: it pickles)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuses a value that is no code for a method or a special attribute of the callback (`{"on_step_begin": 5}`):
+        the Trainer restores a checkpoint's callback by setting every attribute its trainer_state.json names."""
+        found = next((vars(k)[name] for k in type(self).__mro__ if name in vars(k)), None)
+        if not callable(value) and (inspect.isroutine(found) or isinstance(found, (classmethod, staticmethod))
+                                    or hasattr(type(found), "__set__")):  # a method, a property, __class__, __dict__
+            raise AttributeError(
+                f"SpanAttentionCallback: {shown(name)} = {shown(value)}: {shown(name)} is a method or a special "
+                "attribute of the callback, not a setting (as a checkpoint's trainer_state.json, field "
+                "stateful_callbacks, SpanAttentionCallback, attributes, sets it when resuming with "
+                f"restore_callback_states_from_checkpoint=True); the attributes it saves are {list(_SAVED)}")
+        super().__setattr__(name, value)
 
     def add_to(self, trainer: Any) -> SpanAttentionCallback:
         """Add this callback to `trainer` in front of the others (the same as `trainer.add_callback(callback)`
@@ -324,7 +340,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         return {"args": {"schedule": keyframes, "diagnostics_every": self.diagnostics_every,
                          "diagnostics_per_head": self.diagnostics_per_head,
                          "diagnostics_file": self.diagnostics_file},
-                "attributes": {"last_step": self.last_step}}
+                "attributes": {name: getattr(self, name) for name in _SAVED}}
 
 
 
@@ -344,6 +360,9 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
                              or (os.fspath(file) and _names_a_folder(os.fspath(file))) or "\0" in os.fspath(file)):
         raise ValueError(f"diagnostics_file={shown(file)}: expected a file name (a path relative to the Trainer's "
                          "output_dir) or None")
+    if file is not None and len(os.fsencode(file)) >= _PATH_MAX:  # which no system opens, and messages would repeat
+        raise ValueError(f"diagnostics_file={shown(os.fspath(file))}: longer than a path may be ({_PATH_MAX} bytes); "
+                         "expected a file name (a path relative to the Trainer's output_dir)")
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
 
 

@@ -77,20 +77,27 @@ class Keyframe:
 
     def settings(self, n_layers: int) -> LayerSettings:
         if isinstance(self.span, str):
-            config = SpanAttentionConfig.from_label(self.span)
+            config = self._config(self.span)
             return dict.fromkeys(range(n_layers), config)
         if not isinstance(self.span, dict):
             raise ValueError(f"keyframe span={shown(self.span)}: expected a label or a {{layers: label}} table")
         table: LayerSettings = {}
         named_by: dict[int, Any] = {}
         for layers, label in self.span.items():
-            config = SpanAttentionConfig.from_label(label)
+            config = self._config(label)
             for index in _layer_list(str(layers), n_layers):
                 if index in named_by:
                     raise ValueError(f"keyframe span={shown(self.span)}: layer {index} is named by both "
                                      f"{named_by[index]!r} and {shown(layers)}; name each layer once")
                 table[index], named_by[index] = config, layers
         return table
+
+    def _config(self, label: Any) -> SpanAttentionConfig:
+        """A label of this keyframe parsed; a bad one names the keyframe (one of many)."""
+        try:
+            return SpanAttentionConfig.from_label(label)
+        except ValueError as err:
+            raise ValueError(f"keyframe at={shown(self.at)} span={shown(self.span)}: {err}") from None
 
 
 def _layer_list(spec: str, n_layers: int) -> list[int]:
@@ -127,6 +134,11 @@ class Schedule:
     def resolve(self, max_steps: int, steps_per_epoch: int | None,
                 n_layers: int) -> list[tuple[int, LayerSettings, bool]]:
         """(step, per-layer settings, ramp) per keyframe, validated; raises ValueError with the cause."""
+        for name, value, least in (("max_steps", max_steps, 0), ("steps_per_epoch", steps_per_epoch, 1),
+                                   ("n_layers", n_layers, 0)):
+            if (value is not None or name != "steps_per_epoch") and (as_int(value) is None or as_int(value) < least):
+                raise ValueError(f"schedule: {name}={shown(value)}: expected an int ≥ {least}"
+                                 + (" or None (training data without a length)" if name == "steps_per_epoch" else ""))
         frames = [(k.step(max_steps, steps_per_epoch), k.settings(n_layers), k.ramp) for k in self.keyframes]
         for (s0, _, _), (s1, _, _), k0, k1 in zip(frames, frames[1:], self.keyframes, self.keyframes[1:]):
             if s1 < s0:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 LOG2E = 1.4426950408889634
+_LARGEST_BIAS = 2.0**125  # a key bias past it is shifted down (float32 holds 2¹²⁸ in log2 units, scores beside it)
 MAX_WIDTH = 256  # the widest operand group one launch multiplies G by; wider lists take several launches
 
 
@@ -125,6 +126,10 @@ class _Call:
         self.bias = self.q
         if key_bias is not None:
             bias = key_bias.to(device=q.device, dtype=torch.float32).expand(self.b, self.s)
+            # a row's softmax is the same under a shift of its bias: one whose largest finite entry would pass the
+            # float32 range in log2 units (or beside the scores) is shifted down to 2¹²⁵ (SDPA takes it as it is)
+            top = torch.where(bias.isfinite(), bias, 0.0).amax(-1, keepdim=True) if self.s else 0.0
+            bias = bias - (top - _LARGEST_BIAS).clamp_min(0.0)
             # log2 units; a finite minimum stays finite (SDPA's uniform average over an all-minimum row)
             finite = (bias * LOG2E).clamp_min(torch.finfo(torch.float32).min)
             self.bias = torch.where(bias == float("-inf"), bias, finite).contiguous()
