@@ -258,6 +258,24 @@ def write_record(record: dict, results: Path | None, jsonl: Path | None) -> None
             os.fsync(f.fileno())
 
 
+def add_missing_lines(finished: list[Run], results: Path, jsonl: Path) -> None:
+    """Append to `jsonl` the line of each finished run whose result is in `results` alone: a command stopped
+    between write_record's two writes left it so, and a rerun counts the run finished."""
+    listed = {r["name"] for r in read_records(jsonl)[0]} if jsonl.exists() else set()
+    for run in finished:
+        path = results / f"{run.name}.json"
+        if run.name in listed or not path.is_file():
+            continue
+        try:
+            record = json_file(path)
+        except (OSError, ValueError, RecursionError):
+            continue
+        if not record_problems(record, run.name):
+            write_record(record, None, jsonl)
+            print(f"{jsonl}: added the line of {run.name} from {path}, which lacked it (a command stopped between "
+                  "writing the two)", flush=True)
+
+
 def not_of(run: Run, metrics: dict) -> list[str]:
     """[] where whole `metrics` are of `run`'s span and seed (a file moved or copied by hand may hold another's)."""
     span, seed = SpanAttentionConfig.from_label(metrics["span"]).label, seed_of(metrics)
@@ -612,6 +630,8 @@ def run_sweeps(args: argparse.Namespace, began: float) -> int:
                 print(f"{path} moved to {move_aside(path, 'invalid')}", flush=True)
     if args.jsonl is not None:
         args.jsonl.parent.mkdir(parents=True, exist_ok=True)
+    if args.results is not None and args.jsonl is not None:
+        add_missing_lines([r for r in runs if r.name in done], args.results, args.jsonl)
     clear_dead_folders(args)
     limit = len(todo) if args.max_runs is None else min(args.max_runs, len(todo))
     with stopped_as_by_ctrl_c():  # a kill of this command stops its runs too

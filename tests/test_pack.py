@@ -101,6 +101,23 @@ def test_packs_whole_runs_into_the_budget_and_skips_finished_ones(tmp_path, fake
     assert not list((tmp_path / "tree").glob("**/*"))  # runs write only their JSON
 
 
+def test_a_result_left_out_of_the_jsonl_gets_its_line_without_running_again(tmp_path, fake, capsys):
+    config = write_sweep(tmp_path / "sweep.yaml", ["standard:QKV111"], [0, 1])
+    results, jsonl = tmp_path / "results", tmp_path / "all.jsonl"
+    # the state a command stopped between write_record's two writes leaves: the result in --results only
+    assert pack.main([str(config), "--results", str(results), "--max_runs", "1"]) == 0
+    capsys.readouterr()
+    assert pack.main([str(config), "--results", str(results), "--jsonl", str(jsonl)]) == 0
+    out = capsys.readouterr().out
+    assert f"{jsonl}: added the line of H2xL1__standard-QKV111__seed0 from {results}" in out
+    assert len(fake()) == 2  # the finished run did not run again
+    lines = pack.load_records(jsonl)
+    assert sorted(r["name"] for r in lines) == ["H2xL1__standard-QKV111__seed0", "H2xL1__standard-QKV111__seed1"]
+    assert lines[0] == json.loads((results / "H2xL1__standard-QKV111__seed0.json").read_text())
+    assert pack.main([str(config), "--results", str(results), "--jsonl", str(jsonl)]) == 0
+    assert "added the line" not in capsys.readouterr().out and len(pack.load_records(jsonl)) == 2
+
+
 def test_two_runs_at_once_overlap(tmp_path, fake, monkeypatch):
     config = write_sweep(tmp_path / "sweep.yaml", ["standard:QKV111"], [0, 1, 2])
     monkeypatch.setenv("FAKE_SLEEP", "1.5")
