@@ -292,6 +292,10 @@ PRECISION = ("bf16", "fp16", "tf32")  # left to the machine that runs (see sweep
 # cadence are not among them: min_val_loss is the least of the evaluations made, final_train_loss the mean
 # since the last log, and early stopping counts evaluations.
 BATCH_SPLIT = ("per_device_train_batch_size", "gradient_accumulation_steps")
+# Settings of what a run keeps beside its result and pack.py deletes with its folder: whether the diagnostics
+# file holds norms per head. span_diagnostics_every is not among them: a diagnostics step makes the Trainer log,
+# which adds an entry to train_history and starts the mean that final_train_loss is over afresh.
+UNKEPT = ("span_diagnostics_per_head",)
 MAX_ARGS = 1000  # more than run_clm.py has; argparse takes time quadratic in their number to refuse more
 
 
@@ -331,6 +335,14 @@ def folded(config: dict) -> dict:
     return {**config, "training": training}
 
 
+def unkept_dropped(config: dict) -> dict:
+    """`config` without the settings of what pack.py does not keep (UNKEPT)."""
+    span = config.get("span")
+    if not isinstance(span, dict):
+        return config
+    return {**config, "span": {k: v for k, v in span.items() if k not in UNKEPT}}
+
+
 def other_settings(run: Run, data: dict) -> list[str]:
     """How the settings recorded with a finished result of `run` differ from the ones this command runs it with
     ('group.key: recorded → wanted', at most 3), apart from the batch split; [] where they do not. A pack.py
@@ -355,7 +367,7 @@ def other_settings(run: Run, data: dict) -> list[str]:
                        for k in sorted(set(recorded) | set(run.args)) if recorded.get(k) != run.args.get(k)]
             return [f"its arguments are refused by run_clm.py now ({str(err)[:200]})", *changed[:3]]
     try:
-        return differences(saved, wanted, limit=3)
+        return differences(*(unkept_dropped(c) for c in (saved, wanted)), limit=3)
     except (ValueError, TypeError, AttributeError) as err:  # a hand edit: a group, path or label wrong
         return [f"its configuration is not one run_clm.py records ({str(err)[:200]})"]
 

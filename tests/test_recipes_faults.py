@@ -392,6 +392,20 @@ def test_pack_stops_at_a_finished_run_made_with_other_settings(where, tmp_path, 
     assert fake() == [("score:1000", 0), ("score:1100", 0)]  # score:1000 kept as finished, score:1100 run
 
 
+def test_pack_takes_the_per_head_diagnostics_for_no_other_setting(tmp_path, fake, capsys):
+    """pack.py keeps no diagnostics file, yet a finished run made with --span_diagnostics_per_head stopped a rerun
+    without it as a run of other settings. span_diagnostics_every stays one: its steps make the Trainer log, which
+    changes train_history and final_train_loss."""
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    results = ["--results", str(tmp_path / "r")]
+    assert pack.main([str(config), *results, "--set", "span_diagnostics_per_head=true"]) == 0
+    capsys.readouterr()
+    assert pack.main([str(config), *results]) == 0
+    assert "1 runs, 1 finished before, 0 to do" in capsys.readouterr().out and len(fake()) == 1
+    with pytest.raises(SystemExit, match=r"span\.span_diagnostics_every: 0 → 5"):
+        pack.main([str(config), *results, "--set", "span_diagnostics_every=5"])
+
+
 @pytest.mark.parametrize("args,said", [
     ([1], "config.args=[1]: not the run's arguments as recipes/pack.py records them"),
     ({"learning_rate": {"a": 1}}, "'learning_rate': {'a': 1}}: not the run's arguments"),
