@@ -216,23 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--launcher {args.launcher!r}: {err} (read as a shell reads it)")
     if not launcher:
         parser.error("--launcher is empty: give the command that runs run_clm.py, e.g. python")
-    if not Path(args.config).is_file():
-        raise ValueError(f"{args.config}: {not_a_file(args.config)}")
-    if shutil.which(launcher[0]) is None:
+    if shutil.which(launcher[0]) is None and Path(args.config).is_file():
         parser.error(f"--launcher {args.launcher!r}: no command {launcher[0]!r} here")
     try:
-        documents = read_yaml(Path(args.config).read_text(), documents=True)
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ValueError(f"{args.config}: not valid YAML ({type(err).__name__}: {err})") from None
-    if len(documents) > 1:
-        raise ValueError(f"{args.config}: {len(documents)} YAML documents; sweep.py runs one (recipes/pack.py runs "
-                         "a file of several in order)")
-    config = documents[0] if documents else None
-    for key in ("data_dir", "train_file", "validation_file", "tokenizer_name"):
-        if getattr(args, key) and isinstance(config, dict) and isinstance(config.get("args") or {}, dict):
-            config["args"] = {**(config.get("args") or {}), key: getattr(args, key)}
-    runs = plan(config)
-    states = [state(folder, run_args) for folder, run_args in runs]
+        runs = plan(read_sweep(args))
+        states = [state(folder, run_args) for folder, run_args in runs]
+    except ValueError as err:
+        raise SystemExit(f"sweep: {err}") from None
     print(f"{len(runs)} runs, {states.count('finished')} finished", flush=True)
     with stopped_as_by_ctrl_c():  # a kill of the sweep stops its run too
         for i, ((folder, run_args), status) in enumerate(zip(runs, states), 1):
@@ -262,6 +252,24 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep_weights:
                 prune(folder)
     return 0
+
+
+def read_sweep(args: argparse.Namespace) -> object:
+    """The one YAML document of the sweep file, with the data and tokenizer paths the command line overrides."""
+    if not Path(args.config).is_file():
+        raise ValueError(f"{args.config}: {not_a_file(args.config)}")
+    try:
+        documents = read_yaml(Path(args.config).read_text(), documents=True)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ValueError(f"{args.config}: not valid YAML ({type(err).__name__}: {err})") from None
+    if len(documents) > 1:
+        raise ValueError(f"{args.config}: {len(documents)} YAML documents; sweep.py runs one (recipes/pack.py runs "
+                         "a file of several in order)")
+    config = documents[0] if documents else None
+    for key in ("data_dir", "train_file", "validation_file", "tokenizer_name"):
+        if getattr(args, key) and isinstance(config, dict) and isinstance(config.get("args") or {}, dict):
+            config["args"] = {**(config.get("args") or {}), key: getattr(args, key)}
+    return config
 
 
 def state(folder: Path, run_args: list[str]) -> str:

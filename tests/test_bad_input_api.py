@@ -420,10 +420,10 @@ CASES = [
     ("attention sinks under attn_implementation='span_attention'", lambda t: sinks_forward(), NotImplementedError,
      "span_attention does not support attention sinks ('s_aux', attention of GptOssAttention)"),
     # sweep.py
-    ("sweep empty YAML", lambda t: sweep.main([str(sweep_file(t, None))]), ValueError, "got an empty file"),
-    ("sweep YAML a list", lambda t: sweep.main([str(sweep_file(t, ["score:1000"]))]), ValueError,
+    ("sweep empty YAML", lambda t: sweep.main([str(sweep_file(t, None))]), SystemExit, "got an empty file"),
+    ("sweep YAML a list", lambda t: sweep.main([str(sweep_file(t, ["score:1000"]))]), SystemExit,
      "expected a mapping with output_dir"),
-    ("sweep invalid YAML", lambda t: sweep.main([str(write(t / "s.yaml", "spans: [a\n"))]), ValueError,
+    ("sweep invalid YAML", lambda t: sweep.main([str(write(t / "s.yaml", "spans: [a\n"))]), SystemExit,
      "{tmp}/s.yaml: not valid YAML"),
     ("sweep shapes a dict", lambda t: sweep.plan(sweep_with(shapes={"n_head": 2, "n_layer": 1})), ValueError,
      "shapes={'n_head': 2, 'n_layer': 1}: expected a list of mappings"),
@@ -1767,6 +1767,29 @@ def test_an_adapter_saved_unpatched_over_settings_saved_before_warns_that_they_a
                                          "now is not patched"):
         model.save_pretrained(tmp_path)
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1100"
+
+
+def test_an_adapter_save_stopped_at_its_settings_leaves_no_adapter_without_them(tmp_path, monkeypatch):
+    """A save stopped after PEFT's files but before span_attention_config.json left an adapter that
+    load_pretrained patched with the default settings without a word: the settings are written first, so a stop
+    there leaves no adapter; the save done again writes both."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
+    write = SpanAttentionConfig.save_pretrained
+
+    def stopped(self, folder, *args, **kwargs):
+        write(self, folder, *args, **kwargs)
+        raise KeyboardInterrupt  # as a kill at this point
+
+    monkeypatch.setattr(SpanAttentionConfig, "save_pretrained", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(tmp_path / "a")
+    assert not (tmp_path / "a" / "adapter_config.json").exists()
+    monkeypatch.setattr(SpanAttentionConfig, "save_pretrained", write)
+    model.save_pretrained(tmp_path / "a")
+    assert SpanAttentionConfig.from_pretrained(tmp_path / "a").label == "score:1100"
+    assert (tmp_path / "a" / "adapter_config.json").exists()
 
 
 def test_the_note_that_settings_are_missing_is_said_for_each_model(caplog):
