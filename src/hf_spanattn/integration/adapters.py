@@ -6,7 +6,9 @@ weights and `adapter_config.json`, not the base model's config, so the settings 
 installed `install` wraps two of its methods, calling each through unchanged:
 
 - `PeftModel.save_pretrained` also writes `span_attention_config.json` into each adapter's folder
-  when the base model carries settings;
+  when the base model carries settings, before PEFT's files: a save stopped between the two leaves
+  a folder that is no adapter, not an adapter without its settings (which would load with the base
+  model's or the default settings);
 - `PeftModel.from_pretrained` warns when a local adapter folder holds that file but the model it
   loads into is not patched (it would train with the standard gradient), and `PeftModel.load_adapter`
   (which `from_pretrained` calls) when the model is patched with other settings (the model's win).
@@ -51,17 +53,26 @@ def install() -> None:
 
     @functools.wraps(save)
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
-        result = save(self, *args, **kwargs)
         settings = config_of(self.get_base_model().config)
         arguments = save_signature.bind(self, *args, **kwargs).arguments
-        if arguments.get("is_main_process", True):
-            directory = arguments["save_directory"]
-            selected = arguments.get("selected_adapters")
-            for name in list(self.peft_config) if selected is None else selected:  # as PEFT: [] saves none
-                folder = directory if name == "default" else os.path.join(directory, name)
-                if settings is not None:
-                    settings.save_pretrained(folder)
-                elif os.path.lexists(os.path.join(folder, CONFIG_NAME)):  # the user's to remove: it may be by hand
+        directory = arguments["save_directory"]
+        selected = arguments.get("selected_adapters")
+        names = list(self.peft_config) if selected is None else selected  # as PEFT: [] saves none
+        try:
+            ours = all(isinstance(name, str) and name in self.peft_config for name in names)  # else PEFT refuses it
+        except TypeError:
+            ours = False
+        ours = ours and arguments.get("is_main_process", True) and not os.path.isfile(directory)
+        folders = [directory if name == "default" else os.path.join(directory, name) for name in names] if ours else []
+        if ours and settings is not None:
+            # before PEFT's files: a save stopped between the two leaves settings without an adapter (no adapter
+            # folder, refused as one), never an adapter that load_pretrained would patch with other settings
+            for folder in folders:
+                settings.save_pretrained(folder)
+        result = save(self, *args, **kwargs)
+        if ours and settings is None:
+            for folder in folders:
+                if os.path.lexists(os.path.join(folder, CONFIG_NAME)):  # the user's to remove: it may be by hand
                     warnings.warn(f"{os.path.join(folder, CONFIG_NAME)} is left from before: the model saved now is "
                                   "not patched, but hf_spanattn.load_pretrained of the adapter would patch it with "
                                   "those settings; remove the file if the adapter should load without span gradients",
