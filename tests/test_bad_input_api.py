@@ -1786,6 +1786,9 @@ def test_an_adapter_save_stopped_at_its_settings_leaves_no_adapter_without_them(
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(tmp_path / "a")
     assert not (tmp_path / "a" / "adapter_config.json").exists()
+    with pytest.raises(FileNotFoundError, match=f"load_pretrained: {tmp_path}/a holds span_attention_config.json but "
+                                                "neither a model \\(config.json\\) nor a PEFT adapter"):
+        load_pretrained(tmp_path / "a")
     monkeypatch.setattr(SpanAttentionConfig, "save_pretrained", write)
     model.save_pretrained(tmp_path / "a")
     assert SpanAttentionConfig.from_pretrained(tmp_path / "a").label == "score:1100"

@@ -38,6 +38,13 @@ def is_adapter_folder(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
 
+def holds_settings_alone(path: Any) -> bool:
+    """Whether the folder `path` holds span_attention_config.json but no model and no adapter: an adapter save
+    stopped after the settings, which it writes first."""
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, CONFIG_NAME)) and not any(
+        os.path.lexists(os.path.join(path, name)) for name in (ADAPTER_CONFIG, "config.json"))
+
+
 def install() -> None:
     """Wrap PEFT's save and load once (nothing without PEFT)."""
     try:

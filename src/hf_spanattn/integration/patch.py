@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from hf_spanattn.config import SpanAttentionConfig, _looks_local, _path_argument, as_config
+from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _path_argument, as_config
 from hf_spanattn.integration import adapters, card, packing, registry
 from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
@@ -313,5 +313,9 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         del kwargs["subfolder"]
     if adapters.is_adapter_folder(name_or_path):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)
+    if adapters.holds_settings_alone(name_or_path) and not subfolder:  # Transformers: "Unrecognized model"
+        raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
+                                f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
+                                "it wrote them? Save the model or adapter again")
     model = model_class.from_pretrained(name_or_path, **kwargs)
     return patch_model(model, config, layers)
