@@ -11,7 +11,9 @@ once. Each run is recipes/run_clm.py in a process of its own, in a temporary fol
 afterwards (no checkpoint or weight is kept; one that a killed command left behind is deleted by
 the next command on the same results); `--parallel N` runs N at once on the one device.
 A finished run writes one JSON (`result_record`) as <results>/<name>.json and/or one line of
---jsonl. A run is skipped when its JSON is in --results, its line in --jsonl, or its
+--jsonl; with both, --jsonl first gets the line of each finished run in --results that it lacks (a command
+stopped between the two writes, or one without --jsonl, left it there alone), said, without running it again.
+A run is skipped when its JSON is in --results, its line in --jsonl, or its
 metrics.json in the sweep's tree (<output_dir>/<shape>/<span>/seed<k>, where recipes/merge.py
 puts merged results), made with the settings this command gives it; a finished run made with
 other settings (another --set, an edited sweep file) stops the command before anything runs,
@@ -259,8 +261,9 @@ def write_record(record: dict, results: Path | None, jsonl: Path | None) -> None
 
 
 def add_missing_lines(finished: list[Run], results: Path, jsonl: Path) -> None:
-    """Append to `jsonl` the line of each finished run whose result is in `results` alone: a command stopped
-    between write_record's two writes left it so, and a rerun counts the run finished."""
+    """Append to `jsonl` the line of each finished run whose result is in `results` alone (a command stopped
+    between write_record's two writes, or one without --jsonl, left it so), from that result: the two hold the same
+    finished runs, as merge.py may be given either."""
     listed = {r["name"] for r in read_records(jsonl)[0]} if jsonl.exists() else set()
     for run in finished:
         path = results / f"{run.name}.json"
@@ -272,8 +275,7 @@ def add_missing_lines(finished: list[Run], results: Path, jsonl: Path) -> None:
             continue
         if not record_problems(record, run.name):
             write_record(record, None, jsonl)
-            print(f"{jsonl}: added the line of {run.name} from {path}, which lacked it (a command stopped between "
-                  "writing the two)", flush=True)
+            print(f"{jsonl}: added the line of {run.name} from {path}, a finished run it lacked", flush=True)
 
 
 def not_of(run: Run, metrics: dict) -> list[str]:
