@@ -1880,3 +1880,29 @@ def test_a_hybrid_model_s_layers_without_attention_cannot_be_selected():
                                          r"attention modules carry the layer indices 1, 3$"):
         patch_model(model, "score:1000", layers=[0, 1])
     assert patch_model(model, "score:1000", layers=[3, 1]).config.span_attention["layers"] == [1, 3]
+
+
+def test_a_schedule_s_layer_table_naming_only_layers_without_attention_is_refused(tmp_path):
+    """A keyframe's layer table naming a hybrid model's convolution layer (LFM2: conv, attention, conv, attention), or
+    a layer removed from the model, set an override that nothing read, without a word."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                        block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"] * 2)
+    model = patch_model(Lfm2ForCausalLM(config), "score:1000")
+    callback = SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe(1, {"0-1": "score:1100", "2": "simple:10"})])
+    with pytest.raises(ValueError, match=r"^SpanAttentionCallback: keyframe at=1 span=\{'0-1': 'score:1100', '2': "
+                                         r"'simple:10'\}: layers '2': Lfm2ForCausalLM has no attention module of layer "
+                                         r"2; its attention modules carry the layer indices 1, 3$"):
+        trainer_with(tmp_path, callback, model=model).train()
+    trainer = trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, {"0-1": "score:1100", "3": "simple:10"})]),
+                           model=model)
+    trainer.train()  # a range that spans a convolution layer is taken
+    logged = trainer.state.log_history[0]
+    assert (logged["span/layer1/alpha1"], logged["span/layer3/alpha_q"]) == (1.0, 1.0)
+    llama = patch_model(tiny("llama"), "score:1000")
+    del llama.model.layers[1]  # its config still counts 2 layers
+    with pytest.raises(ValueError, match=r"layers 1: LlamaForCausalLM has no attention module of layer 1; its "
+                                         r"attention modules carry the layer indices 0$"):
+        trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, {1: "score:1100"})]), model=llama).train()
