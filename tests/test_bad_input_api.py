@@ -693,6 +693,21 @@ def test_numpy_and_path_arguments_of_the_callback_save_as_json():
         Keyframe(0, {decimal.Decimal(0): "score:1100"})
 
 
+def test_a_layer_table_changed_after_its_keyframe_is_made_is_checked_again():
+    """A NumPy layer key put into a keyframe's table after the keyframe was made was not checked again by the callback,
+    and failed the Trainer's checkpoint save (trainer_state.json) with json's TypeError."""
+    import numpy as np
+
+    keyframe = Keyframe(0, {"0": "score:1100"})
+    keyframe.span[np.int64(1)] = "simple:10"
+    callback = SpanAttentionCallback([keyframe])
+    assert json.loads(json.dumps(callback.state()))["args"]["schedule"] == [
+        {"at": 0, "span": {"0": "score:1100", "1": "simple:10"}, "ramp": False}]
+    keyframe.span[decimal.Decimal(2)] = "simple:10"
+    with pytest.raises(ValueError, match=r"layer key Decimal\('2'\) \(Decimal\): expected a layer index"):
+        SpanAttentionCallback([keyframe])
+
+
 def train_step(model) -> None:
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()

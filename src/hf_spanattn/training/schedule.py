@@ -134,6 +134,8 @@ class Schedule:
             raise ValueError(f"schedule: expected a list of keyframes (Keyframe or dicts with 'at', 'span'), got "
                              f"{shown(self.keyframes)}")
         self.keyframes = [k if isinstance(k, Keyframe) else Keyframe.from_dict(k) for k in self.keyframes]
+        for keyframe in self.keyframes:
+            keyframe.__post_init__()  # again: a keyframe's table may have been changed since it was made
         if not self.keyframes:
             raise ValueError("schedule: needs at least one keyframe")
 
