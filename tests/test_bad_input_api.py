@@ -693,6 +693,21 @@ def test_numpy_and_path_arguments_of_the_callback_save_as_json():
         Keyframe(0, {decimal.Decimal(0): "score:1100"})
 
 
+def test_a_layer_table_changed_after_its_keyframe_is_made_is_checked_again():
+    """A NumPy layer key put into a keyframe's table after the keyframe was made was not checked again by the callback,
+    and failed the Trainer's checkpoint save (trainer_state.json) with json's TypeError."""
+    import numpy as np
+
+    keyframe = Keyframe(0, {"0": "score:1100"})
+    keyframe.span[np.int64(1)] = "simple:10"
+    callback = SpanAttentionCallback([keyframe])
+    assert json.loads(json.dumps(callback.state()))["args"]["schedule"] == [
+        {"at": 0, "span": {"0": "score:1100", "1": "simple:10"}, "ramp": False}]
+    keyframe.span[decimal.Decimal(2)] = "simple:10"
+    with pytest.raises(ValueError, match=r"layer key Decimal\('2'\) \(Decimal\): expected a layer index"):
+        SpanAttentionCallback([keyframe])
+
+
 def train_step(model) -> None:
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
@@ -1906,3 +1921,29 @@ def test_a_hybrid_model_s_layers_without_attention_cannot_be_selected():
                                          r"attention modules carry the layer indices 1, 3$"):
         patch_model(model, "score:1000", layers=[0, 1])
     assert patch_model(model, "score:1000", layers=[3, 1]).config.span_attention["layers"] == [1, 3]
+
+
+def test_a_schedule_s_layer_table_naming_only_layers_without_attention_is_refused(tmp_path):
+    """A keyframe's layer table naming a hybrid model's convolution layer (LFM2: conv, attention, conv, attention), or
+    a layer removed from the model, set an override that nothing read, without a word."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                        block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"] * 2)
+    model = patch_model(Lfm2ForCausalLM(config), "score:1000")
+    callback = SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe(1, {"0-1": "score:1100", "2": "simple:10"})])
+    with pytest.raises(ValueError, match=r"^SpanAttentionCallback: keyframe at=1 span=\{'0-1': 'score:1100', '2': "
+                                         r"'simple:10'\}: layers '2': Lfm2ForCausalLM has no attention module of layer "
+                                         r"2; its attention modules carry the layer indices 1, 3$"):
+        trainer_with(tmp_path, callback, model=model).train()
+    trainer = trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, {"0-1": "score:1100", "3": "simple:10"})]),
+                           model=model)
+    trainer.train()  # a range that spans a convolution layer is taken
+    logged = trainer.state.log_history[0]
+    assert (logged["span/layer1/alpha1"], logged["span/layer3/alpha_q"]) == (1.0, 1.0)
+    llama = patch_model(tiny("llama"), "score:1000")
+    del llama.model.layers[1]  # its config still counts 2 layers
+    with pytest.raises(ValueError, match=r"layers 1: LlamaForCausalLM has no attention module of layer 1; its "
+                                         r"attention modules carry the layer indices 0$"):
+        trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, {1: "score:1100"})]), model=llama).train()

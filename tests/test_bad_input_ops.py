@@ -600,3 +600,26 @@ def test_a_mask_changed_in_place_after_the_forward_pass_is_not_read_by_the_backw
         return
     for got, want in zip(torch.autograd.grad(out.sum(), inputs), expected):
         assert torch.equal(got, want)
+
+
+def test_the_last_mask_read_is_remembered_as_one_key_value_pair():
+    """The key and the value were two attributes, written and read apart, so a call (a thread of nn.DataParallel) could
+    answer another call's mask with the key it had checked. Here the second call runs inside the first's key check."""
+    from hf_spanattn.ops.inputs import LastMaskRead
+
+    class Extra:  # equal to any Extra; its first comparison runs `inside`
+        def __init__(self, inside=None):
+            self.inside = inside
+
+        def __eq__(self, other):
+            inside, self.inside = self.inside, None
+            if inside is not None:
+                inside()
+            return isinstance(other, Extra)
+
+    last_read = LastMaskRead(while_capturing=None)
+    first, second = torch.ones(2, 2, dtype=torch.bool), torch.zeros(2, 2, dtype=torch.bool)
+    other_call = lambda: last_read(second, lambda: "second's", Extra())  # noqa: E731
+    assert last_read(first, lambda: "first's", Extra(other_call)) == "first's"
+    assert last_read(first, lambda: "first's again", Extra()) in ("first's", "first's again")  # other_call inside
+    assert last_read(second, lambda: "read again", Extra()) == "second's"

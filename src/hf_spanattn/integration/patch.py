@@ -107,15 +107,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
                          f"0..{n_layers - 1}")
-    # a hybrid model's convolution or state-space layers carry a layer index too, but no attention
-    attending = {i for i, modules in present.items() if any(m in neo or _calls_the_registry(m) for m in modules)}
-    attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
-    absent = [i for i in config.layers or () if i not in attending]
-    if absent:  # layers removed from the model (its config still counting them), or ones without attention
+    if config.layers is not None:
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
-        raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has no attention module "
-                         f"of layer {shown(absent)[1:-1]}; its attention modules carry the layer indices "
-                         f"{shown(sorted(attending))[1:-1]}")
+        refuse_layers_without_attention(base, config.layers, f"{where}layers={shown(list(config.layers))}")
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
@@ -151,6 +145,21 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
+
+
+def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: str, every: bool = True) -> None:
+    """Refuses `layers` (`what` names them in the error) where one of them has no attention module (`every`), or
+    where none has one (not `every`: a range of a schedule's layer table may span a hybrid model's other layers):
+    a layer removed from the model (its config still counting it), or a hybrid model's convolution or state-space
+    layer, which carries a layer index too."""
+    present = attention_modules(base)
+    neo = _neo_attentions(base)
+    attending = {i for i, modules in present.items() if any(m in neo or _calls_the_registry(m) for m in modules)}
+    attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
+    absent = [i for i in layers if i not in attending]
+    if absent if every else len(absent) == len(layers):
+        raise ValueError(f"{what}: {type(base).__name__} has no attention module of layer {shown(absent)[1:-1]}; its "
+                         f"attention modules carry the layer indices {shown(sorted(attending))[1:-1]}")
 
 
 def _calls_the_registry(module: torch.nn.Module) -> bool:

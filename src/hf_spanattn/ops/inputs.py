@@ -52,17 +52,19 @@ class LastMaskRead:
     be frozen into the graph while each replay fills the captured mask tensor anew."""
 
     def __init__(self, while_capturing: Any) -> None:
-        self._key: tuple | None = None
-        self._value: Any = None
+        # (key, value), read and written as one object: threads sharing it (nn.DataParallel's replicas) never pair
+        # one call's key with another's value
+        self._last: tuple[tuple, Any] | None = None
         self._while_capturing = while_capturing
 
     def __call__(self, mask: torch.Tensor, read: Callable[[], Any], *extra: Any) -> Any:
         if capturing(mask):
             return self._while_capturing
-        key = self._key
-        if key is None or key[0]() is not mask or key[1:] != (mask._version, *extra):
-            self._value, self._key = read(), (weakref.ref(mask), mask._version, *extra)
-        return self._value
+        last = self._last
+        if last is None or last[0][0]() is not mask or last[0][1:] != (mask._version, *extra):
+            value = read()
+            last = self._last = ((weakref.ref(mask), mask._version, *extra), value)
+        return last[1]
 
 
 def attended(attn_mask: torch.Tensor) -> torch.Tensor:

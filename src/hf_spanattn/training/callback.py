@@ -37,7 +37,7 @@ from transformers.utils import (
 
 from hf_spanattn.config import CONFIG_NAME as SETTINGS_NAME
 from hf_spanattn.config import SpanAttentionConfig, write_whole
-from hf_spanattn.integration.patch import base_model
+from hf_spanattn.integration.patch import base_model, refuse_layers_without_attention
 from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
     OWNER_ATTR,
@@ -186,6 +186,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
+            for keyframe in self.schedule.keyframes if self._layers else ():  # else numbered nowhere (said on use)
+                for layers, indices in keyframe.entries(n_layers).items():
+                    refuse_layers_without_attention(base, indices, f"SpanAttentionCallback: keyframe "
+                                                    f"at={shown(keyframe.at)} span={shown(keyframe.span)}: layers "
+                                                    f"{shown(layers)}", every=False)
             notes = self.schedule.unreached(self._frames, state.max_steps)
             for note in notes[:5]:
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)

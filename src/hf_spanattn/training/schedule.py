@@ -83,14 +83,20 @@ class Keyframe:
             raise ValueError(f"keyframe span={shown(self.span)}: expected a label or a {{layers: label}} table")
         table: LayerSettings = {}
         named_by: dict[int, Any] = {}
-        for layers, label in self.span.items():
-            config = self._config(label)
-            for index in _layer_list(str(layers), n_layers):
+        for layers, indices in self.entries(n_layers).items():
+            config = self._config(self.span[layers])
+            for index in indices:
                 if index in named_by:
                     raise ValueError(f"keyframe span={shown(self.span)}: layer {index} is named by both "
                                      f"{named_by[index]!r} and {shown(layers)}; name each layer once")
                 table[index], named_by[index] = config, layers
         return table
+
+    def entries(self, n_layers: int) -> dict[Any, list[int]]:
+        """The layer indices each key of the layer table names ({} for a label, which sets every layer)."""
+        if not isinstance(self.span, dict):
+            return {}
+        return {layers: _layer_list(str(layers), n_layers) for layers in self.span}
 
     def _config(self, label: Any) -> SpanAttentionConfig:
         """A label of this keyframe parsed; a bad one names the keyframe (one of many)."""
@@ -128,6 +134,8 @@ class Schedule:
             raise ValueError(f"schedule: expected a list of keyframes (Keyframe or dicts with 'at', 'span'), got "
                              f"{shown(self.keyframes)}")
         self.keyframes = [k if isinstance(k, Keyframe) else Keyframe.from_dict(k) for k in self.keyframes]
+        for keyframe in self.keyframes:
+            keyframe.__post_init__()  # again: a keyframe's table may have been changed since it was made
         if not self.keyframes:
             raise ValueError("schedule: needs at least one keyframe")
 
