@@ -407,6 +407,8 @@ CASES = [
     ("keyframe table names a layer twice",
      lambda t: Keyframe(0, {"0-1": "score:1000", "1": "standard:QKV111"}).settings(2), ValueError,
      "keyframe span={'0-1': 'score:1000', '1': 'standard:QKV111'}: layer 1 is named by both '0-1' and '1'"),
+    ("keyframe table key names a layer twice", lambda t: Keyframe(0, {"0,0": "score:1000"}).settings(2), ValueError,
+     "keyframe span={'0,0': 'score:1000'}: '0,0' names layer 0 twice; name each layer once"),
     ("callback diagnostics_file with a NUL", lambda t: SpanAttentionCallback(diagnostics_file="a\0b"), ValueError,
      "diagnostics_file='a\\x00b': expected a file name"),
     ("callback add_to a model", lambda t: SpanAttentionCallback().add_to(tiny("gpt2")), TypeError,
