@@ -265,9 +265,8 @@ def _note_shared(module: torch.nn.Module) -> None:
     it shares its config object with one that it was given."""
     model_config = module.config
     if PATCHED_CONFIGS.get(id(model_config)) is not model_config or module in PATCHED_MODULES or \
-            _SHARED_NOTED.get(id(model_config)) is model_config:
+            not _first_time(_SHARED_NOTED, model_config):
         return
-    _SHARED_NOTED[id(model_config)] = model_config
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
                   "(both built from one config), so it trains with that model's span gradients too. Build each "
@@ -285,9 +284,16 @@ def _note_default(model_config: Any) -> None:
                f"{SpanAttentionConfig().label}. Set them with hf_spanattn.patch_model.")
     if torch.compiler.is_compiling():  # a traced forward keeps no Python state: said once per process
         logger.warning_once(message)
-    elif _NOTED.get(id(model_config)) is not model_config:
-        _NOTED[id(model_config)] = model_config
+    elif _first_time(_NOTED, model_config):
         logger.warning(message)
+
+
+def _first_time(seen: weakref.WeakValueDictionary[int, Any], model_config: Any) -> bool:
+    """Whether `seen` did not hold this model config yet (it does now): to say a thing once per config."""
+    if seen.get(id(model_config)) is model_config:
+        return False
+    seen[id(model_config)] = model_config
+    return True
 
 
 def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:

@@ -86,12 +86,10 @@ class Keyframe:
         for layers, indices in self.entries(n_layers).items():
             config = self._config(self.span[layers])
             for index in indices:
-                if index in named_by and named_by[index] == layers:
-                    raise ValueError(f"keyframe span={shown(self.span)}: {shown(layers)} names layer {index} twice; "
-                                     "name each layer once")
                 if index in named_by:
-                    raise ValueError(f"keyframe span={shown(self.span)}: layer {index} is named by both "
-                                     f"{named_by[index]!r} and {shown(layers)}; name each layer once")
+                    by = (f"{shown(layers)} names layer {index} twice" if named_by[index] == layers else
+                          f"layer {index} is named by both {named_by[index]!r} and {shown(layers)}")
+                    raise ValueError(f"keyframe span={shown(self.span)}: {by}; name each layer once")
                 table[index], named_by[index] = config, layers
         return table
 

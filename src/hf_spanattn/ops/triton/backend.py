@@ -64,8 +64,9 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def device_missing(device: str) -> str | None:
     """Why the kernels cannot run on a device of this type at all (Triton not installed, or not CUDA
     without TRITON_INTERPRET=1), or None."""
-    if missing():
-        return missing()
+    reason = missing()
+    if reason:
+        return reason
     interpret = interpreting()
     if not interpret and device != "cuda":
         return f"the kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}"
