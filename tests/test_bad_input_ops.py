@@ -449,16 +449,21 @@ def test_numpy_numbers_under_torch_compile_are_taken_as_sdpa_takes_them():
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's vmap of SDPA's CPU kernel
-@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_of_grad"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_of_grad", "backward_through_vmap"])
 def test_torch_func_transforms_say_span_gradients_need_autograd(transform):
-    """torch.func's grad, vjp and a vmapped grad: an error that names span_attention and what to use instead;
-    with the standard rule (SDPA itself) and without gradients (vmap alone), SDPA's result."""
+    """torch.func's grad, vjp, a vmapped grad and a vmap of inputs that need a gradient, taken by autograd
+    outside it (the wrapper says it needs none): an error that names span_attention and what to use instead,
+    not SDPA's gradient in place of the rule's; with the standard rule (SDPA itself) and without gradients
+    (vmap alone), SDPA's result."""
     import torch.func as tf
 
     q, k, v = (x.float() for x in qkv().values())
     transforms = {"grad": lambda f: tf.grad(lambda q: f(q).sum())(q),
                   "vjp": lambda f: tf.vjp(f, q)[1](torch.ones(2, 2, 6, 4))[0],
-                  "vmap_of_grad": lambda f: tf.vmap(tf.grad(lambda q: f(q[None]).sum()))(q)}
+                  "vmap_of_grad": lambda f: tf.vmap(tf.grad(lambda q: f(q[None]).sum()))(q),
+                  "backward_through_vmap": lambda f: torch.autograd.grad(
+                      tf.vmap(lambda q: f(q[None]))(q_leaf).sum(), q_leaf)[0]}
+    q_leaf = q.detach().requires_grad_()
     run_ = transforms[transform]
     with pytest.raises(RuntimeError, match=r"span_attention: span gradients do not run under torch\.func.*autograd"):
         run_(lambda q: span_attention(q, k, v, is_causal=True))

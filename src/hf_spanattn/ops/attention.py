@@ -89,7 +89,7 @@ def span_attention(
     if probe is not None and (not callable(probe) or isinstance(probe, type)):
         got = f"the class {probe.__name__} (pass an instance)" if isinstance(probe, type) else type(probe).__name__
         raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, got {got}")
-    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and any(_requires_grad(t) for t in (query, key, value))
     plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None
     if any(getattr(x, "is_nested", False) for x in (query, key, value)):  # SDPA's ragged batches
         if needs_grad and not plain:
@@ -123,7 +123,7 @@ def span_attention(
     # stack too, where the check would break every compiled graph at the attention (and stop fullgraph=True)
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
-                           "gradient, jacrev, …); take them with torch.autograd (loss.backward(), "
+                           "gradient or of inputs that need one, jacrev, …); take them with torch.autograd (loss.backward(), "
                            "torch.autograd.grad), or use config='standard:QKV111', which is SDPA itself")
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
@@ -136,6 +136,19 @@ def span_attention(
     with torch.autocast(device, enabled=False):
         out = BACKENDS[backend](query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe)
     return out.reshape(layout.out_shape)
+
+
+def _requires_grad(x: object) -> bool:
+    """Whether x needs a gradient, also where a torch.func transform (vmap) wraps it: the wrapper says no while
+    the tensor inside it is tracked by autograd outside the transform."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    functorch = torch._C._functorch
+    while not torch.compiler.is_compiling() and functorch.is_functorch_wrapped_tensor(x):
+        if x.requires_grad:
+            return True
+        x = functorch.get_unwrapped(x)
+    return x.requires_grad
 
 
 def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:
