@@ -628,3 +628,25 @@ def test_the_last_mask_read_is_remembered_as_one_key_value_pair():
     assert last_read(first, lambda: "first's", Extra(other_call)) == "first's"
     assert last_read(first, lambda: "first's again", Extra()) in ("first's", "first's again")  # other_call inside
     assert last_read(second, lambda: "read again", Extra()) == "second's"
+
+
+@pytest.mark.parametrize(("label", "backend"), [("score:1100@per_block", "fused"), ("score:1100@per_block", "tiles"),
+                                                ("score:1000", "fused")])
+def test_calls_with_dropout_in_threads_at_once_each_get_their_own_mask(label, backend):
+    """Threads calling with dropout at once (the random state is the process's): each backward pass uses the
+    dropout mask of its own forward pass. On V = I the output is the dropped weights W, and dV = Wᵀ·1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = 8
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 2, 2, t, t, generator=generator) for _ in range(48)]
+
+    def call(qk: torch.Tensor) -> float:
+        q, k = qk
+        v = torch.eye(t).expand(2, 2, t, t).clone().requires_grad_()
+        out = span_attention(q.requires_grad_(), k, v, dropout_p=0.5, config=label, backend=backend)
+        out.sum().backward()
+        return (v.grad[..., 0] - out.detach().sum(-2)).abs().max().item()
+
+    with ThreadPoolExecutor(4) as pool:
+        assert max(pool.map(call, inputs)) < 1e-5

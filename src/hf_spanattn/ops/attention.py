@@ -123,8 +123,9 @@ def span_attention(
     # stack too, where the check would break every compiled graph at the attention (and stop fullgraph=True)
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
-                           "gradient or of inputs that need one, jacrev, …); take them with torch.autograd (loss.backward(), "
-                           "torch.autograd.grad), or use config='standard:QKV111', which is SDPA itself")
+                           "gradient or of inputs that need one, jacrev, …); take them with torch.autograd "
+                           "(loss.backward(), torch.autograd.grad), or use config='standard:QKV111', which is SDPA "
+                           "itself")
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
                          f"as keys, got {t} queries and {s} keys")

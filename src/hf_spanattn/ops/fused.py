@@ -17,7 +17,8 @@ at most). Dropout is SDPA's own, the same in both passes.
 The per-block rule's blocks are attention calls softmax(mask(S^B))·V with S^B = scale·Q_ab K_δᵀ:
 SDPA's backward of such a call with the real ∂L/∂O gives G_B K_δ and G_Bᵀ Q_ab. The blocks run
 stacked on the batch axis, or, under dropout, one at a time with the forward pass's random state,
-so that every block sees the forward's dropout mask.
+so that every block sees the forward's dropout mask (read and replayed under a lock: another call in
+another thread does not draw from it in between).
 
 Spans come from `span_without_sync` and masks are read on the device: with a causal or a padding
 mask no step waits for the host.
@@ -25,7 +26,9 @@ mask no step waits for the host.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -142,13 +145,14 @@ class _PerBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, dropout_p: float, is_causal: bool, scale: float, key_valid,
                 config: SpanAttentionConfig):
-        ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
         detached = attn_mask.detach() if attn_mask is not None else None
         ctx.call = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         ctx.config = config
         # saved as the inputs are: changed in place before the backward pass, it is an error, not another mask
         ctx.save_for_backward(q, k, v, key_valid, detached)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=detached, **ctx.call)
+        with _RNG_LOCK if dropout_p > 0 else contextlib.nullcontext():  # the state read is the one SDPA draws from
+            ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=detached, **ctx.call)
 
     @staticmethod
     @backward.first_order_only
@@ -217,6 +221,11 @@ def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
+# Held from reading the random state to SDPA's draw from it, in the forward pass and in each replay: the state is
+# the process's (per device), so another thread's call between the two would leave the replayed mask another one
+_RNG_LOCK = threading.Lock()
+
+
 class _replaying:
     """Runs its block with the random state `state` (None: as it is), then puts back the one before."""
 
@@ -225,12 +234,16 @@ class _replaying:
 
     def __enter__(self) -> None:
         if self.state is not None:
+            _RNG_LOCK.acquire()
             self.saved = _rng_state(self.device)
             self._set(self.state)
 
     def __exit__(self, *exc) -> None:
         if self.state is not None:
-            self._set(self.saved)
+            try:
+                self._set(self.saved)
+            finally:
+                _RNG_LOCK.release()
 
     def _set(self, state: torch.Tensor) -> None:
         if self.device.type == "cuda":
