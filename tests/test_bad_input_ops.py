@@ -650,3 +650,26 @@ def test_calls_with_dropout_in_threads_at_once_each_get_their_own_mask(label, ba
 
     with ThreadPoolExecutor(4) as pool:
         assert max(pool.map(call, inputs)) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused", "triton"])
+def test_a_mask_made_under_inference_mode_is_taken_as_sdpa_takes_it(backend):
+    """A bool mask made under torch.inference_mode (no version counter to remember it by) gives SDPA's result; a
+    float one SDPA's result, or, where the backward pass keeps it (fused, triton), torch's own error for inference
+    tensors saved for backward, as SDPA's."""
+    q, k, v = (x.float().requires_grad_() for x in qkv(t=8).values())
+    with torch.inference_mode():
+        keep = (torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.3) | torch.eye(8, dtype=torch.bool)
+        additive = torch.randn(8, 8)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        F.scaled_dot_product_attention(q, k, v, additive)
+    for mask in (keep, additive):
+        try:
+            out = span_attention(q, k, v, mask, config=EXACT, backend=backend)
+        except RuntimeError as error:
+            assert mask is additive and backend != "tiles" and "Inference tensors cannot be saved" in str(error)
+            continue
+        expected = F.scaled_dot_product_attention(q, k, v, mask.clone())
+        for got, want in ((out, expected), *zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                                                torch.autograd.grad(expected.sum(), (q, k, v)))):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -60,6 +60,8 @@ class LastMaskRead:
     def __call__(self, mask: torch.Tensor, read: Callable[[], Any], *extra: Any) -> Any:
         if capturing(mask):
             return self._while_capturing
+        if mask.is_inference():  # no version counter: changed in place under inference_mode, it would look the same
+            return read()
         last = self._last
         if last is None or last[0][0]() is not mask or last[0][1:] != (mask._version, *extra):
             value = read()
