@@ -659,8 +659,8 @@ def test_a_mask_made_under_inference_mode_is_taken_as_sdpa_takes_it(backend):
     tensors saved for backward, as SDPA's."""
     q, k, v = (x.float().requires_grad_() for x in qkv(t=8).values())
     with torch.inference_mode():
-        keep = torch.tensor([[True] * 6 + [False] * 2])  # key-padding masks, which the Triton kernels take
-        additive = torch.randn(1, 8)
+        keep = torch.ones(8, 8, dtype=torch.bool).tril()  # causal, as the Triton kernels take it: compared in full
+        additive = torch.zeros(8, 8).masked_fill(~keep, -torch.inf)
     with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
         F.scaled_dot_product_attention(q, k, v, additive)
     for mask in (keep, additive):
