@@ -673,3 +673,18 @@ def test_a_mask_made_under_inference_mode_is_taken_as_sdpa_takes_it(backend):
         for got, want in ((out, expected), *zip(torch.autograd.grad(out.sum(), (q, k, v)),
                                                 torch.autograd.grad(expected.sum(), (q, k, v)))):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the shapes checked in Python, fixed in the trace
+@pytest.mark.parametrize("backend", ["tiles", "fused", "triton"])
+def test_torch_jit_trace_gives_sdpas_graph_or_says_span_gradients_need_autograd(backend):
+    """torch.jit.trace: under torch.no_grad the graph of SDPA itself (grouped-query heads included, whose flag was a
+    traced tensor); with inputs that need gradients an error that names span_attention and what to use instead."""
+    q, k, v = (x.float() for x in qkv(h_q=4, h_kv=2).values())
+    call = lambda q, k, v: span_attention(q, k, v, is_causal=True, backend=backend)  # noqa: E731
+    with torch.no_grad():
+        traced = torch.jit.trace(call, (q, k, v))
+    torch.testing.assert_close(traced(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                               enable_gqa=True))
+    with pytest.raises(RuntimeError, match=r"span_attention: torch\.jit\.trace does not record span gradients"):
+        torch.jit.trace(call, (q.requires_grad_(), k, v))

@@ -114,7 +114,7 @@ def span_attention(
     shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d, value.shape[-1])
     if not needs_grad or plain or shape_only:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                             is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
+                                             is_causal=is_causal, scale=scale, enable_gqa=bool(h_q != h_kv))
         return out.reshape(layout.out_shape)
     if dtype not in SPAN_DTYPES:  # float8: no kernel takes them
         raise ValueError(f"span_attention: span gradients take float16, bfloat16, float32 or float64 query, key and "
@@ -126,6 +126,10 @@ def span_attention(
                            "gradient or of inputs that need one, jacrev, …); take them with torch.autograd "
                            "(loss.backward(), torch.autograd.grad), or use config='standard:QKV111', which is SDPA "
                            "itself")
+    if torch.jit.is_tracing():  # a Python autograd.Function: the tiles' fails to trace, the others' fail its check
+        raise RuntimeError("span_attention: torch.jit.trace does not record span gradients; trace under "
+                           "torch.no_grad() for inference (SDPA itself), train with torch.compile, or use "
+                           "config='standard:QKV111', which is SDPA itself")
     if config.method != "standard" and t != s:
         raise ValueError(f"span_attention: method {config.method!r} needs self-attention with as many queries "
                          f"as keys, got {t} queries and {s} keys")
