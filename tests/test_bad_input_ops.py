@@ -676,6 +676,7 @@ def test_a_mask_made_under_inference_mode_is_taken_as_sdpa_takes_it(backend):
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the shapes checked in Python, fixed in the trace
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
 @pytest.mark.parametrize("backend", ["tiles", "fused", "triton"])
 def test_torch_jit_trace_gives_sdpas_graph_or_says_span_gradients_need_autograd(backend):
     """torch.jit.trace: under torch.no_grad the graph of SDPA itself (grouped-query heads included, whose flag was a
