@@ -689,3 +689,21 @@ def test_torch_jit_trace_gives_sdpas_graph_or_says_span_gradients_need_autograd(
                                                                                enable_gqa=True))
     with pytest.raises(RuntimeError, match=r"span_attention: torch\.jit\.trace does not record span gradients"):
         torch.jit.trace(call, (q.requires_grad_(), k, v))
+
+
+@pytest.mark.parametrize("label", ["score:1111", "score:1000", "score:1100@per_block", "simple:10"])
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_inputs_changed_in_place_under_allow_mutation_on_saved_tensors_give_the_gradients_before(label, backend):
+    """torch.autograd.graph.allow_mutation_on_saved_tensors (a Python dispatch mode) lets the inputs change in place
+    after the forward pass: the gradients are those of the values the forward pass saw, as without the change."""
+    q, k, v = (x.float().requires_grad_() for x in qkv().values())
+    expected = torch.autograd.grad(span_attention(q, k, v, is_causal=True, config=label, backend=backend).sum(),
+                                   (q, k, v))
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        inputs = [x * 1 for x in (q, k, v)]
+        out = span_attention(*inputs, is_causal=True, config=label, backend=backend)
+        for x in inputs:
+            x.add_(1.0)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from hf_spanattn.ops import backward, rules
-from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range
+from hf_spanattn.ops.tiles import Tile, Tiled, masked_softmax, row_range, softmax_backward
 
 MaskTile = Callable[[int], tuple[torch.Tensor | None, int, torch.Tensor | None]]
 # Per stacked T×T buffer: about the cache of a CPU core, and small on a GPU; but at most _STACK_PER_QUERY
@@ -131,7 +131,7 @@ class TileBlocks:
         probs = masked_softmax(scores, dead_rows, out=scores)  # as the forward pass
         d_probs = tile_d_probs[..., first:first + r, :]
         d_probs = work("d_probs", shape).copy_(d_probs.unsqueeze(2).expand(shape))
-        grads = torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, dtype, grad_input=probs)
+        grads = softmax_backward(d_probs, probs, out=probs)
         grads = grads.view(m, b * h, n * g * r, cols)
 
         for coefs, outs in families.items():  # Σ_j c_j G_(·, j) K_j for all members: one product per key block

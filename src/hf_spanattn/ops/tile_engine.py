@@ -23,7 +23,16 @@ from hf_spanattn.ops.backward import Probe, Rows, pick
 from hf_spanattn.ops.blocks import TileBlocks, Workspace
 from hf_spanattn.ops.inputs import attended
 from hf_spanattn.ops.spans import Span, span_of
-from hf_spanattn.ops.tiles import Recomputed, Tile, Tiled, masked_softmax, reach_tiles, row_range, row_tiles
+from hf_spanattn.ops.tiles import (
+    Recomputed,
+    Tile,
+    Tiled,
+    masked_softmax,
+    reach_tiles,
+    row_range,
+    row_tiles,
+    softmax_backward,
+)
 
 if TYPE_CHECKING:
     from hf_spanattn.config import SpanAttentionConfig
@@ -358,8 +367,7 @@ def _backward(batch: _Batch, dropout_p: float, scale: float, config: SpanAttenti
     @functools.cache
     def softmax_grad() -> Tiled:
         """G = P ⊙ (dP − rowsum(dP ⊙ P)), one fused pass per tile, in dP's buffers."""
-        return d_probs.combine(probs, lambda dp, p, *_: torch.ops.aten._softmax_backward_data.out(
-            dp, p, -1, dp.dtype, grad_input=dp))
+        return d_probs.combine(probs, lambda dp, p, *_: softmax_backward(dp, p, out=dp))
 
     def products(needs: rules.Operands | rules.Blocks) -> rules.Products | rules.BlockProducts:
         if isinstance(needs, rules.Blocks):
@@ -408,7 +416,7 @@ def _backward_in_one_pass(batch: _Batch, dropout_p: float, scale: float, config:
                 if d_v is not None:
                     d_v[..., :cols, :] += kept.mT @ d_out[..., start:end, :]
                 g = _d_probs(scaled_d_out, v, keep, mask, dropout_p, (start, end, cols))
-                g = torch.ops.aten._softmax_backward_data.out(g, p, -1, g.dtype, grad_input=g)
+                g = softmax_backward(g, p, out=g)
                 if gx is not None:
                     gx[..., start:end, :] = rules.matmul(g, x[..., :cols, :])
                 if gy is not None:

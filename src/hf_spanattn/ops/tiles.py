@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from hf_spanattn.ops.backward import HALF
 
@@ -65,6 +66,15 @@ def masked_softmax(scores: torch.Tensor, dead_rows: torch.Tensor | None,
     else:
         probs = torch.ops.aten._softmax.out(scores, -1, False, out=out)
     return probs.masked_fill_(dead_rows, 0.0) if dead_rows is not None else probs
+
+
+def softmax_backward(d_probs: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """G = P ⊙ (dP − rowsum(dP ⊙ P)) over the keys, into `out` (it may be `d_probs` or `probs`). Under a Python
+    dispatch mode (allow_mutation_on_saved_tensors') a new tensor: such a mode looks for an out argument named
+    "out", which this op's is not."""
+    if _get_current_dispatch_mode() is not None:
+        return torch.ops.aten._softmax_backward_data(d_probs, probs, -1, d_probs.dtype)
+    return torch.ops.aten._softmax_backward_data.out(d_probs, probs, -1, d_probs.dtype, grad_input=out)
 
 
 class Recomputed:
