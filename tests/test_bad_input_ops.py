@@ -707,3 +707,19 @@ def test_inputs_changed_in_place_under_allow_mutation_on_saved_tensors_give_the_
         grads = torch.autograd.grad(out.sum(), (q, k, v))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_call_under_fake_tensor_mode_leaves_later_calls_their_own_tensors():
+    """A causal call under FakeTensorMode (shape and memory tools) made the tiles' causal mask of fake tensors and
+    kept it for the shape, so that the next real call of that shape failed on them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = (x.float().requires_grad_() for x in qkv(t=7).values())
+    with FakeTensorMode():
+        fake = [torch.empty(x.shape, requires_grad=True) for x in (q, k, v)]
+        assert span_attention(*fake, is_causal=True, config=EXACT, backend="tiles").shape == q.shape
+    out = span_attention(q, k, v, is_causal=True, config=EXACT, backend="tiles")
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for got, want in ((out, expected), *zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                                            torch.autograd.grad(expected.sum(), (q, k, v)))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

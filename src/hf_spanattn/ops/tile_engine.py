@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from hf_spanattn.ops import backward, blocks, rules
 from hf_spanattn.ops.backward import Probe, Rows, pick
@@ -136,8 +137,9 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows:
     """The causal mask (row i attends keys ≤ i), built once per shape (the last few kept) from the
     tiles alone: only their parts that are not zero, the squares on the diagonal (T × rows per tile
     numbers rather than T·S); nothing reads them but to add them."""
-    key = (t, s, dtype, device, rows, merged)
-    if key not in _CAUSAL_MASKS:
+    # under a Python dispatch mode (FakeTensorMode's) the tensors made here are that mode's, not for later calls
+    key = (t, s, dtype, device, rows, merged) if _get_current_dispatch_mode() is None else None
+    if key is None or key not in _CAUSAL_MASKS:
         tiles = reach_tiles([min(i + 1, s) for i in range(t)], rows, merged)
         first_masked, additive = [], []
         for start, end, cols in tiles:
@@ -146,10 +148,13 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows:
             first_masked.append(lo)
             additive.append(torch.zeros(above.shape, dtype=dtype, device=device).masked_fill_(above, -math.inf)
                             .view(1, 1, 1, *above.shape) if lo < cols else None)
+        key_valid = (torch.arange(s, device=device) < t).view(1, 1, 1, s, 1) if s > t else None  # keys no row reaches
+        mask = _Mask(tiles, first_masked, additive, key_valid, None)
+        if key is None:
+            return mask
         if len(_CAUSAL_MASKS) >= 4:
             del _CAUSAL_MASKS[next(iter(_CAUSAL_MASKS))]
-        key_valid = (torch.arange(s, device=device) < t).view(1, 1, 1, s, 1) if s > t else None  # keys no row reaches
-        _CAUSAL_MASKS[key] = _Mask(tiles, first_masked, additive, key_valid, None)
+        _CAUSAL_MASKS[key] = mask
     return _CAUSAL_MASKS[key]
 
 
