@@ -723,3 +723,26 @@ def test_a_call_under_fake_tensor_mode_leaves_later_calls_their_own_tensors():
     for got, want in ((out, expected), *zip(torch.autograd.grad(out.sum(), (q, k, v)),
                                             torch.autograd.grad(expected.sum(), (q, k, v)))):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("label", "backend"), [("score:1000", "tiles"), ("score:1100@per_block", "tiles"),
+                                                ("score:1100@per_block", "fused"), ("score:1000", "triton")])
+def test_a_reentrant_checkpoint_under_dropout_recomputes_the_dropout_mask_its_loss_saw(backend, label):
+    """torch.utils.checkpoint(use_reentrant=True) runs the forward pass without autograd, then again with it for the
+    backward pass under the same random state. The Triton kernels draw their own dropout mask, which SDPA (the call
+    without autograd) did not: the loss saw one mask and the gradients another. Now output and gradients are those
+    of the call without a checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    inputs = [x.float().requires_grad_() for x in qkv().values()]
+    call = lambda *x: span_attention(*x, dropout_p=0.3, config=label, backend=backend)  # noqa: E731
+    results = []
+    for run_ in (lambda: checkpoint(call, *inputs, use_reentrant=True), lambda: call(*inputs)):
+        torch.manual_seed(0)
+        out = run_()
+        (out * out).sum().backward()  # a reentrant checkpoint takes no torch.autograd.grad
+        results.append((out, *(x.grad for x in inputs)))
+        for x in inputs:
+            x.grad = None
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -64,8 +64,10 @@ def span_attention(
     uniform average under the dtype's minimum); on the tiles such a row passes gradient to V only,
     not to Q and K (as under the bool mask), on the fused kernels what SDPA's backward gives it.
     Span rules need self-attention (T == S).
-    Without autograd, with the plain standard gradient (`standard:QKV111`), or with nothing to
-    take spans of (an empty dimension, the meta device), this is SDPA itself; so it is for nested
+    Without autograd (but under dropout on the tiles and Triton kernels, which draw their own dropout
+    masks: the same then as with it, for a reentrant checkpoint's recomputation), with the plain
+    standard gradient (`standard:QKV111`), or with nothing to take spans of (an empty dimension, the
+    meta device), this is SDPA itself; so it is for nested
     (ragged) tensors, whose span gradients need them padded and masked. Bad input gets a
     ValueError or TypeError that names the argument; NaN or inf in the input gives NaN
     gradients for the (batch, head) it reaches, as in SDPA.
@@ -112,7 +114,11 @@ def span_attention(
     h_kv, s = key.shape[1], key.shape[2]
     # nothing to take spans of: no data (the meta device) or an empty dimension
     shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d, value.shape[-1])
-    if not needs_grad or plain or shape_only:
+    # the tiles and the Triton kernels draw their own dropout masks: a pass without autograd (a reentrant checkpoint's
+    # first, whose output the loss sees) runs them too, so that their recomputation with autograd draws the same mask
+    own_dropout = dropout_p > 0 and backend != "fused" and t == s and dtype in SPAN_DTYPES \
+        and torch._C._functorch.peek_interpreter_stack() is None
+    if (not needs_grad and not own_dropout) or plain or shape_only:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=bool(h_q != h_kv))
         return out.reshape(layout.out_shape)
