@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _path_argument, as_config
-from hf_spanattn.integration import adapters, card, packing, registry
+from hf_spanattn.integration import adapters, card, packing, registry, resume
 from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
@@ -139,6 +139,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
+    resume.install()
     if neo:
         for module in neo:
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
