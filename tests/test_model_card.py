@@ -162,3 +162,15 @@ def test_a_trainer_class_defined_after_patching_names_the_method_in_its_card(tmp
     trainer.__class__ = OwnCard
     trainer.create_model_card()
     assert EXPECTED_TAGS <= set(card_of((tmp_path / "README.md").read_text()).data.tags)
+
+
+def test_a_card_written_again_after_patching_again_names_only_the_new_settings(tmp_path):
+    """Transformers keeps the tags of the README.md already in the output dir when given tags: the card of a model
+    patched again named both rules."""
+    trainer = trainer_of(fine_tuned(), tmp_path)
+    trainer.create_model_card(tags=np.array(["mine"]))  # numpy's str_ tags: written as plain strings, readable
+    hf_spanattn.patch_model(trainer.model, "score:1000")
+    trainer.create_model_card()
+    tags = card_of((tmp_path / "README.md").read_text()).data.tags
+    assert "span_attention:score:1000" in tags and "mine" in tags
+    assert not [tag for tag in tags if tag.startswith("span_attention:score:1100")]

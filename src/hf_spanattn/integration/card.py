@@ -7,15 +7,19 @@ model was loaded from a Hub repository), and PEFT into an adapter's card (with `
 
 `Trainer.create_model_card` called alone (and TRL's, which its trainers call at every checkpoint) takes its tags
 only from its `tags` argument: `set_tags` wraps it, once, in the Trainer class and every subclass that defines its
-own, to add the trainer's model's hf_spanattn tags to that argument (a model without them: called as it is).
+own, to add the trainer's model's hf_spanattn tags to that argument (a model without them: called as it is), and
+drops those of other settings that Transformers keeps from a README.md already there.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Iterable
+from typing import Any
 
+from huggingface_hub import metadata_load, metadata_save
 from packaging.version import Version
 from transformers import PreTrainedModel
 
@@ -76,12 +80,26 @@ def _with_model_tags(create_model_card):
         if not mine:
             return create_model_card(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        given = _as_list(bound.arguments.get("tags"))
-        bound.arguments["tags"] = given + [tag for tag in mine if tag not in given]
-        return create_model_card(*bound.args, **bound.kwargs)
+        given = [str(tag) if isinstance(tag, str) else tag for tag in _as_list(bound.arguments.get("tags"))]
+        bound.arguments["tags"] = given + [tag for tag in mine if tag not in given]  # numpy's str_: plain str
+        result = create_model_card(*bound.args, **bound.kwargs)
+        _drop_stale_tags(self, mine)
+        return result
 
     setattr(create, _WRAPPED, True)
     return create
+
+
+def _drop_stale_tags(trainer: Any, mine: list[str]) -> None:
+    """Transformers' card keeps the tags of a README.md already in the output dir when given tags: those of
+    settings the model had before (patched again since) are dropped."""
+    path = os.path.join(trainer.args.output_dir, "README.md")
+    if not trainer.is_world_process_zero() or not os.path.isfile(path):
+        return
+    metadata = metadata_load(path) or {}
+    held = _as_list(metadata.get("tags"))
+    if any(ours(tag) and tag not in mine for tag in held):
+        metadata_save(path, {**metadata, "tags": [tag for tag in held if not ours(tag) or tag in mine]})
 
 
 def _wrap_card(cls: type) -> None:
