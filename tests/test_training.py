@@ -121,6 +121,15 @@ def test_a_run_resumed_with_other_settings_than_its_checkpoints_says_so(tmp_path
         trainer = Trainer(model=patch_model(tiny("gpt2"), CONFIG), args=args(tmp_path, **quick),
                           train_dataset=Tokens(4))
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    saved = json.loads((tmp_path / "checkpoint-1" / "config.json").read_text())
+    saved["span_attention"]["alphas"] = "x" * 10_000  # edited by hand: said, cut
+    (tmp_path / "checkpoint-1" / "config.json").write_text(json.dumps(saved))
+    trainer = Trainer(model=patch_model(tiny("gpt2"), CONFIG), args=args(tmp_path, **quick), train_dataset=Tokens(4))
+    with pytest.warns(UserWarning, match="resume_from_checkpoint: the span attention settings .*checkpoint-1 was saved "
+                                         r"with cannot be read \(.*alphas.*\); the model given to the Trainer trains "
+                                         "with score:1100@per_block on layers") as caught:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert max(len(str(w.message)) for w in caught) < 1000
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -16,6 +16,7 @@ from typing import Any
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
 from hf_spanattn.integration.adapters import _described, is_patched
 from hf_spanattn.integration.registry import CONFIG_KEY, config_of
+from hf_spanattn.ops.inputs import shown
 
 _WRAPPED = "_hf_spanattn_resume"
 
@@ -42,15 +43,22 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
     if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.isdir(checkpoint):
         return  # none, or not a folder: the Trainer says so
     try:
-        saved = saved_settings(os.fspath(checkpoint))
         base = base_model(trainer.model, "Trainer.train")
-    except (OSError, ValueError, TypeError):  # the checkpoint's files are the Trainer's to refuse; the model too
+    except TypeError:  # not a Transformers model: nothing patched
         return
     current = config_of(base.config) if is_patched(base) else None
+    now = f"{_described(current)}" if current else "the standard gradient (the model is not patched)"
+    try:
+        saved = saved_settings(os.fspath(checkpoint))
+    except FileNotFoundError:  # no config.json: the Trainer's to refuse
+        return
+    except (OSError, ValueError, TypeError) as err:
+        warnings.warn(f"resume_from_checkpoint: the span attention settings {checkpoint} was saved with cannot be "
+                      f"read ({shown(str(err), 300)}); the model given to the Trainer trains with {now}.", stacklevel=3)
+        return
     if saved == current:
         return
     was = f"span attention settings {_described(saved)}" if saved else "no span attention settings"
-    now = f"{_described(current)}" if current else "the standard gradient (the model is not patched)"
     layers = f", layers={list(saved.layers)}" if saved and saved.layers is not None else ""
     how = f"patch the model with them first: hf_spanattn.patch_model(model, {saved.label!r}{layers})" if saved \
         else "unpatch it first: hf_spanattn.unpatch_model(model)"
