@@ -174,3 +174,7 @@ def test_a_card_written_again_after_patching_again_names_only_the_new_settings(t
     tags = card_of((tmp_path / "README.md").read_text()).data.tags
     assert "span_attention:score:1000" in tags and "mine" in tags
     assert not [tag for tag in tags if tag.startswith("span_attention:score:1100")]
+    hf_spanattn.unpatch_model(trainer.model)
+    trainer.create_model_card(tags=["yours"])
+    tags = card_of((tmp_path / "README.md").read_text()).data.tags
+    assert "yours" in tags and "mine" in tags and not [tag for tag in tags if "span" in tag]

@@ -8,7 +8,8 @@ model was loaded from a Hub repository), and PEFT into an adapter's card (with `
 `Trainer.create_model_card` called alone (and TRL's, which its trainers call at every checkpoint) takes its tags
 only from its `tags` argument: `set_tags` wraps it, once, in the Trainer class and every subclass that defines its
 own, to add the trainer's model's hf_spanattn tags to that argument (a model without them: called as it is), and
-drops those of other settings that Transformers keeps from a README.md already there.
+drops those of other settings (or of any, for a model not patched) that Transformers keeps from a README.md
+already there.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def _with_model_tags(create_model_card):
     @functools.wraps(create_model_card)
     def create(self, *args, **kwargs):
         mine = [tag for tag in _as_list(getattr(getattr(self, "model", None), "model_tags", None)) if ours(tag)]
-        if not mine:
-            return create_model_card(self, *args, **kwargs)
+        if not mine:  # not patched (now): called as it is, but no earlier settings' tags kept
+            result = create_model_card(self, *args, **kwargs)
+            _drop_stale_tags(self, mine)
+            return result
         bound = signature.bind(self, *args, **kwargs)
         given = [str(tag) if isinstance(tag, str) else tag for tag in _as_list(bound.arguments.get("tags"))]
         bound.arguments["tags"] = given + [tag for tag in mine if tag not in given]  # numpy's str_: plain str
