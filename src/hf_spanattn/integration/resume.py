@@ -40,8 +40,9 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
     checkpoint = resume_from_checkpoint
     if isinstance(checkpoint, bool) and checkpoint:
         checkpoint = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
-    if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.isdir(checkpoint):
-        return  # none, or not a folder: the Trainer says so
+    checkpoint = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
+    if not isinstance(checkpoint, str) or not os.path.isdir(checkpoint):
+        return  # none, not a folder, or bytes (which Transformers cannot join to its file names): the Trainer's
     try:
         base = base_model(trainer.model, "Trainer.train")
     except TypeError:  # not a Transformers model: nothing patched
@@ -49,7 +50,7 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
     current = config_of(base.config) if is_patched(base) else None
     now = f"{_described(current)}" if current else "the standard gradient (the model is not patched)"
     try:
-        saved = saved_settings(os.fspath(checkpoint))
+        saved = saved_settings(checkpoint)
     except FileNotFoundError:  # no config.json: the Trainer's to refuse
         return
     except (OSError, ValueError, TypeError) as err:
