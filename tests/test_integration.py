@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -329,3 +330,20 @@ def test_gpt_neo_under_inference_mode_and_generation_is_the_stock_attention(capl
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(out, stock.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
     assert "needs self-attention" not in caplog.text
+
+
+def test_cross_attention_keeps_the_stock_gradient_also_where_its_lengths_are_equal():
+    """Span rules need self-attention: a decoder's cross-attention to an encoder as long as itself gets SDPA's
+    gradient, as it does for any other encoder length, while its self-attention gets the rule."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    stock = GPT2LMHeadModel(GPT2Config(n_embd=32, n_head=4, n_layer=1, vocab_size=VOCAB, n_positions=64,
+                                       add_cross_attention=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    ids = tokens(length=12)
+    encoded = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(2))
+    expected, got = grads(stock, ids, encoder_hidden_states=encoded), grads(model, ids, encoder_hidden_states=encoded)
+    for name in ("transformer.h.0.crossattention.q_attn.weight", "transformer.h.0.crossattention.c_attn.weight"):
+        assert rel(got[name], expected[name]) < 1e-5, name
+    assert rel(got["transformer.h.0.attn.c_attn.weight"], expected["transformer.h.0.attn.c_attn.weight"]) > 1e-3

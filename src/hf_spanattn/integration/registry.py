@@ -358,7 +358,7 @@ def span_attention_forward(
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "
                                       f"(attention of {type(module).__name__})")
     q_length, k_length = query.shape[2], key.shape[2]
-    if keeps_sdpa(config, q_length, k_length):
+    if keeps_sdpa(config, q_length, k_length, is_cross_attention(module)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -376,16 +376,24 @@ def span_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int) -> bool:
+def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross: bool = False) -> bool:
     """Whether a call with these lengths gets SDPA's result and standard gradient: span rules need
-    self-attention (said once)."""
-    if q_length == k_length or config.method == "standard":
+    self-attention (said once). Cross-attention keeps it also where its lengths happen to be equal, so
+    that its gradient does not hang on the lengths of a batch."""
+    if (q_length == k_length and not cross) or config.method == "standard":
         return False
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
         "where they differ (a forward with past_key_values under autograd, or cross-attention) get SDPA's "
         "result with the standard gradient.")
     return True
+
+
+def is_cross_attention(module: torch.nn.Module) -> bool:
+    """Whether the module attends from one sequence to another (its keys and values from an encoder or another
+    tower): Transformers marks it `is_cross_attention` (GPT-2, BLIP-2's Q-Former) or names its class so (BERT's,
+    Mllama's, T5Gemma's, DETR's)."""
+    return getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__
 
 
 def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool,
