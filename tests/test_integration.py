@@ -160,6 +160,23 @@ def test_patch_twice_replaces_and_unpatch_restores_exactly():
     assert not hasattr(model.config, "span_attention")
 
 
+def test_unpatch_restores_each_tower_of_a_composite_model():
+    """A composite model whose towers run different attention (the vision tower kept eager) gets each back."""
+    from transformers import CLIPConfig, CLIPModel
+
+    config = CLIPConfig(text_config=dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                         intermediate_size=32, vocab_size=VOCAB, max_position_embeddings=16),
+                        vision_config=dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                           intermediate_size=32, image_size=8, patch_size=4), projection_dim=8)
+    model = CLIPModel._from_config(config, attn_implementation={"": "sdpa", "text_config": "sdpa",
+                                                                "vision_config": "eager"})
+    patch_model(model, "score:1000")
+    assert model.config.vision_config._attn_implementation == "span_attention"
+    unpatch_model(model)
+    implementations = [c._attn_implementation for c in (model.config, model.config.text_config,
+                                                        model.config.vision_config)]
+    assert implementations == ["sdpa", "sdpa", "eager"]
+
 def test_gpt_neo_adapter_unpatches():
     model = tiny("gpt_neo")
     patch_model(model, "score:1000")

@@ -113,9 +113,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
-        implementation = base.config._attn_implementation  # set to ours without patch_model: SDPA is its forward
-        original = _Original(attn_implementation="sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
-                             reorder_and_upcast_attn=None)
+        original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=None)
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -223,7 +221,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"
-    if base.config._attn_implementation != implementation:
+    if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
     if original and original["reorder_and_upcast_attn"]:
         _set_reorder(base, True)
@@ -237,6 +235,20 @@ def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     which patch_model and unpatch_model may each be given: those inside it, and those patched before."""
     inside = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is model.config]
     return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
+
+
+def _implementation_of(model_config: Any) -> str | dict[str, str]:
+    """The model's attention implementation, as `set_attn_implementation` takes it: a name, or where a composite
+    model's towers differ from it (a vision tower kept eager), a dict of the name of each sub-config ("" the
+    model's own). `span_attention` set without patch_model reads as SDPA, its forward pass."""
+    def name(config: Any) -> str:
+        implementation = config._attn_implementation
+        return "sdpa" if implementation == ATTN_IMPLEMENTATION else implementation
+
+    names = {key: name(sub) for key in getattr(model_config, "sub_configs", None) or {}
+             if isinstance(sub := getattr(model_config, key, None), PretrainedConfig) and sub._attn_implementation}
+    own = name(model_config)
+    return own if all(value == own for value in names.values()) else {"": own, **names}
 
 
 class _Original(dict):
