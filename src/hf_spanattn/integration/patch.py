@@ -93,10 +93,13 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     neo = _neo_attentions(base)
     if not neo and not getattr(base, "_supports_attention_backend", False):
         raise ValueError(_not_a_backend(base))
-    if not neo and getattr(base, "_supports_sdpa", True) is False:
-        raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
-                         "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
-                         f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
+    # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
+    no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and m._supports_sdpa is False), None)
+    if not neo and no_sdpa is not None:
+        what = type(base).__name__ + (f" holds {type(no_sdpa).__name__}, which" if no_sdpa is not base else "")
+        raise ValueError(f"{what} does not support SDPA attention in Transformers (its attention has parts SDPA "
+                         "lacks, such as attention sinks or logit soft-capping), and span_attention's forward pass is "
+                         f"SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
     present = attention_modules(base)
     if not present and config.layers is not None:  # numbered here where the modules carry no index
         raise ValueError(f"layers={shown(list(config.layers))}: the attention modules of {type(base).__name__} carry "
