@@ -177,6 +177,55 @@ def test_unpatch_restores_each_tower_of_a_composite_model():
                                                         model.config.vision_config)]
     assert implementations == ["sdpa", "sdpa", "eager"]
 
+class _ConfiglessAttention(torch.nn.Module):
+    """A custom model's attention that calls the registry but holds no config (stock SDPA needs none)."""
+
+    def __init__(self, model_config, width: int, heads: int, layer_idx: int) -> None:
+        super().__init__()
+        self.qkv, self.heads, self.layer_idx, self.is_causal = torch.nn.Linear(width, 3 * width), heads, layer_idx, True
+        self.implementation = lambda: model_config._attn_implementation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return ALL_ATTENTION_FUNCTIONS[self.implementation()](self, q, k, v, None)[0].reshape(b, t, -1)
+
+
+def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Custom(PreTrainedModel):
+        config_class = PretrainedConfig
+        _supports_attention_backend = _supports_sdpa = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.layers = torch.nn.ModuleList(_ConfiglessAttention(config, 16, 2, i) for i in range(2))
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for layer in self.layers:
+                h = h + layer(h)
+            return h
+
+    def model():
+        torch.manual_seed(0)
+        return Custom._from_config(PretrainedConfig(num_hidden_layers=2), attn_implementation="sdpa").double()
+
+    stock, patched = model(), patch_model(model(), "score:1111")
+    ids = tokens()
+    stock(ids).square().sum().backward()
+    patched(ids).square().sum().backward()
+    for a, b in zip(stock.parameters(), patched.parameters()):
+        assert rel(b.grad, a.grad) < 1e-12
+    registry.register()
+    stock.config._attn_implementation = "span_attention"  # by hand, without patch_model: no settings to reach
+    with pytest.raises(TypeError, match="_ConfiglessAttention holds no model config .* call hf_spanattn.patch_model"):
+        stock(ids)
+
 def test_gpt_neo_adapter_unpatches():
     model = tiny("gpt_neo")
     patch_model(model, "score:1000")

@@ -131,8 +131,10 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for module in base.modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
             module.__dict__.pop(name, None)
-        # a composite model's towers read their sub-config (text_config, vision_config): the settings are the model's
-        if isinstance(getattr(module, "config", None), PretrainedConfig) and module.config is not base.config:
+        # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
+        # may hold no config at all: the settings are the model's
+        own = getattr(module, "config", None)
+        if isinstance(own, PretrainedConfig) and own is not base.config or own is None and _calls_the_registry(module):
             module.__dict__[SETTINGS_FROM_ATTR] = base.config
         else:
             module.__dict__.pop(SETTINGS_FROM_ATTR, None)

@@ -223,7 +223,11 @@ def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
 def settings_config(module: torch.nn.Module) -> Any:
     """The model config whose settings apply to this module: that of the model patch_model was given, also where
     the module reads a sub-config of it (a composite model's towers)."""
-    return getattr(module, SETTINGS_FROM_ATTR, None) or module.config
+    model_config = getattr(module, SETTINGS_FROM_ATTR, None) or getattr(module, "config", None)
+    if model_config is None:  # a custom model's attention that holds no config, set to span_attention by hand
+        raise TypeError(f"span_attention: {type(module).__name__} holds no model config (.config) to read the settings "
+                        "from; call hf_spanattn.patch_model(model, ...) on its model, which points it to the model's")
+    return model_config
 
 
 def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
@@ -263,9 +267,9 @@ _SHARED_NOTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictiona
 def _note_shared(module: torch.nn.Module) -> None:
     """Warn, once per config, where a model that patch_model was not given trains with span gradients because
     it shares its config object with one that it was given."""
-    model_config = module.config
-    if PATCHED_CONFIGS.get(id(model_config)) is not model_config or module in PATCHED_MODULES or \
-            not _first_time(_SHARED_NOTED, model_config):
+    model_config = getattr(module, "config", None)
+    if model_config is None or PATCHED_CONFIGS.get(id(model_config)) is not model_config or \
+            module in PATCHED_MODULES or not _first_time(_SHARED_NOTED, model_config):
         return
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
