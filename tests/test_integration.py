@@ -413,3 +413,28 @@ def test_cross_attention_keeps_the_stock_gradient_also_where_its_lengths_are_equ
     for name in ("transformer.h.0.crossattention.q_attn.weight", "transformer.h.0.crossattention.c_attn.weight"):
         assert rel(got[name], expected[name]) < 1e-5, name
     assert rel(got["transformer.h.0.attn.c_attn.weight"], expected["transformer.h.0.attn.c_attn.weight"]) > 1e-3
+
+
+def test_a_cross_attention_told_by_where_it_sits_keeps_the_stock_gradient():
+    """BLIP-2's Q-Former attention class serves both self- and cross-attention, with no flag: the one under
+    `crossattention` gets SDPA's gradient also where the queries are as many as the image features."""
+    from transformers import Blip2QFormerConfig, Blip2QFormerModel
+
+    torch.manual_seed(0)
+    stock = Blip2QFormerModel(Blip2QFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                                 intermediate_size=32, encoder_hidden_size=24,
+                                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    queries, features, weights = torch.randn(2, 9, 32), torch.randn(2, 9, 24), torch.randn(2, 9, 32)
+
+    def grads_of(m):
+        m.zero_grad()
+        (m(query_embeds=queries, encoder_hidden_states=features).last_hidden_state * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    expected, got = grads_of(stock), grads_of(model)
+    for name in ("query", "key"):
+        cross = f"encoder.layer.0.crossattention.attention.{name}.weight"
+        own = f"encoder.layer.0.attention.attention.{name}.weight"
+        assert rel(got[cross], expected[cross]) < 1e-5, cross
+        assert rel(got[own], expected[own]) > 1e-3, own

@@ -24,6 +24,7 @@ from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
+    CROSS_ATTR,
     LAYER_ATTR,
     OVERRIDE_ATTR,
     OWNER_ATTR,
@@ -128,9 +129,11 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _PATCHED.add(part)
     registry.PATCHED_CONFIGS[id(base.config)] = base.config
     registry.PATCHED_MODULES.update(base.modules())
-    for module in base.modules():  # a schedule's setting left by a training run stopped midway
-        for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+    for path, module in base.named_modules():  # a schedule's setting left by a training run stopped midway
+        for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
+        if any("cross" in part.lower() for part in path.split(".")) and _calls_the_registry(module):
+            module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
         # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
         # may hold no config at all: the settings are the model's
         own = getattr(module, "config", None)
@@ -205,7 +208,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     original = _original(base)
     sharing = _sharing_config(base)
     for module in base.modules():
-        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR):
+        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)

@@ -35,6 +35,9 @@ LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, wher
 # module attribute: the model config that holds the settings, where the module's own config is a part of it (the text
 # or vision tower of a composite model, whose modules read their sub-config)
 SETTINGS_FROM_ATTR = "span_attention_settings_from"
+# module attribute: set where the module is a cross-attention that neither a flag nor its class name tells (BLIP-2's
+# Q-Former attention, which serves as both: patch_model reads it from where the module sits, under "crossattention")
+CROSS_ATTR = "span_attention_cross"
 logger = logging.get_logger("hf_spanattn")
 
 
@@ -395,9 +398,10 @@ def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross:
 
 def is_cross_attention(module: torch.nn.Module) -> bool:
     """Whether the module attends from one sequence to another (its keys and values from an encoder or another
-    tower): Transformers marks it `is_cross_attention` (GPT-2, BLIP-2's Q-Former) or names its class so (BERT's,
-    Mllama's, T5Gemma's, DETR's)."""
-    return getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__
+    tower): Transformers marks it `is_cross_attention` (GPT-2) or names its class so (BERT's, Mllama's, T5Gemma's,
+    DETR's), or it sits under a cross-attention module (`CROSS_ATTR`, set by patch_model)."""
+    return getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__ or \
+        CROSS_ATTR in module.__dict__
 
 
 def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool,
