@@ -438,3 +438,21 @@ def test_a_cross_attention_told_by_where_it_sits_keeps_the_stock_gradient():
         own = f"encoder.layer.0.attention.attention.{name}.weight"
         assert rel(got[cross], expected[cross]) < 1e-5, cross
         assert rel(got[own], expected[own]) > 1e-3, own
+
+
+def test_a_cross_attention_named_encoder_attn_keeps_the_stock_gradient():
+    """Kosmos-2's text decoder uses one attention class for its self-attention and, under `encoder_attn`, its
+    cross-attention to the image features: the latter gets SDPA's gradient at equal lengths too."""
+    from transformers import Kosmos2TextConfig
+    from transformers.models.kosmos2.modeling_kosmos2 import Kosmos2TextForCausalLM
+
+    torch.manual_seed(0)
+    stock = Kosmos2TextForCausalLM(Kosmos2TextConfig(embed_dim=32, layers=1, attention_heads=4, ffn_dim=32,
+                                                     vocab_size=VOCAB, add_cross_attention=True, dropout=0.0,
+                                                     attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0))
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    ids, features = tokens(length=9), torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(2))
+    expected, got = grads(stock, ids, encoder_hidden_states=features), grads(model, ids, encoder_hidden_states=features)
+    cross, own = "model.layers.0.encoder_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+    assert rel(got[cross], expected[cross]) < 1e-5
+    assert rel(got[own], expected[own]) > 1e-3

@@ -132,7 +132,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for path, module in base.named_modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
-        if any("cross" in part.lower() for part in path.split(".")) and _calls_the_registry(module):
+        if any("cross" in part.lower() or part == "encoder_attn" for part in path.split(".")) and \
+                _calls_the_registry(module):
             module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
         # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
         # may hold no config at all: the settings are the model's

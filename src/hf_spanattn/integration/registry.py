@@ -36,7 +36,8 @@ LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, wher
 # or vision tower of a composite model, whose modules read their sub-config)
 SETTINGS_FROM_ATTR = "span_attention_settings_from"
 # module attribute: set where the module is a cross-attention that neither a flag nor its class name tells (BLIP-2's
-# Q-Former attention, which serves as both: patch_model reads it from where the module sits, under "crossattention")
+# Q-Former attention, which serves as both: patch_model reads it from where the module sits, under "crossattention",
+# "cross_attn" or "encoder_attn")
 CROSS_ATTR = "span_attention_cross"
 logger = logging.get_logger("hf_spanattn")
 
