@@ -3,6 +3,8 @@
 (and of dK in a second row), with the cosine between applied and standard gradient on top.
 
     python recipes/plot_diagnostics.py runs/x/span_diagnostics.jsonl -o diagnostics.png
+
+A deep model's layers wrap into rows of --columns (8); --layers 0,11 draws only those.
 """
 
 from __future__ import annotations
@@ -73,18 +75,25 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def plot(records: list[dict], out: Path) -> Path:
+def plot(records: list[dict], out: Path, columns: int = 8) -> Path:
+    """The figure in `out`: per layer a dQ panel above a dK panel, `columns` layers to a row."""
     by_layer: dict[int, list[dict]] = defaultdict(list)
     for r in records:
         by_layer[r["layer"]].append(r)
     layers = sorted(by_layer)
-    fig, axes = plt.subplots(2, len(layers), figsize=(3.2 * len(layers), 5.5), sharex=True, sharey=True,
-                             squeeze=False)
-    for col, layer in enumerate(layers):
+    columns = min(columns, len(layers))
+    groups = -(-len(layers) // columns)
+    fig, axes = plt.subplots(2 * groups, columns, figsize=(3.2 * columns, 2.75 * 2 * groups + 0.5), sharex=True,
+                             sharey=True, squeeze=False)
+    for col in range(len(layers) - (groups - 1) * columns, columns):  # the last row's panels past the last layer
+        axes[-2][col].set_visible(False)
+        axes[-1][col].set_visible(False)
+    for index, layer in enumerate(layers):
+        group, col = divmod(index, columns)
         rows = sorted(by_layer[layer], key=lambda r: r["step"])
         steps = [r["step"] for r in rows]
         for row, side in enumerate(("dq", "dk")):
-            ax = axes[row][col]
+            ax = axes[2 * group + row][col]
             width = max(len(r[f"{side}_share"]) for r in rows)
             shares = list(zip(*(r[f"{side}_share"] + [0.0] * (width - len(r[f"{side}_share"])) for r in rows)))
             names = ORDER_NAMES.get(len(shares), [f"part {i}" for i in range(len(shares))])
@@ -92,27 +101,47 @@ def plot(records: list[dict], out: Path) -> Path:
             twin = ax.twinx()
             twin.plot(steps, [r[f"cos_{side[1]}"] for r in rows], color="black", linewidth=1.2)
             twin.set_ylim(-1.05, 1.05)
-            if col < len(layers) - 1:
+            if col < columns - 1 and index < len(layers) - 1:
                 twin.set_yticklabels([])
             ax.set_title(f"layer {layer}: {side} ({rows[-1]['span']})", fontsize=9)
             ax.set_ylim(0, 1)
             if row == 1:
                 ax.set_xlabel("step")
+                ax.xaxis.set_tick_params(labelbottom=True)
             if col == 0:
                 ax.set_ylabel("share of order norms")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles + [plt.Line2D([], [], color="black")], labels + ["cos(applied, standard)"],
                loc="lower center", ncol=len(labels) + 1, fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def layer_list(text: str) -> list[int]:
+    """--layers: comma-separated layer indices."""
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        layers = [-1]
+    if any(layer < 0 for layer in layers):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: expected comma-separated layer indices, such as 0,5,11")
+    return layers
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: expected a whole number of at least 1")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("jsonl", type=path_argument)
     parser.add_argument("-o", "--output", type=path_argument, help="PNG path (default: next to the JSONL)")
+    parser.add_argument("--layers", type=layer_list, help="only these layers, comma-separated (default: all)")
+    parser.add_argument("--columns", type=positive, default=8, help="layers to a row of panels (default: 8)")
     args = parser.parse_args(argv)
     out = args.output or args.jsonl.with_suffix(".png")
     formats = sorted(plt.figure().canvas.get_supported_filetypes())
@@ -123,8 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     records = read_records(args.jsonl)
     if not records:
         raise SystemExit(f"{args.jsonl}: no diagnostics records")
+    if args.layers is not None:
+        missing = sorted(set(args.layers) - {r["layer"] for r in records})
+        if missing:
+            parser.error(f"--layers: {args.jsonl} has no records of layer {', '.join(map(str, missing))}; it has "
+                         f"layers {', '.join(map(str, sorted({r['layer'] for r in records})))}")
+        records = [r for r in records if r["layer"] in args.layers]
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(plot(records, out))
+    print(plot(records, out, args.columns))
 
 
 if __name__ == "__main__":

@@ -1800,6 +1800,17 @@ def test_an_adapter_saved_unpatched_over_settings_saved_before_warns_that_they_a
     assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1100"
 
 
+def stop_after_the_settings(monkeypatch) -> None:
+    """SpanAttentionConfig.save_pretrained writes the settings, then the process stops (as a kill at this point)."""
+    write = SpanAttentionConfig.save_pretrained
+
+    def stopped(self, folder, *args, **kwargs):
+        write(self, folder, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SpanAttentionConfig, "save_pretrained", stopped)
+
+
 def test_an_adapter_save_stopped_at_its_settings_leaves_no_adapter_without_them(tmp_path, monkeypatch):
     """A save stopped after PEFT's files but before span_attention_config.json left an adapter that
     load_pretrained patched with the default settings without a word: the settings are written first, so a stop
@@ -1807,23 +1818,42 @@ def test_an_adapter_save_stopped_at_its_settings_leaves_no_adapter_without_them(
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
-    write = SpanAttentionConfig.save_pretrained
-
-    def stopped(self, folder, *args, **kwargs):
-        write(self, folder, *args, **kwargs)
-        raise KeyboardInterrupt  # as a kill at this point
-
-    monkeypatch.setattr(SpanAttentionConfig, "save_pretrained", stopped)
+    stop_after_the_settings(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(tmp_path / "a")
     assert not (tmp_path / "a" / "adapter_config.json").exists()
     with pytest.raises(FileNotFoundError, match=f"load_pretrained: {tmp_path}/a holds span_attention_config.json but "
                                                 "neither a model \\(config.json\\) nor a PEFT adapter"):
         load_pretrained(tmp_path / "a")
-    monkeypatch.setattr(SpanAttentionConfig, "save_pretrained", write)
+    monkeypatch.undo()
     model.save_pretrained(tmp_path / "a")
     assert SpanAttentionConfig.from_pretrained(tmp_path / "a").label == "score:1100"
     assert (tmp_path / "a" / "adapter_config.json").exists()
+
+
+def test_an_adapter_save_stopped_over_an_earlier_adapter_is_refused_at_load(tmp_path, monkeypatch):
+    """The same stopped save into a folder holding an earlier adapter left the new settings beside the earlier
+    weights, which load_pretrained paired without a word: a mark file stays until PEFT's save is done, and a folder
+    that has it is refused; the save done again loads with the new settings."""
+    from peft import LoraConfig, get_peft_model
+
+    tiny("gpt2").save_pretrained(tmp_path / "base")
+    base = patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), "score:1100")
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path)
+    patch_model(base, "simple:10")
+    stop_after_the_settings(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_config.json").exists() and SpanAttentionConfig.from_pretrained(tmp_path).label == (
+        "simple:10")
+    with pytest.raises(OSError, match=f"load_pretrained: the last save into {tmp_path} did not finish "
+                                      r"\(.span_attention_save_unfinished is there\)"):
+        load_pretrained(tmp_path)
+    monkeypatch.undo()
+    model.save_pretrained(tmp_path)
+    assert not (tmp_path / ".span_attention_save_unfinished").exists()
+    assert config_of(load_pretrained(tmp_path).get_base_model().config).label == "simple:10"
 
 
 def test_the_note_that_settings_are_missing_is_said_for_each_model(caplog):

@@ -1735,6 +1735,30 @@ def test_plot_diagnostics_draws_the_records_of_a_run_stopped_while_writing(tmp_p
     assert (tmp_path / "span_diagnostics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_diagnostics_wraps_a_deep_models_layers_into_rows_and_draws_the_layers_asked_for(tmp_path, capsys):
+    """Nine layers were one row of panels 3456 pixels wide (a 64-layer model's, 24576, took a minute and more to
+    draw): they wrap into rows of --columns layers, and --layers draws only those named."""
+    import matplotlib.image
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    file.write_text("".join(json.dumps({**DIAGNOSTIC, "layer": layer, "step": step}) + "\n"
+                            for layer in range(9) for step in (2, 4)))
+    sizes = {}
+    for name, argv in {"all": [], "three": ["--layers", "3,5,7", "--columns", "2"]}.items():
+        plot_diagnostics.main([str(file), "-o", str(tmp_path / f"{name}.png"), *argv])
+        sizes[name] = matplotlib.image.imread(tmp_path / f"{name}.png").shape[:2]
+    panel_width, panel_height = 3.2 * 120, 2.75 * 120
+    assert sizes["all"][1] == 8 * panel_width and sizes["all"][0] == 4 * panel_height + 60
+    assert sizes["three"][1] == 2 * panel_width and sizes["three"][0] == 4 * panel_height + 60
+    for argv, message in [(["--layers", "3,12"], "--layers: {file} has no records of layer 12; it has layers 0, 1,"),
+                          (["--layers", "3,x"], "argument --layers: '3,x': expected comma-separated layer indices"),
+                          (["--columns", "0"], "argument --columns: '0': expected a whole number of at least 1")]:
+        with pytest.raises(SystemExit):
+            plot_diagnostics.main([str(file), *argv])
+        assert message.format(file=file) in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name,text,message", [
     ("missing.jsonl", None, "{path}: cannot read the diagnostics file (FileNotFoundError"),
     ("", None, "{path}: cannot read the diagnostics file (IsADirectoryError"),

@@ -8,7 +8,8 @@ installed `install` wraps two of its methods, calling each through unchanged:
 - `PeftModel.save_pretrained` also writes `span_attention_config.json` into each adapter's folder
   when the base model carries settings, before PEFT's files: a save stopped between the two leaves
   a folder that is no adapter, not an adapter without its settings (which would load with the base
-  model's or the default settings);
+  model's or the default settings); over an earlier adapter, a mark file stays until PEFT's save is
+  done, and `load_pretrained` refuses a folder that has it;
 - `PeftModel.from_pretrained` warns when a local adapter folder holds that file but the model it
   loads into is not patched (it would train with the standard gradient), and `PeftModel.load_adapter`
   (which `from_pretrained` calls) when the model is patched with other settings (the model's win).
@@ -31,6 +32,7 @@ from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
 from hf_spanattn.ops.inputs import shown
 
 ADAPTER_CONFIG = "adapter_config.json"
+SAVE_UNFINISHED = ".span_attention_save_unfinished"
 _WRAPPED = "_hf_spanattn_wrapped"
 
 
@@ -73,10 +75,16 @@ def install() -> None:
         folders = [directory if name == "default" else os.path.join(directory, name) for name in names] if ours else []
         if ours and settings is not None:
             # before PEFT's files: a save stopped between the two leaves settings without an adapter (no adapter
-            # folder, refused as one), never an adapter that load_pretrained would patch with other settings
+            # folder, refused as one), never an adapter that load_pretrained would patch with other settings; over an
+            # earlier adapter, the mark says the new settings may sit beside its weights until PEFT's save is done
             for folder in folders:
+                if is_adapter_folder(folder):
+                    open(os.path.join(folder, SAVE_UNFINISHED), "w").close()
                 settings.save_pretrained(folder)
         result = save(self, *args, **kwargs)
+        for folder in folders:
+            if os.path.isfile(os.path.join(folder, SAVE_UNFINISHED)):
+                os.remove(os.path.join(folder, SAVE_UNFINISHED))
         if ours and settings is None:
             for folder in folders:
                 if os.path.lexists(os.path.join(folder, CONFIG_NAME)):  # the user's to remove: it may be by hand
@@ -172,6 +180,10 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
 
     from hf_spanattn.integration.patch import patch_model
 
+    if os.path.isfile(os.path.join(folder, SAVE_UNFINISHED)):
+        raise OSError(f"load_pretrained: the last save into {folder} did not finish ({SAVE_UNFINISHED} is there): "
+                      f"its {CONFIG_NAME} may be that save's and the adapter's weights an earlier one's. Save the "
+                      "adapter again, or delete that file if they are known to belong together")
     try:
         peft_config = PeftConfig.from_pretrained(folder)
     except (ValueError, TypeError, KeyError, AttributeError) as err:  # PEFT names neither the file nor the cause
