@@ -70,6 +70,20 @@ def test_adapter_folder_keeps_the_settings_and_reloads_them(family, tmp_path):
     assert not [w for w in caught if "not patched" in str(w.message)]
 
 
+def test_an_adapter_added_to_an_unpatched_peft_model_says_it_trains_with_the_standard_gradient(tmp_path):
+    """PeftModel.load_adapter (a second adapter, then set_adapter) of a folder with settings into an unpatched model
+    trained it with the standard gradient without a word; only PeftModel.from_pretrained said so."""
+    lora_model("llama", str(tmp_path / "base"), "score:1100").save_pretrained(tmp_path / "adapter")
+    plain = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["k_proj"]), adapter_name="mine")
+    with pytest.warns(UserWarning, match=r"adapter holds span attention settings \(score:1100\) but the model it was "
+                                         "loaded into is not patched, so it trains with the standard gradient"):
+        plain.load_adapter(tmp_path / "adapter", adapter_name="saved")
+    with warnings.catch_warnings(record=True) as caught:  # from_pretrained, which calls load_adapter: said once
+        warnings.simplefilter("always")
+        PeftModel.from_pretrained(tiny("llama"), tmp_path / "adapter")
+    assert len([w for w in caught if "not patched" in str(w.message)]) == 1
+
+
 def test_trainer_checkpoint_of_a_lora_model_keeps_the_settings(tmp_path):
     model = lora_model("llama", str(tmp_path / "base"), "score:1100@per_block")
     ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))

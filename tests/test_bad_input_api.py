@@ -196,6 +196,18 @@ def sinks_forward() -> None:
     model(torch.zeros(1, 4, dtype=torch.long))
 
 
+def paligemma_around_gemma2() -> torch.nn.Module:
+    """A composite model whose own class supports SDPA around a language model that does not (logit soft-capping)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    text = dict(model_type="gemma2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_hidden_layers=1, intermediate_size=32, vocab_size=VOCAB + 2, attn_logit_softcapping=5.0)
+    vision = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32, image_size=8,
+                  patch_size=4)
+    config = PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=VOCAB + 1, projection_dim=32)
+    return PaliGemmaForConditionalGeneration._from_config(config, attn_implementation="eager")
+
+
 def record_with_one_recorder(*calls) -> None:
     """Backward passes of span_attention with (heads, label) each, all probed by one OrderRecorder."""
     recorder = OrderRecorder()
@@ -419,6 +431,8 @@ CASES = [
     # models whose attention is not SDPA's
     ("patch_model of a model with attention sinks", lambda t: patch_model(tiny("gpt_oss")), ValueError,
      "GptOssForCausalLM does not support SDPA attention in Transformers (its attention has parts SDPA lacks"),
+    ("patch_model of a model holding one without SDPA", lambda t: patch_model(paligemma_around_gemma2()), ValueError,
+     "PaliGemmaForConditionalGeneration holds Gemma2Model, which does not support SDPA attention in Transformers"),
     ("attention sinks under attn_implementation='span_attention'", lambda t: sinks_forward(), NotImplementedError,
      "span_attention does not support attention sinks ('s_aux', attention of GptOssAttention)"),
     # sweep.py

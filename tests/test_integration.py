@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -158,6 +159,72 @@ def test_patch_twice_replaces_and_unpatch_restores_exactly():
     assert model.config._attn_implementation == "eager"
     assert not hasattr(model.config, "span_attention")
 
+
+def test_unpatch_restores_each_tower_of_a_composite_model():
+    """A composite model whose towers run different attention (the vision tower kept eager) gets each back."""
+    from transformers import CLIPConfig, CLIPModel
+
+    config = CLIPConfig(text_config=dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                         intermediate_size=32, vocab_size=VOCAB, max_position_embeddings=16),
+                        vision_config=dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                           intermediate_size=32, image_size=8, patch_size=4), projection_dim=8)
+    model = CLIPModel._from_config(config, attn_implementation={"": "sdpa", "text_config": "sdpa",
+                                                                "vision_config": "eager"})
+    patch_model(model, "score:1000")
+    assert model.config.vision_config._attn_implementation == "span_attention"
+    unpatch_model(model)
+    implementations = [c._attn_implementation for c in (model.config, model.config.text_config,
+                                                        model.config.vision_config)]
+    assert implementations == ["sdpa", "sdpa", "eager"]
+
+class _ConfiglessAttention(torch.nn.Module):
+    """A custom model's attention that calls the registry but holds no config (stock SDPA needs none)."""
+
+    def __init__(self, model_config, width: int, heads: int, layer_idx: int) -> None:
+        super().__init__()
+        self.qkv, self.heads, self.layer_idx, self.is_causal = torch.nn.Linear(width, 3 * width), heads, layer_idx, True
+        self.implementation = lambda: model_config._attn_implementation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return ALL_ATTENTION_FUNCTIONS[self.implementation()](self, q, k, v, None)[0].reshape(b, t, -1)
+
+
+def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Custom(PreTrainedModel):
+        config_class = PretrainedConfig
+        _supports_attention_backend = _supports_sdpa = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.layers = torch.nn.ModuleList(_ConfiglessAttention(config, 16, 2, i) for i in range(2))
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for layer in self.layers:
+                h = h + layer(h)
+            return h
+
+    def model():
+        torch.manual_seed(0)
+        return Custom._from_config(PretrainedConfig(num_hidden_layers=2), attn_implementation="sdpa").double()
+
+    stock, patched = model(), patch_model(model(), "score:1111")
+    ids = tokens()
+    stock(ids).square().sum().backward()
+    patched(ids).square().sum().backward()
+    for a, b in zip(stock.parameters(), patched.parameters()):
+        assert rel(b.grad, a.grad) < 1e-12
+    registry.register()
+    stock.config._attn_implementation = "span_attention"  # by hand, without patch_model: no settings to reach
+    with pytest.raises(TypeError, match="_ConfiglessAttention holds no model config .* call hf_spanattn.patch_model"):
+        stock(ids)
 
 def test_gpt_neo_adapter_unpatches():
     model = tiny("gpt_neo")
@@ -329,3 +396,63 @@ def test_gpt_neo_under_inference_mode_and_generation_is_the_stock_attention(capl
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(out, stock.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
     assert "needs self-attention" not in caplog.text
+
+
+def test_cross_attention_keeps_the_stock_gradient_also_where_its_lengths_are_equal():
+    """Span rules need self-attention: a decoder's cross-attention to an encoder as long as itself gets SDPA's
+    gradient, as it does for any other encoder length, while its self-attention gets the rule."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    stock = GPT2LMHeadModel(GPT2Config(n_embd=32, n_head=4, n_layer=1, vocab_size=VOCAB, n_positions=64,
+                                       add_cross_attention=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    ids = tokens(length=12)
+    encoded = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(2))
+    expected, got = grads(stock, ids, encoder_hidden_states=encoded), grads(model, ids, encoder_hidden_states=encoded)
+    for name in ("transformer.h.0.crossattention.q_attn.weight", "transformer.h.0.crossattention.c_attn.weight"):
+        assert rel(got[name], expected[name]) < 1e-5, name
+    assert rel(got["transformer.h.0.attn.c_attn.weight"], expected["transformer.h.0.attn.c_attn.weight"]) > 1e-3
+
+
+def test_a_cross_attention_told_by_where_it_sits_keeps_the_stock_gradient():
+    """BLIP-2's Q-Former attention class serves both self- and cross-attention, with no flag: the one under
+    `crossattention` gets SDPA's gradient also where the queries are as many as the image features."""
+    from transformers import Blip2QFormerConfig, Blip2QFormerModel
+
+    torch.manual_seed(0)
+    stock = Blip2QFormerModel(Blip2QFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                                 intermediate_size=32, encoder_hidden_size=24,
+                                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    queries, features, weights = torch.randn(2, 9, 32), torch.randn(2, 9, 24), torch.randn(2, 9, 32)
+
+    def grads_of(m):
+        m.zero_grad()
+        (m(query_embeds=queries, encoder_hidden_states=features).last_hidden_state * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    expected, got = grads_of(stock), grads_of(model)
+    for name in ("query", "key"):
+        cross = f"encoder.layer.0.crossattention.attention.{name}.weight"
+        own = f"encoder.layer.0.attention.attention.{name}.weight"
+        assert rel(got[cross], expected[cross]) < 1e-5, cross
+        assert rel(got[own], expected[own]) > 1e-3, own
+
+
+def test_a_cross_attention_named_encoder_attn_keeps_the_stock_gradient():
+    """Kosmos-2's text decoder uses one attention class for its self-attention and, under `encoder_attn`, its
+    cross-attention to the image features: the latter gets SDPA's gradient at equal lengths too."""
+    from transformers import Kosmos2TextConfig
+    from transformers.models.kosmos2.modeling_kosmos2 import Kosmos2TextForCausalLM
+
+    torch.manual_seed(0)
+    stock = Kosmos2TextForCausalLM(Kosmos2TextConfig(embed_dim=32, layers=1, attention_heads=4, ffn_dim=32,
+                                                     vocab_size=VOCAB, add_cross_attention=True, dropout=0.0,
+                                                     attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0))
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    ids, features = tokens(length=9), torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(2))
+    expected, got = grads(stock, ids, encoder_hidden_states=features), grads(model, ids, encoder_hidden_states=features)
+    cross, own = "model.layers.0.encoder_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+    assert rel(got[cross], expected[cross]) < 1e-5
+    assert rel(got[own], expected[own]) > 1e-3

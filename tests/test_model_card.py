@@ -13,7 +13,7 @@ import torch
 import transformers.modelcard
 import transformers.trainer
 import transformers.utils.hub
-from huggingface_hub import ModelCard
+from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import EntryNotFoundError
 from models import VOCAB, tiny
 from peft import LoraConfig, get_peft_model
@@ -125,3 +125,56 @@ def test_odd_existing_tags_are_kept_as_they_are(existing, kept):
                                 f"hf_spanattn_version:{hf_spanattn.__version__}"]
     hf_spanattn.unpatch_model(model)
     assert model.model_tags == kept
+
+
+def trainer_of(model, out: Path, **kwargs) -> Trainer:
+    ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(str(out), max_steps=1, per_device_train_batch_size=2, report_to="none", use_cpu=True,
+                             disable_tqdm=True, save_strategy="no", **kwargs)
+    return Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+
+
+@pytest.mark.parametrize("given", [None, "mine", ["mine"]])
+def test_trainer_create_model_card_alone_names_the_method(given, tmp_path):
+    """Transformers' create_model_card takes its tags only from its argument: called alone, without push_to_hub, it
+    wrote a card without the package's tags."""
+    trainer = trainer_of(fine_tuned(), tmp_path)
+    trainer.create_model_card(tags=given)
+    tags = set(card_of((tmp_path / "README.md").read_text()).data.tags)
+    assert EXPECTED_TAGS <= tags
+    assert ("mine" in tags) == (given is not None)
+    hf_spanattn.unpatch_model(trainer.model)
+    trainer.create_model_card()
+    assert not {tag for tag in card_of((tmp_path / "README.md").read_text()).data.tags if "span" in tag}
+
+
+def test_a_trainer_class_defined_after_patching_names_the_method_in_its_card(tmp_path):
+    """TRL's trainers write their own card (at every checkpoint); one imported after patch_model has its
+    create_model_card wrapped when the class is defined."""
+    model = fine_tuned()
+
+    class OwnCard(Trainer):
+        def create_model_card(self, model_name=None, tags=None):
+            yaml = ModelCardData(tags=list(tags or [])).to_yaml()
+            (Path(self.args.output_dir) / "README.md").write_text(f"---\n{yaml}\n---\n")
+
+    trainer = trainer_of(model, tmp_path)
+    trainer.__class__ = OwnCard
+    trainer.create_model_card()
+    assert EXPECTED_TAGS <= set(card_of((tmp_path / "README.md").read_text()).data.tags)
+
+
+def test_a_card_written_again_after_patching_again_names_only_the_new_settings(tmp_path):
+    """Transformers keeps the tags of the README.md already in the output dir when given tags: the card of a model
+    patched again named both rules."""
+    trainer = trainer_of(fine_tuned(), tmp_path)
+    trainer.create_model_card(tags=np.array(["mine"]))  # numpy's str_ tags: written as plain strings, readable
+    hf_spanattn.patch_model(trainer.model, "score:1000")
+    trainer.create_model_card()
+    tags = card_of((tmp_path / "README.md").read_text()).data.tags
+    assert "span_attention:score:1000" in tags and "mine" in tags
+    assert not [tag for tag in tags if tag.startswith("span_attention:score:1100")]
+    hf_spanattn.unpatch_model(trainer.model)
+    trainer.create_model_card(tags=["yours"])
+    tags = card_of((tmp_path / "README.md").read_text()).data.tags
+    assert "yours" in tags and "mine" in tags and not [tag for tag in tags if "span" in tag]

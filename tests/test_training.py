@@ -101,6 +101,37 @@ def test_trainer_trains_and_resumes_with_the_same_settings(tmp_path):
         assert torch.allclose(p, q, atol=1e-6), name
 
 
+def test_a_run_resumed_with_other_settings_than_its_checkpoints_says_so(tmp_path):
+    """A checkpoint saved at score:1100@per_block on layer 1, resumed with the model patched otherwise or not at
+    all, trained on with the model's settings without a word."""
+    quick = dict(max_steps=2, save_steps=1, gradient_accumulation_steps=1, logging_steps=2)
+    Trainer(model=patch_model(tiny("gpt2"), CONFIG), args=args(tmp_path, **quick), train_dataset=Tokens(4)).train()
+    for model, now, resume in [(patch_model(tiny("gpt2"), "score:1000"), "score:1000", True),
+                               (tiny("gpt2"), r"the standard gradient \(the model is not patched\)",
+                                str(tmp_path / "checkpoint-1"))]:
+        trainer = Trainer(model=model, args=args(tmp_path, **quick), train_dataset=Tokens(4))
+        with pytest.warns(UserWarning, match="resume_from_checkpoint: .*checkpoint-[12] was saved with span attention "
+                                             r"settings score:1100@per_block on layers \[1\], but the model given to "
+                                             f"the Trainer trains with {now}: the model's settings win. To continue "
+                                             "with the checkpoint's, patch the model with them first: "
+                                             r"hf_spanattn.patch_model\(model, 'score:1100@per_block', layers=\[1\]\)"):
+            trainer.train(resume_from_checkpoint=resume)
+    with warnings.catch_warnings():  # the same settings: nothing to say
+        warnings.filterwarnings("error", message="resume_from_checkpoint")
+        trainer = Trainer(model=patch_model(tiny("gpt2"), CONFIG), args=args(tmp_path, **quick),
+                          train_dataset=Tokens(4))
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    saved = json.loads((tmp_path / "checkpoint-1" / "config.json").read_text())
+    saved["span_attention"]["alphas"] = "x" * 10_000  # edited by hand: said, cut
+    (tmp_path / "checkpoint-1" / "config.json").write_text(json.dumps(saved))
+    trainer = Trainer(model=patch_model(tiny("gpt2"), CONFIG), args=args(tmp_path, **quick), train_dataset=Tokens(4))
+    with pytest.warns(UserWarning, match="resume_from_checkpoint: the span attention settings .*checkpoint-1 was saved "
+                                         r"with cannot be read \(.*alphas.*\); the model given to the Trainer trains "
+                                         "with score:1100@per_block on layers") as caught:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert max(len(str(w.message)) for w in caught) < 1000
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_gradient_checkpointing_gives_the_same_gradients(family, reentrant):

@@ -10,9 +10,9 @@ installed `install` wraps two of its methods, calling each through unchanged:
   a folder that is no adapter, not an adapter without its settings (which would load with the base
   model's or the default settings); over an earlier adapter, a mark file stays until PEFT's save is
   done, and `load_pretrained` refuses a folder that has it;
-- `PeftModel.from_pretrained` warns when a local adapter folder holds that file but the model it
-  loads into is not patched (it would train with the standard gradient), and `PeftModel.load_adapter`
-  (which `from_pretrained` calls) when the model is patched with other settings (the model's win).
+- `PeftModel.load_adapter` (which `PeftModel.from_pretrained` calls) warns when a local adapter folder
+  holds that file but the model it loads into is not patched (it would train with the standard
+  gradient), or is patched with other settings (the model's win).
 
 `load_adapter` loads base + adapter and patches the model with the saved settings.
 """
@@ -56,7 +56,6 @@ def install() -> None:
     if getattr(PeftModel.save_pretrained, _WRAPPED, False):
         return
     save = PeftModel.save_pretrained
-    load = PeftModel.from_pretrained.__func__
     add = PeftModel.load_adapter
     save_signature = inspect.signature(save)
 
@@ -94,21 +93,6 @@ def install() -> None:
                                   stacklevel=2)
         return result
 
-    @functools.wraps(load)
-    def from_pretrained(cls, model: torch.nn.Module, model_id: Any, *args: Any, **kwargs: Any) -> Any:
-        peft_model = load(cls, model, model_id, *args, **kwargs)
-        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
-        if is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME)):
-            base = peft_model.get_base_model()
-            if config_of(base.config) is None or not is_patched(base):
-                _, saved = _saved_settings(folder)
-                warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
-                              f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
-                              f"{os.fspath(folder)!r}), or call "
-                              "hf_spanattn.patch_model(model, SpanAttentionConfig.from_pretrained(folder)).",
-                              stacklevel=2)
-        return peft_model
-
     @functools.wraps(add)
     def load_adapter(self, model_id: Any, *args: Any, **kwargs: Any) -> Any:
         result = add(self, model_id, *args, **kwargs)
@@ -116,7 +100,14 @@ def install() -> None:
         base = self.get_base_model()
         patched_with = config_of(base.config) if is_patched(base) else None
         has_settings = is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME))
-        if patched_with is not None and has_settings:
+        if patched_with is None and has_settings:
+            _, saved = _saved_settings(folder)
+            warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
+                          f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
+                          f"{os.fspath(folder)!r}), or call "
+                          "hf_spanattn.patch_model(model, SpanAttentionConfig.from_pretrained(folder)).",
+                          stacklevel=2)
+        elif patched_with is not None and has_settings:
             saved, described = _saved_settings(folder)
             if saved is not None and saved != patched_with:
                 warnings.warn(f"{folder} holds {described}, other than those the model it was loaded into is patched "
@@ -127,7 +118,6 @@ def install() -> None:
 
     setattr(save_pretrained, _WRAPPED, True)
     PeftModel.save_pretrained = save_pretrained
-    PeftModel.from_pretrained = classmethod(from_pretrained)
     PeftModel.load_adapter = load_adapter
 
 

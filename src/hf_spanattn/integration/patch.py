@@ -19,11 +19,12 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _path_argument, as_config
-from hf_spanattn.integration import adapters, card, packing, registry
+from hf_spanattn.integration import adapters, card, packing, registry, resume
 from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
+    CROSS_ATTR,
     LAYER_ATTR,
     OVERRIDE_ATTR,
     OWNER_ATTR,
@@ -93,10 +94,13 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     neo = _neo_attentions(base)
     if not neo and not getattr(base, "_supports_attention_backend", False):
         raise ValueError(_not_a_backend(base))
-    if not neo and getattr(base, "_supports_sdpa", True) is False:
-        raise ValueError(f"{type(base).__name__} does not support SDPA attention in Transformers (its attention has "
-                         "parts SDPA lacks, such as attention sinks or logit soft-capping), and span_attention's "
-                         f"forward pass is SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
+    # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
+    no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and m._supports_sdpa is False), None)
+    if not neo and no_sdpa is not None:
+        what = type(base).__name__ + (f" holds {type(no_sdpa).__name__}, which" if no_sdpa is not base else "")
+        raise ValueError(f"{what} does not support SDPA attention in Transformers (its attention has parts SDPA "
+                         "lacks, such as attention sinks or logit soft-capping), and span_attention's forward pass is "
+                         f"SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
     present = attention_modules(base)
     if not present and config.layers is not None:  # numbered here where the modules carry no index
         raise ValueError(f"layers={shown(list(config.layers))}: the attention modules of {type(base).__name__} carry "
@@ -113,9 +117,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
-        implementation = base.config._attn_implementation  # set to ours without patch_model: SDPA is its forward
-        original = _Original(attn_implementation="sdpa" if implementation == ATTN_IMPLEMENTATION else implementation,
-                             reorder_and_upcast_attn=None)
+        original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=None)
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -127,11 +129,16 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _PATCHED.add(part)
     registry.PATCHED_CONFIGS[id(base.config)] = base.config
     registry.PATCHED_MODULES.update(base.modules())
-    for module in base.modules():  # a schedule's setting left by a training run stopped midway
-        for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+    for path, module in base.named_modules():  # a schedule's setting left by a training run stopped midway
+        for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
-        # a composite model's towers read their sub-config (text_config, vision_config): the settings are the model's
-        if isinstance(getattr(module, "config", None), PretrainedConfig) and module.config is not base.config:
+        if any("cross" in part.lower() or part == "encoder_attn" for part in path.split(".")) and \
+                _calls_the_registry(module):
+            module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
+        # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
+        # may hold no config at all: the settings are the model's
+        own = getattr(module, "config", None)
+        if isinstance(own, PretrainedConfig) and own is not base.config or own is None and _calls_the_registry(module):
             module.__dict__[SETTINGS_FROM_ATTR] = base.config
         else:
             module.__dict__.pop(SETTINGS_FROM_ATTR, None)
@@ -139,6 +146,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
+    resume.install()
     if neo:
         for module in neo:
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
@@ -202,7 +210,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     original = _original(base)
     sharing = _sharing_config(base)
     for module in base.modules():
-        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR):
+        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
@@ -223,7 +231,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
     implementation = original["attn_implementation"] if original else "sdpa"
-    if base.config._attn_implementation != implementation:
+    if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
     if original and original["reorder_and_upcast_attn"]:
         _set_reorder(base, True)
@@ -237,6 +245,20 @@ def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     which patch_model and unpatch_model may each be given: those inside it, and those patched before."""
     inside = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is model.config]
     return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
+
+
+def _implementation_of(model_config: Any) -> str | dict[str, str]:
+    """The model's attention implementation, as `set_attn_implementation` takes it: a name, or where a composite
+    model's towers differ from it (a vision tower kept eager), a dict of the name of each sub-config ("" the
+    model's own). `span_attention` set without patch_model reads as SDPA, its forward pass."""
+    def name(config: Any) -> str:
+        implementation = config._attn_implementation
+        return "sdpa" if implementation == ATTN_IMPLEMENTATION else implementation
+
+    names = {key: name(sub) for key in getattr(model_config, "sub_configs", None) or {}
+             if isinstance(sub := getattr(model_config, key, None), PretrainedConfig) and sub._attn_implementation}
+    own = name(model_config)
+    return own if all(value == own for value in names.values()) else {"": own, **names}
 
 
 class _Original(dict):

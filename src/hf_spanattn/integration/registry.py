@@ -35,6 +35,10 @@ LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, wher
 # module attribute: the model config that holds the settings, where the module's own config is a part of it (the text
 # or vision tower of a composite model, whose modules read their sub-config)
 SETTINGS_FROM_ATTR = "span_attention_settings_from"
+# module attribute: set where the module is a cross-attention that neither a flag nor its class name tells (BLIP-2's
+# Q-Former attention, which serves as both: patch_model reads it from where the module sits, under "crossattention",
+# "cross_attn" or "encoder_attn")
+CROSS_ATTR = "span_attention_cross"
 logger = logging.get_logger("hf_spanattn")
 
 
@@ -223,7 +227,11 @@ def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
 def settings_config(module: torch.nn.Module) -> Any:
     """The model config whose settings apply to this module: that of the model patch_model was given, also where
     the module reads a sub-config of it (a composite model's towers)."""
-    return getattr(module, SETTINGS_FROM_ATTR, None) or module.config
+    model_config = getattr(module, SETTINGS_FROM_ATTR, None) or getattr(module, "config", None)
+    if model_config is None:  # a custom model's attention that holds no config, set to span_attention by hand
+        raise TypeError(f"span_attention: {type(module).__name__} holds no model config (.config) to read the settings "
+                        "from; call hf_spanattn.patch_model(model, ...) on its model, which points it to the model's")
+    return model_config
 
 
 def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
@@ -263,9 +271,9 @@ _SHARED_NOTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictiona
 def _note_shared(module: torch.nn.Module) -> None:
     """Warn, once per config, where a model that patch_model was not given trains with span gradients because
     it shares its config object with one that it was given."""
-    model_config = module.config
-    if PATCHED_CONFIGS.get(id(model_config)) is not model_config or module in PATCHED_MODULES or \
-            not _first_time(_SHARED_NOTED, model_config):
+    model_config = getattr(module, "config", None)
+    if model_config is None or PATCHED_CONFIGS.get(id(model_config)) is not model_config or \
+            module in PATCHED_MODULES or not _first_time(_SHARED_NOTED, model_config):
         return
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
@@ -358,7 +366,7 @@ def span_attention_forward(
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "
                                       f"(attention of {type(module).__name__})")
     q_length, k_length = query.shape[2], key.shape[2]
-    if keeps_sdpa(config, q_length, k_length):
+    if keeps_sdpa(config, q_length, k_length, is_cross_attention(module)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -376,16 +384,25 @@ def span_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int) -> bool:
+def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross: bool = False) -> bool:
     """Whether a call with these lengths gets SDPA's result and standard gradient: span rules need
-    self-attention (said once)."""
-    if q_length == k_length or config.method == "standard":
+    self-attention (said once). Cross-attention keeps it also where its lengths happen to be equal, so
+    that its gradient does not hang on the lengths of a batch."""
+    if (q_length == k_length and not cross) or config.method == "standard":
         return False
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
-        "where they differ (a forward with past_key_values under autograd, or cross-attention) get SDPA's "
-        "result with the standard gradient.")
+        "where they differ (a forward with past_key_values under autograd) and cross-attention, whatever its "
+        "lengths, get SDPA's result with the standard gradient.")
     return True
+
+
+def is_cross_attention(module: torch.nn.Module) -> bool:
+    """Whether the module attends from one sequence to another (its keys and values from an encoder or another
+    tower): Transformers marks it `is_cross_attention` (GPT-2) or names its class so (BERT's, Mllama's, T5Gemma's,
+    DETR's), or it sits under a cross-attention module (`CROSS_ATTR`, set by patch_model)."""
+    return getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__ or \
+        CROSS_ATTR in module.__dict__
 
 
 def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool,
