@@ -799,3 +799,33 @@ print([str(w.message) for w in caught if "triton" in str(w.message)], torch.isfi
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "runs on backend='fused' here: Triton is not installed" in done.stdout and "True" in done.stdout
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neo"])
+def test_a_model_under_reentrant_checkpointing_and_dropout_gets_the_gradient_of_the_mask_its_loss_saw(family,
+                                                                                                      monkeypatch):
+    """A model with attention dropout under reentrant gradient checkpointing: the first pass runs without autograd,
+    where the registry (and GPT-Neo's adapter) called the stock attention, whose dropout mask the Triton kernels
+    of the recomputation did not draw: the loss saw one mask and the gradients another. Now the weights' gradients
+    are those of the same step without checkpointing."""
+    from models import VOCAB, tiny
+
+    from hf_spanattn import patch_model
+
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    model = tiny(family)
+    for module in model.modules():  # both families read the attention's dropout from its attn_dropout
+        if isinstance(getattr(module, "attn_dropout", None), torch.nn.Dropout):
+            module.attn_dropout.p = 0.3
+    model = patch_model(model, "score:1000").train()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for reentrant in (None, True):
+        if reentrant:
+            model.gradient_checkpointing_enable({"use_reentrant": True})
+        torch.manual_seed(0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad()
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, rtol=1e-4, atol=1e-6, msg=name)

@@ -31,12 +31,12 @@ from hf_spanattn.integration.registry import (
     PROBE_ATTR,
     SETTINGS_FROM_ATTR,
     attention_modules,
+    call_settings,
     config_of,
     documents_of,
     keeps_sdpa,
     layer_count,
     register,
-    settings_for,
     stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
@@ -289,8 +289,7 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
 def _neo_attn(self, query, key, value, attention_mask=None):
     """GPTNeoSelfAttention._attn through span_attention: unscaled scores, the layer's global or
     local causal window, the padding mask added on top, as in the stock eager code."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    config = settings_for(self) if needs_grad else None  # evaluation and generation: the stock attention
+    config = call_settings(self, (query, key, value), self.attn_dropout.p if self.training else 0.0)
     if config is None:
         return type(self)._attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]

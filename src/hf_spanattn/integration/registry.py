@@ -335,6 +335,18 @@ def trainer_on_stack(frame: Any) -> Any:
     return None
 
 
+def call_settings(module: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
+                  dropout: float) -> SpanAttentionConfig | None:
+    """The settings a call of the module runs span_attention with; None for the stock attention itself, as in
+    evaluation and generation (no autograd). Under dropout without autograd (the first pass of a reentrant
+    checkpoint, whose output the loss sees) it is span_attention too: its kernels draw their own dropout masks,
+    and the pass that recomputes it with autograd must draw the same."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return settings_for(module)
+    check_once(settings_config(module))
+    return settings_for(module) if dropout > 0 else None
+
+
 def span_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -346,15 +358,12 @@ def span_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The registry's call: (B, H, T, D) in, (B, T, H, D) out. Without autograd, or in a layer
-    that keeps stock gradients, this is Transformers' SDPA attention itself."""
+    """The registry's call: (B, H, T, D) in, (B, T, H, D) out. Without autograd (and dropout), or in a
+    layer that keeps stock gradients, this is Transformers' SDPA attention itself."""
     if kwargs.get("s_aux") is not None:  # SDPA would drop the sinks silently
         raise NotImplementedError(f"span_attention does not support attention sinks ('s_aux', attention of "
                                   f"{type(module).__name__}); its forward pass is SDPA's, which has none")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    config = settings_for(module) if needs_grad else None  # evaluation and generation: SDPA itself
-    if not needs_grad:
-        check_once(settings_config(module))
+    config = call_settings(module, (query, key, value), dropout)
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
