@@ -173,8 +173,8 @@ def first_order_only(backward_fn: Callable) -> Callable:
 
     @functools.wraps(backward_fn)
     def wrapper(ctx, *grad_outputs):
-        if any(isinstance(g, torch.Tensor) and torch._C._functorch.is_legacy_batchedtensor(g)
-               for g in grad_outputs):  # the rules' products write into buffers, which vmap cannot batch
+        if not torch.compiler.is_compiling() and any(  # the rules' products write into buffers: vmap cannot batch them
+                isinstance(g, torch.Tensor) and torch._C._functorch.is_legacy_batchedtensor(g) for g in grad_outputs):
             raise RuntimeError(BATCHED_GRADS)
         device = next(g.device.type for g in grad_outputs if isinstance(g, torch.Tensor))
         create_graph = torch.is_grad_enabled()
