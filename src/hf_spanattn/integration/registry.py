@@ -395,10 +395,12 @@ def span_attention_forward(
 
 def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross: bool = False) -> bool:
     """Whether a call with these lengths gets SDPA's result and standard gradient: span rules need
-    self-attention (said once). Cross-attention keeps it also where its lengths happen to be equal, so
-    that its gradient does not hang on the lengths of a batch."""
+    self-attention (said once, where autograd records the call). Cross-attention keeps it also where its
+    lengths happen to be equal, so that its gradient does not hang on the lengths of a batch."""
     if (q_length == k_length and not cross) or config.method == "standard":
         return False
+    if not torch.is_grad_enabled():  # a pass without autograd under dropout (generation in train mode): no gradient
+        return True
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
         "where they differ (a forward with past_key_values under autograd) and cross-attention, whatever its "
