@@ -221,6 +221,11 @@ def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
     patched(ids).square().sum().backward()
     for a, b in zip(stock.parameters(), patched.parameters()):
         assert rel(b.grad, a.grad) < 1e-12
+    # layers=[1] selects by the layer_idx the modules carry (refused before: "carry no layer index")
+    selected = patch_model(model(), "score:1000", layers=[1])
+    assert [registry.settings_for(m) for m in selected.layers] == [None, SpanAttentionConfig.from_label("score:1000")
+                                                                   .replace(layers=[1])]
+    selected(ids).square().sum().backward()
     registry.register()
     stock.config._attn_implementation = "span_attention"  # by hand, without patch_model: no settings to reach
     with pytest.raises(TypeError, match="_ConfiglessAttention holds no model config .* call hf_spanattn.patch_model"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import os
 import warnings
 import weakref
@@ -32,6 +31,7 @@ from hf_spanattn.integration.registry import (
     SETTINGS_FROM_ATTR,
     attention_modules,
     call_settings,
+    calls_the_registry,
     config_of,
     documents_of,
     keeps_sdpa,
@@ -133,12 +133,12 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
         if any("cross" in part.lower() or part == "encoder_attn" for part in path.split(".")) and \
-                _calls_the_registry(module):
+                calls_the_registry(module):
             module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
         # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
         # may hold no config at all: the settings are the model's
         own = getattr(module, "config", None)
-        if isinstance(own, PretrainedConfig) and own is not base.config or own is None and _calls_the_registry(module):
+        if isinstance(own, PretrainedConfig) and own is not base.config or own is None and calls_the_registry(module):
             module.__dict__[SETTINGS_FROM_ATTR] = base.config
         else:
             module.__dict__.pop(SETTINGS_FROM_ATTR, None)
@@ -162,18 +162,12 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     layer, which carries a layer index too."""
     present = attention_modules(base)
     neo = _neo_attentions(base)
-    attending = {i for i, modules in present.items() if any(m in neo or _calls_the_registry(m) for m in modules)}
+    attending = {i for i, modules in present.items() if any(m in neo or calls_the_registry(m) for m in modules)}
     attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
     absent = [i for i in layers if i not in attending]
     if absent if every else len(absent) == len(layers):
         raise ValueError(f"{what}: {type(base).__name__} has no attention module of layer {shown(absent)[1:-1]}; its "
                          f"attention modules carry the layer indices {shown(sorted(attending))[1:-1]}")
-
-
-def _calls_the_registry(module: torch.nn.Module) -> bool:
-    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 def _not_a_backend(base: PreTrainedModel) -> str:
