@@ -92,7 +92,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     if layers is not None:
         config = config.replace(layers=layers)
     neo = _neo_attentions(base)
-    if not neo and not getattr(base, "_supports_attention_backend", False):
+    if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
     # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
     no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and m._supports_sdpa is False), None)
@@ -168,6 +168,17 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     if absent if every else len(absent) == len(layers):
         raise ValueError(f"{what}: {type(base).__name__} has no attention module of layer {shown(absent)[1:-1]}; its "
                          f"attention modules carry the layer indices {shown(sorted(attending))[1:-1]}")
+
+
+def _declares_backend(base: PreTrainedModel) -> bool:
+    """Whether the model's class declares Transformers' attention-backend support, or the model wraps models that each
+    do and holds no attention of its own (EncoderDecoderModel and VisionEncoderDecoderModel around BERT, ViT, GPT-2)."""
+    if getattr(base, "_supports_attention_backend", False):
+        return True
+    parts = [m for m in base.children() if isinstance(m, PreTrainedModel)]
+    inside = {m for part in parts for m in part.modules()}
+    return bool(parts) and all(part._supports_attention_backend for part in parts) and \
+        not any(calls_the_registry(m) for m in base.modules() if m not in inside)
 
 
 def _not_a_backend(base: PreTrainedModel) -> str:
