@@ -288,6 +288,8 @@ CASES = [
      "score_grad=array('exact', dtype='<U5'): allowed values are exact, per_block, as a str"),
     ("layers a range too long for a list", lambda t: SpanAttentionConfig(layers=range(10**20)), ValueError,
      "layers=range(0, 100000000000000000000): expected None (all layers) or a sequence"),
+    ("layers a range too long for memory", lambda t: SpanAttentionConfig(layers=range(10**18)), ValueError,
+     "layers=range(0, 1000000000000000000): expected None (all layers) or a sequence"),  # was: a bare MemoryError
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
     ("span_attention float8 with span gradients", lambda t: span_attention(*[x.to(torch.float8_e5m2) for x in qkv()]),

@@ -83,7 +83,7 @@ def _layers_field(value: Any) -> tuple[int, ...] | None:
         return None
     try:
         layers = list(value)
-    except (TypeError, OverflowError):  # iterable by type only (a 0-d tensor), a range too long for a list
+    except (TypeError, OverflowError, MemoryError):  # iterable by type only (a 0-d tensor), a range too long for a list
         return None
     indices = [as_int(i) for i in layers]
     if None in indices or min(indices, default=0) < 0:
