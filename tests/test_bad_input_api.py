@@ -602,9 +602,11 @@ def test_errors_cut_a_huge_value(call, tmp_path):
     assert len(str(err.value)) < 1000 and "characters)" in str(err.value), str(err.value)[:300]
 
 
-def test_a_huge_unknown_field_is_cut_in_the_warning():
+@pytest.mark.parametrize("data", [{"x" * 100_000: 1}, {"x": 1, "hf_spanattn_version": "0.1.0" + ".0" * 50_000}],
+                         ids=["huge field", "huge version"])  # a version as old as this one, written long
+def test_a_huge_unknown_field_is_cut_in_the_warning(data):
     with pytest.warns(UserWarning, match="ignoring unknown fields") as caught:
-        assert SpanAttentionConfig.from_dict({"x" * 100_000: 1}).label == "score:1000"
+        assert SpanAttentionConfig.from_dict(data).label == "score:1000"
     assert len(str(caught[0].message)) < 1000
 
 
