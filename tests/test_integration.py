@@ -513,3 +513,18 @@ def test_an_encoder_decoder_wrapper_is_patched_through_its_encoder_and_decoder(k
     unpatch_model(whole)
     assert whole.config._attn_implementation == whole.decoder.config._attn_implementation == "sdpa"
     assert torch.equal(grads(whole), stock)
+
+
+def test_an_encoder_decoder_whose_decoder_lacks_the_flag_names_it():
+    """BERT encoder, BART decoder: refused, naming the decoder's class (the message named only the wrapper)."""
+    import transformers
+
+    bart = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                   decoder_ffn_dim=32, is_decoder=True, add_cross_attention=True)
+    bert = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32)
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(bert, bart)
+    with pytest.raises(ValueError, match=r"EncoderDecoderModel \(it holds BartForCausalLM, which does not\) does not "
+                                         "declare Transformers' attention-backend support"):
+        patch_model(transformers.EncoderDecoderModel(config), "score:1000")

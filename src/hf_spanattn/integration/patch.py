@@ -184,7 +184,11 @@ def _declares_backend(base: PreTrainedModel) -> bool:
 def _not_a_backend(base: PreTrainedModel) -> str:
     """Why a model whose class does not set `_supports_attention_backend` is refused (it may call the registry all
     the same, as BART, Whisper and T5 do: the flag is what is missing), and what else its attention holds."""
-    text = (f"{type(base).__name__} does not declare Transformers' attention-backend support (its class leaves "
+    parts = [getattr(base.config, key, None) for key in getattr(base.config, "sub_configs", None) or {}]
+    lacking = [type(m).__name__ for m in base.children() if isinstance(m, PreTrainedModel) and
+               any(m.config is part for part in parts) and not m._supports_attention_backend]  # a composite's model
+    holds = f" (it holds {', '.join(lacking)}, which does not)" if lacking else ""
+    text = (f"{type(base).__name__}{holds} does not declare Transformers' attention-backend support (its class leaves "
             "_supports_attention_backend False, the mark of models that pass every attention argument through to "
             "the registered attention function), and span gradients are attached only to models that declare it")
     if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind
