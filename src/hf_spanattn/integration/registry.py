@@ -7,6 +7,7 @@ config is the single source of truth: saving, loading and pushing a model carrie
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -219,9 +220,16 @@ def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     layers: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         index = layer_index(module)
-        if index is not None and hasattr(module, "config"):
+        # an attention module holds its config, or (a custom model's) calls the registry without one
+        if index is not None and (hasattr(module, "config") or calls_the_registry(module)):
             layers.setdefault(index, []).append(module)
     return layers
+
+
+def calls_the_registry(module: torch.nn.Module) -> bool:
+    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 def settings_config(module: torch.nn.Module) -> Any:
