@@ -48,6 +48,7 @@ from hf_spanattn.integration.registry import (
     settings_for,
     trainer_on_stack,
 )
+from hf_spanattn.integration.resume import same_on_every_rank
 from hf_spanattn.ops.inputs import as_int, shown
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
@@ -166,6 +167,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                              f"{thread!r}; give each Trainer a SpanAttentionCallback of its own")
         self._thread = threading.get_ident()
         self._check()
+        args_saved = self.state()["args"]  # diagnostics_file aside: rank 0 alone writes it
+        same_on_every_rank("SpanAttentionCallback settings", json.dumps(
+            {k: v for k, v in args_saved.items() if k != "diagnostics_file"}, sort_keys=True, default=repr), "")
         self._start_afresh()
         self._move_first()
         base = base_model(model)
