@@ -103,7 +103,8 @@ def one_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) ->
 def ranks_that_differ(output_dir: str) -> None:
     """Rank r of 2 meets what a data-parallel run refuses where the ranks differ, and writes what each raised (the
     exception's type and message, or None) to refused-{r}.json: Trainer.train over a model patched on rank 0 alone,
-    a SpanAttentionCallback with other diagnostics on each rank, diagnostics sums of one size but other heads and
+    a SpanAttentionCallback with other diagnostics on each rank, a diagnostics file whose lock another run holds
+    (which rank 0 alone reads), diagnostics sums of one size but other heads and
     orders, and a second reduction of recorders already reduced."""
     from transformers import Trainer, TrainingArguments
 
@@ -125,6 +126,14 @@ def ranks_that_differ(output_dir: str) -> None:
                                             train_dataset=Rows()).train),
            "callbacks": raised(Trainer(model=patched, args=args, train_dataset=Rows(), callbacks=[
                SpanAttentionCallback(diagnostics_every=rank + 1)]).train)}
+    held = Path(output_dir) / "held"
+    if rank == 0:  # the lock of a run going on: the parent process's
+        held.mkdir()
+        lock = {"pid": os.getppid(), "host": socket.gethostname()}
+        (held / "span_diagnostics.jsonl.lock").write_text(json.dumps(lock))
+    args.output_dir = str(held)
+    got["lock held"] = raised(Trainer(model=patched, args=args, train_dataset=Rows(), callbacks=[
+        SpanAttentionCallback(diagnostics_every=1)]).train)
     recorders = [_recorded(4, 2) if rank == 0 else _recorded(2, 7)]  # 2 x (heads x (orders + 3)) = 40 sums each
     got["layouts"] = raised(lambda: reduce_over_ranks(recorders))
     recorders = [_recorded(4, 2)]

@@ -209,7 +209,8 @@ def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplo
 @pytest.mark.slow
 def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_path, monkeypatch):
     """2 gloo processes: a model patched on one rank only (the other imports hf_spanattn and patches nothing, as a
-    launcher starts it: WORLD_SIZE set), callbacks with other diagnostics, and diagnostics sums of one size but
+    launcher starts it: WORLD_SIZE set), callbacks with other diagnostics, a diagnostics file whose lock another
+    run holds (rank 0 reads it, rank 1 trains on without that), and diagnostics sums of one size but
     other heads and orders are refused on both ranks, naming what each holds; so is a second reduction."""
     from gloo_workers import ranks_that_differ, spawn
 
@@ -222,5 +223,7 @@ def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_pat
             got["unpatched rank"][1]
         assert got["callbacks"][0] == "ValueError" and "SpanAttentionCallback settings" in got["callbacks"][1]
         assert '"diagnostics_every": 1' in got["callbacks"][1] and '"diagnostics_every": 2' in got["callbacks"][1]
+        assert got["lock held"][0] == "ValueError" and "another run is writing diagnostics into this file" in \
+            got["lock held"][1]
         assert got["layouts"][0] == "RuntimeError" and "different layers, heads or orders" in got["layouts"][1]
         assert got["twice"][0] == "ValueError" and "already holds the sums over the ranks" in got["twice"][1]

@@ -114,6 +114,25 @@ def same_on_every_rank(subject: str, mine: str, absent: str, timeout: float | No
     raise ValueError(f"{message}: give every rank the same")
 
 
+def from_rank_zero(subject: str, said: str) -> str:
+    """What rank 0 of a data-parallel run says about `subject` (its `said`; on rank 0 itself, `said`), so that a
+    refusal on rank 0 alone (where it writes a file) is a refusal on every rank, not ranks that train on waiting
+    for it; "" where rank 0 said nothing within RANKS_TIMEOUT_S seconds, or without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return said
+    store = dist.distributed_c10d._get_default_store()
+    _compared[subject] += 1
+    key = f"hf_spanattn/{subject}/{_compared[subject]}"
+    if dist.get_rank() == 0:
+        store.set(key, said)
+        return said
+    try:
+        store.wait([key], timedelta(seconds=RANKS_TIMEOUT_S))
+    except (RuntimeError, dist.DistError):  # DistStoreError: a timeout
+        return ""
+    return store.get(key).decode()
+
+
 def _settings_of(trainer: Any) -> str:
     """The description of the span settings `trainer`'s model trains with, for `same_on_every_rank`."""
     from hf_spanattn.integration.patch import base_model
