@@ -98,7 +98,7 @@ def same_on_every_rank(subject: str, mine: str, absent: str, timeout: float | No
         pass
     said = {r: store.get(key).decode() for r, key in enumerate(keys) if store.check([key])}
     waited = RANKS_TIMEOUT_S if timeout is None else timeout
-    held = {r: said.get(r, f"nothing within {waited:g} s (hf_spanattn not imported there?)") for r in range(world)}
+    held = {r: said.get(r, f"nothing within {waited:g} s") for r in range(world)}
     ranks: dict[str, list[int]] = {}
     for r, value in held.items():
         ranks.setdefault(value, []).append(r)
@@ -109,7 +109,8 @@ def same_on_every_rank(subject: str, mine: str, absent: str, timeout: float | No
     message = (f"the ranks of this data-parallel run ({world} processes) hold other {subject}: {listed}. The gradient "
                "applied is the average of the ranks', which would follow no one rule")
     if len(said) < world and absent:  # a rank without this check cannot refuse: it would train on alone
-        warnings.warn(f"{message}, where those that said nothing train with {absent}", stacklevel=3)
+        warnings.warn(f"{message}, where those that said nothing (hf_spanattn not imported there?) train with "
+                      f"{absent}", stacklevel=3)
         return
     raise ValueError(f"{message}: give every rank the same")
 
