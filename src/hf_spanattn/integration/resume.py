@@ -29,6 +29,7 @@ from hf_spanattn.ops.inputs import shown
 _WRAPPED = "_hf_spanattn_resume"
 _STOCK = "the standard gradient (the model is not patched)"
 RANKS_TIMEOUT_S = 120.0  # how long a rank waits for the others to say their settings
+_AVERAGED = "The gradient applied is the average of the ranks', which would follow no one rule"
 _compared: collections.Counter = collections.Counter()  # per subject, the comparisons this process began
 
 
@@ -79,12 +80,13 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
                   stacklevel=3)
 
 
-def same_on_every_rank(subject: str, mine: str, absent: str, timeout: float | None = None) -> None:
+def same_on_every_rank(subject: str, mine: str, absent: str, why: str = _AVERAGED,
+                       timeout: float | None = None) -> None:
     """Refuse where the ranks of a data-parallel run hold other `subject` than this rank's (`mine`, a description);
     a no-op unless torch.distributed is initialised with more than one rank. Every rank says its own through the
     process group's key-value store, not through a collective, so that a rank that does not take part cannot pair
     with a collective of another kind; a rank that has not said within `timeout` seconds (RANKS_TIMEOUT_S) is taken
-    to hold `absent` where that is given (as a warning), else refused."""
+    to hold `absent` where that is given (as a warning), else refused. `why` says what differing ones would do."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -106,8 +108,7 @@ def same_on_every_rank(subject: str, mine: str, absent: str, timeout: float | No
         return
     listed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {shown(rs, 60)[1:-1]}: {shown(v, 300)}"
                        for v, rs in ranks.items())
-    message = (f"the ranks of this data-parallel run ({world} processes) hold other {subject}: {listed}. The gradient "
-               "applied is the average of the ranks', which would follow no one rule")
+    message = f"the ranks of this data-parallel run ({world} processes) hold other {subject}: {listed}. {why}"
     if len(said) < world and absent:  # a rank without this check cannot refuse: it would train on alone
         warnings.warn(f"{message}, where those that said nothing (hf_spanattn not imported there?) train with "
                       f"{absent}", stacklevel=3)

@@ -167,9 +167,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                              f"{thread!r}; give each Trainer a SpanAttentionCallback of its own")
         self._thread = threading.get_ident()
         self._check()
-        args_saved = self.state()["args"]  # diagnostics_file aside: rank 0 alone writes it
+        saved = self.state()["args"]  # those that set the α and when the ranks reduce the diagnostics
         same_on_every_rank("SpanAttentionCallback settings", json.dumps(
-            {k: v for k, v in args_saved.items() if k != "diagnostics_file"}, sort_keys=True, default=repr), "")
+            {k: saved[k] for k in ("schedule", "diagnostics_every")}, sort_keys=True, default=repr), "",
+            "A schedule sets the α of the gradient averaged over the ranks, and the ranks reduce the diagnostics "
+            "together at the steps diagnostics_every names")
         self._start_afresh()
         self._move_first()
         base = base_model(model)
