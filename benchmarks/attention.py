@@ -32,6 +32,7 @@ from benchmarks.common import (
     peak_in_subprocess,
     rerun_with_steady_heap,
     reset_peak,
+    span_label,
     time_interleaved,
 )
 from hf_spanattn import SpanAttentionConfig, span_attention
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--tokens", type=int, help="B·T (default 2048 on the CPU, 16384 on CUDA)")
     parser.add_argument("--seq", type=at_least(1), nargs="+")
-    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--methods", type=span_label, nargs="+", default=METHODS)
     parser.add_argument("--backends", nargs="+", choices=["auto", *BACKENDS],
                         help="default: auto on the CPU, fused and triton on CUDA")
     parser.add_argument("--repeats", type=at_least(1))

@@ -71,6 +71,25 @@ def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
     return parse
 
 
+def probability(text: str) -> float:
+    """argparse's type of a probability, from 0 to 1 (NaN is none)."""
+    value = at_least(0, float)(text)
+    if not value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r:.40}: expected a number from 0 to 1")
+    return value
+
+
+def span_label(text: str) -> str:
+    """argparse's type of a span attention label ('score:1000'), checked before anything runs."""
+    from hf_spanattn import SpanAttentionConfig
+
+    try:
+        SpanAttentionConfig.from_label(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def device_choice(text: str) -> str:
     """argparse's type of --device: cpu, or cuda where torch sees a CUDA device."""
     import torch

@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from benchmarks.common import at_least, rerun_with_steady_heap
+from benchmarks.common import at_least, rerun_with_steady_heap, span_label
 from hf_spanattn import patch_model
 from hf_spanattn.training import SpanAttentionCallback
 
@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=at_least(2), default=31, help="the first warms up and is not counted")
     parser.add_argument("--seq", type=at_least(1), default=256)
-    parser.add_argument("--span", default="score:1100")
+    parser.add_argument("--span", type=span_label, default="score:1100")
     args = parser.parse_args()
     rerun_with_steady_heap("benchmarks.diagnostics")
     variants = ["none", "off", "every 10"]

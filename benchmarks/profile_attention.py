@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.common import at_least, device_choice
+from benchmarks.common import at_least, device_choice, span_label
 
 LABELS = ["standard:QKV101", "score:1000", "score:1111@per_block"]
 TRITON_KERNELS = ("forward_kernel", "keys_kernel", "queries_kernel")  # the kernels of ops/triton/kernels.py
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", type=device_choice, choices=["cpu", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--labels", nargs="+", default=LABELS)
-    parser.add_argument("--backends", nargs="+", help="default: fused and triton on CUDA, tiles and triton on the CPU")
+    parser.add_argument("--backends", nargs="+", choices=["auto", "tiles", "fused", "triton"],
+                        help="default: fused and triton on CUDA, tiles and triton on the CPU")
     parser.add_argument("--batch", type=at_least(1))
     parser.add_argument("--heads", type=at_least(1))
     parser.add_argument("--seq", type=at_least(1))
@@ -139,6 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import
     from hf_spanattn.ops.triton import missing
+
+    for label in args.labels:  # checked here, after TRITON_INTERPRET is set
+        try:
+            span_label(label)
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"argument --labels: {err}")
 
     interpreted = args.device == "cpu" and "triton" in args.backends and not missing()
     shape = (args.batch, args.heads, args.seq, args.dim)

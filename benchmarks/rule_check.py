@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from benchmarks.common import at_least, backend_variable_kept, device_choice
+from benchmarks.common import at_least, backend_variable_kept, device_choice, span_label
 from hf_spanattn import patch_model
+from hf_spanattn.ops.attention import BACKENDS
 
 
 def blocks(path: Path, tokenizer, seq: int, chars: int, device: str) -> torch.Tensor:
@@ -115,7 +116,7 @@ def validation_loss(model: GPT2LMHeadModel, validation: torch.Tensor, autocast: 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", type=device_choice, choices=["cpu", "cuda"])
-    parser.add_argument("--rule", default="score:1000")
+    parser.add_argument("--rule", type=span_label, default="score:1000")
     parser.add_argument("--backends", default=None, help="comma-separated (default: triton,fused on CUDA, tiles)")
     parser.add_argument("--data", type=Path, default=Path(".data"),
                         help="a folder with gpt2-tokenizer/ and wikitext-2-v1/{train,validation}.txt")
@@ -132,8 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=at_least(1), default=4)
     parser.add_argument("--layers", type=at_least(1), default=6)
     args = parser.parse_args(argv)
+    given = args.backends
     args.backends = (args.backends or ("triton,fused" if args.device == "cuda" else "tiles")).split(",")
     args.autocast = args.device == "cuda"
+    unknown = [name for name in args.backends if name not in ("auto", *BACKENDS)]
+    if unknown:  # else named only after the runs before it
+        parser.error(f"--backends {given!r:.80}: {', '.join(repr(name)[:40] for name in unknown)}: allowed are auto, "
+                     f"{', '.join(BACKENDS)} (comma-separated)")
     if not (args.data / "gpt2-tokenizer").is_dir():
         parser.error(f"--data {args.data}: no gpt2-tokenizer folder in it (see scripts/fetch_gpu_data.sh)")
     tokenizer = AutoTokenizer.from_pretrained(args.data / "gpt2-tokenizer")

@@ -32,8 +32,10 @@ from benchmarks.common import (
     device_choice,
     peak_bytes_since,
     peak_in_subprocess,
+    probability,
     rerun_with_steady_heap,
     reset_peak,
+    span_label,
     time_interleaved,
 )
 from hf_spanattn import patch_model
@@ -75,13 +77,13 @@ def build(name: str, seq: int, batch: int, device: str, attn_dropout: float = 0.
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", type=device_choice, choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--methods", type=span_label, nargs="+", default=METHODS)
     parser.add_argument("--seq", type=at_least(1), default=512)
     parser.add_argument("--batch", type=at_least(1))
     parser.add_argument("--repeats", type=at_least(1))
     parser.add_argument("--backends", nargs="+", choices=["auto", "tiles", "fused", "triton"],
                         help="default: auto on the CPU, fused and triton on CUDA")
-    parser.add_argument("--attn-dropout", type=float, default=0.1, help="GPT-2's attn_pdrop (default 0.1)")
+    parser.add_argument("--attn-dropout", type=probability, default=0.1, help="GPT-2's attn_pdrop (default 0.1)")
     parser.add_argument("--peak", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():

@@ -293,6 +293,8 @@ CASES = [
      "score_grad=array('exact', dtype='<U5'): allowed values are exact, per_block, as a str"),
     ("layers a range too long for a list", lambda t: SpanAttentionConfig(layers=range(10**20)), ValueError,
      "layers=range(0, 100000000000000000000): expected None (all layers) or a sequence"),
+    ("layers a range too long for memory", lambda t: SpanAttentionConfig(layers=range(10**18)), ValueError,
+     "layers=range(0, 1000000000000000000): expected None (all layers) or a sequence"),  # was: a bare MemoryError
     ("span_attention probe not callable", lambda t: span_attention(*qkv(), probe=1), TypeError,
      "span_attention: probe must be callable (an OrderRecorder) or None, got int"),
     ("span_attention float8 with span gradients", lambda t: span_attention(*[x.to(torch.float8_e5m2) for x in qkv()]),
@@ -605,9 +607,11 @@ def test_errors_cut_a_huge_value(call, tmp_path):
     assert len(str(err.value)) < 1000 and "characters)" in str(err.value), str(err.value)[:300]
 
 
-def test_a_huge_unknown_field_is_cut_in_the_warning():
+@pytest.mark.parametrize("data", [{"x" * 100_000: 1}, {"x": 1, "hf_spanattn_version": "0.1.0" + ".0" * 50_000}],
+                         ids=["huge field", "huge version"])  # a version as old as this one, written long
+def test_a_huge_unknown_field_is_cut_in_the_warning(data):
     with pytest.warns(UserWarning, match="ignoring unknown fields") as caught:
-        assert SpanAttentionConfig.from_dict({"x" * 100_000: 1}).label == "score:1000"
+        assert SpanAttentionConfig.from_dict(data).label == "score:1000"
     assert len(str(caught[0].message)) < 1000
 
 

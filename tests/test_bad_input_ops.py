@@ -382,6 +382,34 @@ def test_second_derivative_says_it_is_not_supported(label, backend):
         sum(g.square().sum() for g in grads).backward()
 
 
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("label", ["score:1111", "score:1000"])
+def test_second_derivative_with_respect_to_what_made_the_inputs_says_it_is_not_supported(label, backend):
+    """A Hessian-vector product taken with torch.autograd.grad(..., inputs=weights) of weights that make q, k
+    and v (as influence functions take it over a model's parameters) raises, rather than leaving attention's
+    second derivative out without a word."""
+    config = SpanAttentionConfig.from_label(label)
+    gen, dtype = torch.Generator().manual_seed(0), torch.float64 if backend == "tiles" else torch.float32
+    x = torch.randn(2, 2, 5, 4, generator=gen, dtype=dtype)
+    weights = [torch.randn(4, 4, generator=gen, dtype=dtype, requires_grad=True) for _ in range(3)]
+    out = span_attention(*(x @ w for w in weights), is_causal=True, config=config, backend=backend)
+    grads = torch.autograd.grad(out.square().sum(), weights, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"span_attention: a second derivative"):
+        torch.autograd.grad(sum(g.square().sum() for g in grads), weights)
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_batched_gradients_say_they_are_not_supported(backend):
+    """is_grads_batched=True (jacobian and hessian with vectorize=True) raises, naming what to use instead,
+    where vmap's "Batching rule not implemented for aten::…" named none of it."""
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    out = span_attention(q, k, v, is_causal=True, config=SpanAttentionConfig.from_label("score:1000"),
+                         backend=backend)
+    eye = torch.eye(out.numel()).reshape(-1, *out.shape)
+    with pytest.raises(RuntimeError, match=r"span_attention: batched gradients .*is_grads_batched.*vectorize=False"):
+        torch.autograd.grad(out, (q, k, v), eye, is_grads_batched=True)
+
+
 SCALES = {"zero": 0.0, "minus_zero": -0.0, "negative": -0.7, "large": 1e20,
           "true": True, "false": False, "numpy_bool": np.bool_(True), "bool_tensor": torch.tensor(False),
           "half_tensor": torch.tensor(0.3, dtype=torch.float16), "int": 3, "numpy_float": np.float64(0.4),

@@ -64,6 +64,17 @@ RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "
     ("train_step", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
     ("profile_attention", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
     ("rule_check", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
+    # labels and backends named before any run (were: after the warm-up steps or the runs of the ones before)
+    ("rule_check", ["--rule", "bogus"], "argument --rule: label='bogus': expected '<method>:<alphas>"),
+    ("rule_check", ["--backends", "tiles,bogus"], "--backends 'tiles,bogus': 'bogus': allowed are auto, tiles"),
+    ("attention", ["--memory", "--methods", "score:1000", "Score:1"], "argument --methods: label='Score:1'"),
+    ("train_step", ["--methods", "score:10"], "argument --methods: alphas=(1.0, 0.0): expected 4 values"),
+    ("diagnostics", ["--span", "simple:10@per_block"], "argument --span: score_grad='per_block': only method="),
+    ("profile_attention", ["--device", "cpu", "--labels", "score:1000", "x"], "argument --labels: label='x'"),
+    ("profile_attention", ["--device", "cpu", "--backends", "Tiles"], "argument --backends: invalid choice: 'Tiles'"),
+    # was: SDPA's "flash attention: Currently do not support dropout > 0" (NaN), torch's dropout error (-1, 2)
+    *(("train_step", ["--attn-dropout", value], f"argument --attn-dropout: '{value}': expected a number")
+      for value in ("nan", "-1", "2", "1e308")),
 ])
 def test_benchmark_options_out_of_range_are_named_before_anything_runs(module, argv, message, tmp_path, monkeypatch,
                                                                        capsys):

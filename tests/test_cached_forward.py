@@ -40,3 +40,29 @@ def test_cached_forward_under_grad_is_sdpa_with_the_standard_gradient(family, ca
         assert torch.allclose(grad, stock_grads[name], rtol=1e-5, atol=1e-7), name
     warned = [r for r in caplog.records if "needs self-attention" in r.getMessage()]
     assert len(warned) == 1 and "past_key_values" in warned[0].getMessage()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neo"])
+def test_generation_in_train_mode_under_attention_dropout_says_nothing_of_gradients(family, caplog):
+    """Generation in train mode under attention dropout (as TRL's online trainers generate): the cached decoding
+    steps take no gradient, so the note that they get the standard gradient is not said there; the first cached
+    forward under autograd says it."""
+    stock = tiny(family)
+    for module in stock.modules():  # Llama's attention holds the rate, GPT-Neo's a Dropout module
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.3
+        if isinstance(getattr(module, "attn_dropout", None), torch.nn.Dropout):
+            module.attn_dropout.p = 0.3
+    patched = patch_model(copy.deepcopy(stock), "score:1000")
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        generated = []
+        for model in (stock.train(), patched.train()):
+            torch.manual_seed(0)
+            generated.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                            do_sample=True))
+        assert not [r for r in caplog.records if "needs self-attention" in r.getMessage()]
+        decode_step_gradients(patched, ids, prompt=4)
+    assert torch.equal(*generated)
+    assert len([r for r in caplog.records if "needs self-attention" in r.getMessage()]) == 1

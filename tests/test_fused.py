@@ -271,3 +271,15 @@ def test_the_reference_check_sees_a_wrong_gradient(label, dtype, tol, monkeypatc
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_cuda_matches_float64_reference(label, dtype, tol):
     check_matches_float64_reference("cuda", label, dtype, tol)
+
+
+@pytest.mark.parametrize("label", ["score:1000", "score:1111", "simple:10"])
+def test_the_output_is_laid_out_as_sdpas(label):
+    """At the span rules the output was a slice of the augmented output (strides of width D + extra columns), so
+    `out.view(B, -1)` raised where SDPA's output, contiguous on a CPU, takes it; the values are unchanged."""
+    q, k, v = (torch.randn(2, 3, 16, 8, requires_grad=True) for _ in range(3))
+    stock = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = span_attention(q, k, v, None, 0.0, True, None, config=label, backend="fused")
+    assert out.stride() == stock.stride()
+    torch.testing.assert_close(out.view(2, -1), stock.view(2, -1))
+    out.square().sum().backward()

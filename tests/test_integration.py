@@ -221,6 +221,11 @@ def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
     patched(ids).square().sum().backward()
     for a, b in zip(stock.parameters(), patched.parameters()):
         assert rel(b.grad, a.grad) < 1e-12
+    # layers=[1] selects by the layer_idx the modules carry (refused before: "carry no layer index")
+    selected = patch_model(model(), "score:1000", layers=[1])
+    assert [registry.settings_for(m) for m in selected.layers] == [None, SpanAttentionConfig.from_label("score:1000")
+                                                                   .replace(layers=[1])]
+    selected(ids).square().sum().backward()
     registry.register()
     stock.config._attn_implementation = "span_attention"  # by hand, without patch_model: no settings to reach
     with pytest.raises(TypeError, match="_ConfiglessAttention holds no model config .* call hf_spanattn.patch_model"):
@@ -456,3 +461,70 @@ def test_a_cross_attention_named_encoder_attn_keeps_the_stock_gradient():
     cross, own = "model.layers.0.encoder_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"
     assert rel(got[cross], expected[cross]) < 1e-5
     assert rel(got[own], expected[own]) > 1e-3
+
+
+def _encoder_decoder(kind: str):
+    """A tiny BERT2BERT EncoderDecoderModel, or a VisionEncoderDecoderModel of ViT and GPT-2, without dropout."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "text":
+        bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                    max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(
+            transformers.BertConfig(**bert), transformers.BertConfig(**bert, is_decoder=True, add_cross_attention=True))
+        model_class, inputs = transformers.EncoderDecoderModel, {"input_ids": tokens(length=12)}
+    else:
+        config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+            transformers.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                   image_size=8, patch_size=2, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0),
+            transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, add_cross_attention=True,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        model_class, inputs = transformers.VisionEncoderDecoderModel, {"pixel_values": torch.randn(2, 3, 8, 8)}
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return model_class, model_class(config).double(), {**inputs, "labels": tokens(length=12, seed=2)}
+
+
+@pytest.mark.parametrize("kind", ["text", "vision"])
+def test_an_encoder_decoder_wrapper_is_patched_through_its_encoder_and_decoder(kind, tmp_path):
+    """EncoderDecoderModel and VisionEncoderDecoderModel were refused for the flag their wrapper class lacks, though
+    their encoder and decoder declare it. Patched whole, they train as their two parts patched one by one (the
+    cross-attention keeping SDPA's gradient), save and load with their settings, and unpatch to stock."""
+    from hf_spanattn import load_pretrained
+
+    model_class, model, inputs = _encoder_decoder(kind)
+
+    def grads(m):
+        m.zero_grad()
+        m(**{k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}).loss.backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    stock = grads(model)
+    whole = patch_model(copy.deepcopy(model), "score:1000")
+    parts = copy.deepcopy(model)
+    patch_model(parts.encoder, "score:1000")
+    patch_model(parts.decoder, "score:1000")
+    assert torch.equal(grads(whole), grads(parts)) and rel(grads(whole), stock) > 1e-9
+    whole.save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, model_class=model_class).double()
+    assert registry.config_of(loaded.config).label == "score:1000"
+    assert torch.equal(grads(loaded), grads(whole))
+    unpatch_model(whole)
+    assert whole.config._attn_implementation == whole.decoder.config._attn_implementation == "sdpa"
+    assert torch.equal(grads(whole), stock)
+
+
+def test_an_encoder_decoder_whose_decoder_lacks_the_flag_names_it():
+    """BERT encoder, BART decoder: refused, naming the decoder's class (the message named only the wrapper)."""
+    import transformers
+
+    bart = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                   decoder_ffn_dim=32, is_decoder=True, add_cross_attention=True)
+    bert = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32)
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(bert, bart)
+    with pytest.raises(ValueError, match=r"EncoderDecoderModel \(it holds BartForCausalLM, which does not\) does not "
+                                         "declare Transformers' attention-backend support"):
+        patch_model(transformers.EncoderDecoderModel(config), "score:1000")

@@ -101,6 +101,35 @@ def test_trainer_trains_and_resumes_with_the_same_settings(tmp_path):
         assert torch.allclose(p, q, atol=1e-6), name
 
 
+_RESUMED_UNPATCHED = """
+import json, os, sys, warnings
+import hf_spanattn
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+folder = sys.argv[1]
+checkpoint = os.path.join(folder, "checkpoint-1")
+os.makedirs(checkpoint)
+with open(os.path.join(checkpoint, "config.json"), "w") as file:
+    json.dump({"model_type": "gpt2", "span_attention": {"method": "score", "alphas": [1, 1, 0, 0]}}, file)
+model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64))
+trainer = Trainer(model=model, args=TrainingArguments(folder, report_to="none", use_cpu=True, max_steps=1))
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    except ValueError:  # no train_dataset: the check comes before
+        pass
+print([str(w.message) for w in seen if "resume_from_checkpoint" in str(w.message)])
+"""
+
+
+def test_a_run_resumed_unpatched_in_a_process_that_imported_hf_spanattn_first_says_so(tmp_path):
+    """The resume check was installed by the first patch_model, or at import where the Trainer was imported before:
+    hf_spanattn imported first, a checkpoint saved with settings resumed into an unpatched model, nothing was said."""
+    out = subprocess.run([sys.executable, "-c", _RESUMED_UNPATCHED, str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "was saved with span attention settings score:1100" in out and "the model is not patched" in out, out
+
+
 def test_a_run_resumed_with_other_settings_than_its_checkpoints_says_so(tmp_path):
     """A checkpoint saved at score:1100@per_block on layer 1, resumed with the model patched otherwise or not at
     all, trained on with the model's settings without a word."""
@@ -207,14 +236,13 @@ def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplo
 
 
 @pytest.mark.slow
-def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_path, monkeypatch):
-    """2 gloo processes: a model patched on one rank only (the other imports hf_spanattn and patches nothing, as a
-    launcher starts it: WORLD_SIZE set), callbacks with other diagnostics, a diagnostics file whose lock another
+def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_path):
+    """2 gloo processes: a model patched on one rank only (the other imports hf_spanattn before the Trainer and
+    patches nothing), callbacks with other diagnostics, a diagnostics file whose lock another
     run holds (rank 0 reads it, rank 1 trains on without that), and diagnostics sums of one size but
     other heads and orders are refused on both ranks, naming what each holds; so is a second reduction."""
     from gloo_workers import ranks_that_differ, spawn
 
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it before the interpreter starts
     spawn(ranks_that_differ, 2, str(tmp_path))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"refused-{rank}.json").read_text())

@@ -83,7 +83,7 @@ def _layers_field(value: Any) -> tuple[int, ...] | None:
         return None
     try:
         layers = list(value)
-    except (TypeError, OverflowError):  # iterable by type only (a 0-d tensor), a range too long for a list
+    except (TypeError, OverflowError, MemoryError):  # iterable by type only (a 0-d tensor), a range too long for a list
         return None
     indices = [as_int(i) for i in layers]
     if None in indices or min(indices, default=0) < 0:
@@ -312,8 +312,10 @@ class SpanAttentionConfig:
         if unknown:
             close = {k: difflib.get_close_matches(str(k), known, n=1) for k in unknown}
             hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in close.items() if m)
+            version = data.get(VERSION_KEY, "?")
+            version = version if isinstance(version, str) and len(version) <= 60 else shown(version, 60)  # a hand edit
             warnings.warn(f"{where}SpanAttentionConfig: ignoring unknown fields {shown(unknown)} (written by "
-                          f"hf_spanattn {data.get(VERSION_KEY, '?')}; known fields are {known}){hints}", stacklevel=2)
+                          f"hf_spanattn {version}; known fields are {known}){hints}", stacklevel=2)
         try:
             return cls(**{k: v for k, v in fields.items() if k in known})
         except (TypeError, ValueError) as err:

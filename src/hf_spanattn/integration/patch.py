@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import os
 import warnings
 import weakref
@@ -32,6 +31,7 @@ from hf_spanattn.integration.registry import (
     SETTINGS_FROM_ATTR,
     attention_modules,
     call_settings,
+    calls_the_registry,
     config_of,
     documents_of,
     keeps_sdpa,
@@ -92,7 +92,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     if layers is not None:
         config = config.replace(layers=layers)
     neo = _neo_attentions(base)
-    if not neo and not getattr(base, "_supports_attention_backend", False):
+    if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
     # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
     no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and m._supports_sdpa is False), None)
@@ -133,12 +133,12 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
         if any("cross" in part.lower() or part == "encoder_attn" for part in path.split(".")) and \
-                _calls_the_registry(module):
+                calls_the_registry(module):
             module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
         # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
         # may hold no config at all: the settings are the model's
         own = getattr(module, "config", None)
-        if isinstance(own, PretrainedConfig) and own is not base.config or own is None and _calls_the_registry(module):
+        if isinstance(own, PretrainedConfig) and own is not base.config or own is None and calls_the_registry(module):
             module.__dict__[SETTINGS_FROM_ATTR] = base.config
         else:
             module.__dict__.pop(SETTINGS_FROM_ATTR, None)
@@ -162,7 +162,7 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     layer, which carries a layer index too."""
     present = attention_modules(base)
     neo = _neo_attentions(base)
-    attending = {i for i, modules in present.items() if any(m in neo or _calls_the_registry(m) for m in modules)}
+    attending = {i for i, modules in present.items() if any(m in neo or calls_the_registry(m) for m in modules)}
     attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
     absent = [i for i in layers if i not in attending]
     if absent if every else len(absent) == len(layers):
@@ -170,16 +170,25 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
                          f"attention modules carry the layer indices {shown(sorted(attending))[1:-1]}")
 
 
-def _calls_the_registry(module: torch.nn.Module) -> bool:
-    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+def _declares_backend(base: PreTrainedModel) -> bool:
+    """Whether the model's class declares Transformers' attention-backend support, or the model wraps models that each
+    do and holds no attention of its own (EncoderDecoderModel and VisionEncoderDecoderModel around BERT, ViT, GPT-2)."""
+    if getattr(base, "_supports_attention_backend", False):
+        return True
+    parts = [m for m in base.children() if isinstance(m, PreTrainedModel)]
+    inside = {m for part in parts for m in part.modules()}
+    return bool(parts) and all(part._supports_attention_backend for part in parts) and \
+        not any(calls_the_registry(m) for m in base.modules() if m not in inside)
 
 
 def _not_a_backend(base: PreTrainedModel) -> str:
     """Why a model whose class does not set `_supports_attention_backend` is refused (it may call the registry all
     the same, as BART, Whisper and T5 do: the flag is what is missing), and what else its attention holds."""
-    text = (f"{type(base).__name__} does not declare Transformers' attention-backend support (its class leaves "
+    parts = [getattr(base.config, key, None) for key in getattr(base.config, "sub_configs", None) or {}]
+    lacking = [type(m).__name__ for m in base.children() if isinstance(m, PreTrainedModel) and
+               any(m.config is part for part in parts) and not m._supports_attention_backend]  # a composite's model
+    holds = f" (it holds {', '.join(lacking)}, which does not)" if lacking else ""
+    text = (f"{type(base).__name__}{holds} does not declare Transformers' attention-backend support (its class leaves "
             "_supports_attention_backend False, the mark of models that pass every attention argument through to "
             "the registered attention function), and span gradients are attached only to models that declare it")
     if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind

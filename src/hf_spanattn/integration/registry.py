@@ -7,6 +7,7 @@ config is the single source of truth: saving, loading and pushing a model carrie
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -219,9 +220,16 @@ def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
     layers: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         index = layer_index(module)
-        if index is not None and hasattr(module, "config"):
+        # an attention module holds its config, or (a custom model's) calls the registry without one
+        if index is not None and (hasattr(module, "config") or calls_the_registry(module)):
             layers.setdefault(index, []).append(module)
     return layers
+
+
+def calls_the_registry(module: torch.nn.Module) -> bool:
+    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 def settings_config(module: torch.nn.Module) -> Any:
@@ -395,10 +403,12 @@ def span_attention_forward(
 
 def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross: bool = False) -> bool:
     """Whether a call with these lengths gets SDPA's result and standard gradient: span rules need
-    self-attention (said once). Cross-attention keeps it also where its lengths happen to be equal, so
-    that its gradient does not hang on the lengths of a batch."""
+    self-attention (said once, where autograd records the call). Cross-attention keeps it also where its
+    lengths happen to be equal, so that its gradient does not hang on the lengths of a batch."""
     if (q_length == k_length and not cross) or config.method == "standard":
         return False
+    if not torch.is_grad_enabled():  # a pass without autograd under dropout (generation in train mode): no gradient
+        return True
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
         "where they differ (a forward with past_key_values under autograd) and cross-attention, whatever its "

@@ -1,8 +1,8 @@
 """A run resumed from a checkpoint trains with the settings of the model it is given, as every other argument of
 the model: `Trainer.train(resume_from_checkpoint=...)` loads the checkpoint's weights, not its config. Where those
 settings are not the ones the checkpoint was saved with (the model patched otherwise, or not patched), `install`
-has `Trainer.train` say so, naming both, before it trains (installed by `patch_model`, and when hf_spanattn is
-imported after the Trainer).
+has `Trainer.train` say so, naming both, before it trains (installed by `patch_model`, at `import hf_spanattn` where
+the Trainer is imported, else when it is: `install_on_import`).
 
 Under data parallelism (torch.distributed with more than one process: DDP, FSDP, Accelerate) the gradient applied
 is the average of the ranks': where the ranks train with other settings (a rank patched otherwise, or not at all) it
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import os
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -169,3 +172,31 @@ def install() -> None:
 
     setattr(checked_train, _WRAPPED, True)
     Trainer.train = checked_train
+
+
+class _OnTrainerImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: where `transformers.trainer` is imported, lets the import run as it would, then installs
+    the check (once: it leaves `sys.meta_path` at its first call for that module)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "transformers.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run(module)
+                install()
+
+            spec.loader.exec_module = exec_module  # this spec's own loader
+        return spec
+
+
+def install_on_import() -> None:
+    """Install the check now where the Trainer is imported, else as soon as it is (importing it here takes a while)."""
+    if "transformers.trainer" in sys.modules:
+        install()
+    elif not any(isinstance(finder, _OnTrainerImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _OnTrainerImport())

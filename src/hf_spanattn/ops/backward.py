@@ -143,12 +143,21 @@ DOUBLE_BACKWARD = (
     "on the CPU, or the model's eager attention (hf_spanattn.unpatch_model)")
 
 
+BATCHED_GRADS = (
+    "span_attention: batched gradients (torch.autograd.grad(..., is_grads_batched=True), which "
+    "torch.autograd.functional.jacobian and hessian use with vectorize=True) are not supported: take them one "
+    "at a time (vectorize=False, or a loop of torch.autograd.grad), or use config standard:QKV111 (SDPA itself)")
+
+
 class _NoSecondDerivative(torch.autograd.Function):
-    """The gradients a backward pass computed, as they are; differentiating them raises."""
+    """The gradients a backward pass computed, as they are; differentiating them raises. They are made to
+    depend on what they were computed from (the incoming gradients and the saved inputs), so that a second
+    derivative with respect to anything upstream (`torch.autograd.grad(..., inputs=params)`) reaches this
+    function, rather than passing it by as a constant."""
 
     @staticmethod
-    def forward(ctx, anchor, *grads):
-        return tuple(g.view_as(g) for g in grads)
+    def forward(ctx, n_grads, *tensors):  # the gradients, then what they depend on
+        return tuple(g.view_as(g) for g in tensors[:n_grads])
 
     @staticmethod
     def backward(ctx, *_):
@@ -164,6 +173,9 @@ def first_order_only(backward_fn: Callable) -> Callable:
 
     @functools.wraps(backward_fn)
     def wrapper(ctx, *grad_outputs):
+        if not torch.compiler.is_compiling() and any(  # the rules' products write into buffers: vmap cannot batch them
+                isinstance(g, torch.Tensor) and torch._C._functorch.is_legacy_batchedtensor(g) for g in grad_outputs):
+            raise RuntimeError(BATCHED_GRADS)
         device = next(g.device.type for g in grad_outputs if isinstance(g, torch.Tensor))
         create_graph = torch.is_grad_enabled()
         with torch.autocast(device, enabled=False), torch.no_grad():
@@ -171,7 +183,9 @@ def first_order_only(backward_fn: Callable) -> Callable:
         if not create_graph:
             return grads
         present = [g for g in grads if isinstance(g, torch.Tensor)]
-        marked = iter(_NoSecondDerivative.apply(torch.empty(0, requires_grad=True), *present))
+        sources = [x for x in (*grad_outputs, *ctx.saved_tensors)  # not the function's own saved output
+                   if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not ctx]
+        marked = iter(_NoSecondDerivative.apply(len(present), *present, torch.empty(0, requires_grad=True), *sources))
         return tuple(next(marked) if isinstance(g, torch.Tensor) else g for g in grads)
 
     return wrapper

@@ -266,4 +266,13 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     q_aug, k_aug, v_aug = _Operands.apply(query, key, value, key_valid, config)
     out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=attn_mask, dropout_p=dropout_p,
                                          is_causal=is_causal, scale=scale, enable_gqa=h_q != h_kv)
-    return out[..., :value.shape[-1]]
+    return _first_columns(out, value.shape[-1])
+
+
+def _first_columns(out: torch.Tensor, width: int) -> torch.Tensor:
+    """The first `width` columns of SDPA's output of the augmented operands, dense in the order of its dimensions in
+    memory, as SDPA lays out its own output (contiguous on a CPU), not a strided slice: a caller may `.view` it so."""
+    if out.shape[-1] == width:
+        return out
+    order = sorted(range(out.dim()), key=out.stride, reverse=True)
+    return out[..., :width].permute(order).contiguous().permute([order.index(i) for i in range(out.dim())])
