@@ -98,3 +98,53 @@ def one_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) ->
     reduce_over_ranks([recorders[index] for index in sorted(recorders)])
     gradients = {name: p.grad for name, p in model.named_parameters()}
     return gradients, {index: recorder.summary(per_head=True) for index, recorder in recorders.items()}
+
+
+def ranks_that_differ(output_dir: str) -> None:
+    """Rank r of 2 meets what a data-parallel run refuses where the ranks differ, and writes what each raised (the
+    exception's type and message, or None) to refused-{r}.json: Trainer.train over a model patched on rank 0 alone,
+    a SpanAttentionCallback with other diagnostics on each rank, a diagnostics file whose lock another run holds
+    (which rank 0 alone reads), diagnostics sums of one size but other heads and
+    orders, and a second reduction of recorders already reduced."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_spanattn.training import SpanAttentionCallback
+
+    def raised(call) -> list | None:
+        try:
+            call()
+        except (ValueError, RuntimeError) as err:
+            return [type(err).__name__, str(err)]
+        return None
+
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True)
+    rank = dist.get_rank()
+    model = tiny("gpt2", layers=1)
+    patched = patch_model(tiny("gpt2", layers=1), "score:1100")
+    got = {"unpatched rank": raised(Trainer(model=patched if rank == 0 else model, args=args,
+                                            train_dataset=Rows()).train),
+           "callbacks": raised(Trainer(model=patched, args=args, train_dataset=Rows(), callbacks=[
+               SpanAttentionCallback(diagnostics_every=rank + 1)]).train)}
+    held = Path(output_dir) / "held"
+    if rank == 0:  # the lock of a run going on: the parent process's
+        held.mkdir()
+        lock = {"pid": os.getppid(), "host": socket.gethostname()}
+        (held / "span_diagnostics.jsonl.lock").write_text(json.dumps(lock))
+    args.output_dir = str(held)
+    got["lock held"] = raised(Trainer(model=patched, args=args, train_dataset=Rows(), callbacks=[
+        SpanAttentionCallback(diagnostics_every=1)]).train)
+    recorders = [_recorded(4, 2) if rank == 0 else _recorded(2, 7)]  # 2 x (heads x (orders + 3)) = 40 sums each
+    got["layouts"] = raised(lambda: reduce_over_ranks(recorders))
+    recorders = [_recorded(4, 2)]
+    reduce_over_ranks(recorders)
+    got["twice"] = raised(lambda: reduce_over_ranks(recorders))
+    (Path(output_dir) / f"refused-{rank}.json").write_text(json.dumps(got))
+
+
+def _recorded(heads: int, orders: int) -> OrderRecorder:
+    """A recorder that has recorded one call of `heads` heads and `orders` orders (all ones)."""
+    recorder, part = OrderRecorder(), torch.ones(1, heads, 1, 3, 2, dtype=torch.float64)
+    recorder({"dq": part, "dk": part, "dq_orders": [part] * orders, "dk_orders": [part] * orders, "dq_standard": part,
+              "dk_standard": part, "rank_k": torch.ones(1, heads), "rank_v": torch.ones(1, heads)})
+    return recorder

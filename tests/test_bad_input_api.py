@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
 from hf_spanattn.integration.registry import config_of
 from hf_spanattn.training import Keyframe, OrderRecorder, Schedule, SpanAttentionCallback
+from hf_spanattn.training.diagnostics import reduce_over_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -282,6 +283,10 @@ CASES = [
      ValueError, "alphas=[Decimal('sNaN'), 0, 0, 0]: expected a sequence of 4 numbers"),
     ("OrderRecorder.summary per_head a string", lambda t: OrderRecorder().summary(per_head="no"), TypeError,
      "OrderRecorder.summary: per_head='no': expected True or False"),
+    ("reduce_over_ranks given a None", lambda t: reduce_over_ranks([None]), TypeError,
+     "reduce_over_ranks: recorders=a list holding ['NoneType']: expected a list of OrderRecorder"),
+    ("reduce_over_ranks given one recorder", lambda t: reduce_over_ranks(OrderRecorder()), TypeError,
+     "reduce_over_ranks: recorders=OrderRecorder: expected a list of OrderRecorder"),
     ("method a 0-d NumPy array", lambda t: SpanAttentionConfig(method=np.array("score")), ValueError,
      "method=array('score', dtype='<U5'): allowed values are standard, simple, reductionistic, score, as a str"),
     ("score_grad a 0-d NumPy array", lambda t: SpanAttentionConfig(score_grad=np.array("exact")), ValueError,

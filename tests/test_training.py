@@ -204,3 +204,25 @@ def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplo
     ours += [record.getMessage() for record in caplog.records if record.name.startswith("hf_spanattn")]
     assert not ours, "\n".join(ours)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_path):
+    """2 gloo processes: a model patched on one rank only (the other imports hf_spanattn before the Trainer and
+    patches nothing), callbacks with other diagnostics, a diagnostics file whose lock another
+    run holds (rank 0 reads it, rank 1 trains on without that), and diagnostics sums of one size but
+    other heads and orders are refused on both ranks, naming what each holds; so is a second reduction."""
+    from gloo_workers import ranks_that_differ, spawn
+
+    spawn(ranks_that_differ, 2, str(tmp_path))
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"refused-{rank}.json").read_text())
+        assert got["unpatched rank"] == ["ValueError", got["unpatched rank"][1]]
+        assert "rank 0: 'score:1100'; rank 1: 'the standard gradient (the model is not patched)'" in \
+            got["unpatched rank"][1]
+        assert got["callbacks"][0] == "ValueError" and "SpanAttentionCallback settings" in got["callbacks"][1]
+        assert '"diagnostics_every": 1' in got["callbacks"][1] and '"diagnostics_every": 2' in got["callbacks"][1]
+        assert got["lock held"][0] == "ValueError" and "another run is writing diagnostics into this file" in \
+            got["lock held"][1]
+        assert got["layouts"][0] == "RuntimeError" and "different layers, heads or orders" in got["layouts"][1]
+        assert got["twice"][0] == "ValueError" and "already holds the sums over the ranks" in got["twice"][1]

@@ -3,15 +3,23 @@ the model: `Trainer.train(resume_from_checkpoint=...)` loads the checkpoint's we
 settings are not the ones the checkpoint was saved with (the model patched otherwise, or not patched), `install`
 has `Trainer.train` say so, naming both, before it trains (installed by `patch_model` and `load_pretrained`, and
 at `import hf_spanattn` where the Trainer is imported already: importing it here would take a while).
+
+Under data parallelism (torch.distributed with more than one process: DDP, FSDP, Accelerate) the gradient applied
+is the average of the ranks': where the ranks train with other settings (a rank patched otherwise, or not at all) it
+follows no one rule, so `Trainer.train` refuses to start, naming each rank's settings (`same_on_every_rank`).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import os
 import warnings
+from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
 from hf_spanattn.integration.adapters import _described, is_patched
@@ -19,6 +27,10 @@ from hf_spanattn.integration.registry import CONFIG_KEY, config_of
 from hf_spanattn.ops.inputs import shown
 
 _WRAPPED = "_hf_spanattn_resume"
+_STOCK = "the standard gradient (the model is not patched)"
+RANKS_TIMEOUT_S = 120.0  # how long a rank waits for the others to say their settings
+_AVERAGED = "The gradient applied is the average of the ranks', which would follow no one rule"
+_compared: collections.Counter = collections.Counter()  # per subject, the comparisons this process began
 
 
 def saved_settings(checkpoint: str) -> SpanAttentionConfig | None:
@@ -48,7 +60,7 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
     except TypeError:  # not a Transformers model: nothing patched
         return
     current = config_of(base.config) if is_patched(base) else None
-    now = f"{_described(current)}" if current else "the standard gradient (the model is not patched)"
+    now = f"{_described(current)}" if current else _STOCK
     try:
         saved = saved_settings(checkpoint)
     except FileNotFoundError:  # no config.json: the Trainer's to refuse
@@ -68,6 +80,73 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
                   stacklevel=3)
 
 
+def same_on_every_rank(subject: str, mine: str, absent: str, why: str = _AVERAGED,
+                       timeout: float | None = None) -> None:
+    """Refuse where the ranks of a data-parallel run hold other `subject` than this rank's (`mine`, a description);
+    a no-op unless torch.distributed is initialised with more than one rank. Every rank says its own through the
+    process group's key-value store, not through a collective, so that a rank that does not take part cannot pair
+    with a collective of another kind; a rank that has not said within `timeout` seconds (RANKS_TIMEOUT_S) is taken
+    to hold `absent` where that is given (as a warning), else refused. `why` says what differing ones would do."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    _compared[subject] += 1  # every rank runs the same code: the n-th comparison of one is the n-th of the others
+    keys = [f"hf_spanattn/{subject}/{_compared[subject]}/{r}" for r in range(world)]
+    store.set(keys[rank], mine)
+    try:
+        store.wait(keys, timedelta(seconds=RANKS_TIMEOUT_S if timeout is None else timeout))
+    except (RuntimeError, dist.DistError):  # DistStoreError: a timeout
+        pass
+    said = {r: store.get(key).decode() for r, key in enumerate(keys) if store.check([key])}
+    waited = RANKS_TIMEOUT_S if timeout is None else timeout
+    held = {r: said.get(r, f"nothing within {waited:g} s") for r in range(world)}
+    ranks: dict[str, list[int]] = {}
+    for r, value in held.items():
+        ranks.setdefault(value, []).append(r)
+    if len(ranks) == 1:
+        return
+    listed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {shown(rs, 60)[1:-1]}: {shown(v, 300)}"
+                       for v, rs in ranks.items())
+    message = f"the ranks of this data-parallel run ({world} processes) hold other {subject}: {listed}. {why}"
+    if len(said) < world and absent:  # a rank without this check cannot refuse: it would train on alone
+        warnings.warn(f"{message}, where those that said nothing (hf_spanattn not imported there?) train with "
+                      f"{absent}", stacklevel=3)
+        return
+    raise ValueError(f"{message}: give every rank the same")
+
+
+def from_rank_zero(subject: str, said: str) -> str:
+    """What rank 0 of a data-parallel run says about `subject` (its `said`; on rank 0 itself, `said`), so that a
+    refusal on rank 0 alone (where it writes a file) is a refusal on every rank, not ranks that train on waiting
+    for it; "" where rank 0 said nothing within RANKS_TIMEOUT_S seconds, or without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return said
+    store = dist.distributed_c10d._get_default_store()
+    _compared[subject] += 1
+    key = f"hf_spanattn/{subject}/{_compared[subject]}"
+    if dist.get_rank() == 0:
+        store.set(key, said)
+        return said
+    try:
+        store.wait([key], timedelta(seconds=RANKS_TIMEOUT_S))
+    except (RuntimeError, dist.DistError):  # DistStoreError: a timeout
+        return ""
+    return store.get(key).decode()
+
+
+def _settings_of(trainer: Any) -> str:
+    """The description of the span settings `trainer`'s model trains with, for `same_on_every_rank`."""
+    from hf_spanattn.integration.patch import base_model
+
+    try:
+        base = base_model(trainer.model, "Trainer.train")
+    except TypeError:  # not a Transformers model: nothing patched
+        base = None
+    current = config_of(base.config) if base is not None and is_patched(base) else None
+    return _described(current) if current else _STOCK
+
+
 def install() -> None:
     """Wrap `Trainer.train` once, calling it through unchanged after the check."""
     from transformers import Trainer
@@ -83,6 +162,7 @@ def install() -> None:
             resume = signature.bind(self, *args, **kwargs).arguments.get("resume_from_checkpoint")
         except TypeError:  # the Trainer's own error for its arguments
             resume = None
+        same_on_every_rank("span attention settings", _settings_of(self), _STOCK)
         if resume is not None and resume is not False:
             check(self, resume)
         return train(self, *args, **kwargs)

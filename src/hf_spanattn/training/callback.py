@@ -48,6 +48,7 @@ from hf_spanattn.integration.registry import (
     settings_for,
     trainer_on_stack,
 )
+from hf_spanattn.integration.resume import from_rank_zero, same_on_every_rank
 from hf_spanattn.ops.inputs import as_int, shown
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
@@ -166,6 +167,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                              f"{thread!r}; give each Trainer a SpanAttentionCallback of its own")
         self._thread = threading.get_ident()
         self._check()
+        saved = self.state()["args"]  # those that set the α and when the ranks reduce the diagnostics
+        same_on_every_rank("SpanAttentionCallback settings", json.dumps(
+            {k: saved[k] for k in ("schedule", "diagnostics_every")}, sort_keys=True, default=repr), "",
+            "A schedule sets the α of the gradient averaged over the ranks, and the ranks reduce the diagnostics "
+            "together at the steps diagnostics_every names")
         self._start_afresh()
         self._move_first()
         base = base_model(model)
@@ -217,10 +223,25 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}{through} is a file "
                              "that the Trainer writes into its output_dir (saving the model, its state, its metrics or "
                              "its card), over the records; name another file")
-        if self.diagnostics_every and state.is_world_process_zero:
-            _take_lock(self._path, self)
-            _start_records(self._path, state.global_step, state.log_history)
+        if self.diagnostics_every:
+            self._start_file(state)
         self._apply(state.global_step)
+
+    def _start_file(self, state) -> None:
+        """Rank 0 (the one process without data parallelism) takes the lock of the diagnostics file and starts its
+        records; where it refuses, every rank does, with its message."""
+        refused = None
+        if state.is_world_process_zero:
+            try:
+                _take_lock(self._path, self)
+                _start_records(self._path, state.global_step, state.log_history)
+            except (OSError, ValueError) as err:
+                refused = err
+        said = from_rank_zero("diagnostics file", "" if refused is None else f"{type(refused).__name__}: {refused}")
+        if refused is not None:
+            raise refused
+        if said:
+            raise ValueError(f"SpanAttentionCallback: rank 0, which writes the diagnostics, refused them: {said}")
 
     def _move_first(self) -> None:
         """Put this callback first in the handler running the event (see the class docstring)."""

@@ -13,6 +13,7 @@ count), so the figures of a batch split over ranks follow from the sums over ran
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ class OrderRecorder:
         self.sums: dict[str, torch.Tensor] = {}
         self.rank_k = self.rank_v = 0.0
         self.rank_count = 0
+        self.reduced = False  # holds the sums over the ranks (`reduce_over_ranks`): a second reduction would add them
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         self.sums[name] = self.sums[name] + value if name in self.sums else value
@@ -42,6 +44,9 @@ class OrderRecorder:
             raise ValueError(f"OrderRecorder: a recorder gathers one layer's figures under one rule; it holds "
                              f"{held[0]} heads and {held[1]} orders, and this call has {got[0]} heads and {got[1]} "
                              "orders: give each attention layer (and rule) a recorder of its own")
+        if self.reduced:
+            raise ValueError("OrderRecorder: this recorder holds the sums over the ranks (reduce_over_ranks was called "
+                             "on it); give the next step a new recorder")
         for side in ("dq", "dk"):
             for order, part in enumerate(record[f"{side}_orders"]):
                 self._add(f"{side}_sq{order}", _per_head(part.pow(2)))
@@ -92,22 +97,32 @@ def reduce_over_ranks(recorders: list[OrderRecorder]) -> None:
     (shares and cosines do not depend on that factor). Every rank must call this with recorders of
     the same layers and rules, as the callback does at every recorded step.
     """
+    if not isinstance(recorders, (list, tuple)) or not all(isinstance(r, OrderRecorder) for r in recorders):
+        got = type(recorders).__name__ if not isinstance(recorders, (list, tuple)) else \
+            f"a {type(recorders).__name__} holding {shown([type(r).__name__ for r in recorders])}"
+        raise TypeError(f"reduce_over_ranks: recorders={got}: expected a list of OrderRecorder")
+    if any(r.reduced for r in recorders):  # its sums are those of every rank already: a second call would add them
+        raise ValueError("reduce_over_ranks: a recorder given already holds the sums over the ranks (it was reduced "
+                         "before); reduce each step's recorders once")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     world = dist.get_world_size()
     keys = [sorted(r.sums) for r in recorders]
+    # the layout of the sums (layers, names, heads): ranks whose sums have other layouts of one size are refused too
+    layout = zlib.crc32(repr([[(k, tuple(r.sums[k].shape)) for k in names] for r, names in zip(recorders, keys)])
+                        .encode())
     parts = [r.sums[k].reshape(-1) for r, names in zip(recorders, keys) for k in names]
     # the gradients' device, which the process group serves; a rank that recorded no sums only sends counts
     device = parts[0].device if parts else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     counts = torch.tensor([[r.rank_k, r.rank_v, r.rank_count] for r in recorders], dtype=torch.float64,
                           device=device).reshape(-1)
     flat = torch.cat([p.to(device, torch.float64) for p in parts] + [counts])
-    size = torch.tensor([flat.numel(), -flat.numel()], device=device)
+    size = torch.tensor([flat.numel(), -flat.numel(), layout, -layout], device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MAX)
-    if size[0] != -size[1]:  # a collective over tensors of other sizes would hang or fail obscurely
-        raise RuntimeError(f"span diagnostics: the ranks recorded different layers or orders this step (between "
-                           f"{-size[1].item()} and {size[0].item()} sums); every rank must train the same model "
-                           "with the same settings")
+    if size[0] != -size[1] or size[2] != -size[3]:  # a collective over other sizes would hang or fail obscurely
+        raise RuntimeError(f"span diagnostics: the ranks recorded different layers, heads or orders this step "
+                           f"(between {-size[1].item()} and {size[0].item()} sums); every rank must train the same "
+                           "model with the same settings")
     dist.all_reduce(flat)
     sums, counts = flat[:-counts.numel()], flat[-counts.numel():].reshape(-1, 3)
     offset = 0
@@ -117,3 +132,4 @@ def reduce_over_ranks(recorders: list[OrderRecorder]) -> None:
             recorder.sums[name] = sums[offset:offset + value.numel()].reshape(value.shape) / world**2
             offset += value.numel()
         recorder.rank_k, recorder.rank_v, recorder.rank_count = rank_k, rank_v, round(rank_count)
+        recorder.reduced = True
