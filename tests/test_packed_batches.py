@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from models import VOCAB, tiny
@@ -221,6 +222,26 @@ def test_cu_seq_lens_read_on_the_device_under_graph_capture():
         docs = packing.from_cu_seq_lens(cu, None, 20, True)
     assert mode.calls == [] and (docs.count, docs.length) == (3, 20)
     assert docs.mask[1, 0].diagonal().tolist() == [True] * 9 + [False] * 11
+
+
+
+@pytest.mark.parametrize("max_length,length", [(True, 20), (np.int64(9), 9), (10**6, 20), (9.0, 20)],
+                         ids=["bool", "numpy int", "past the row", "float"])
+def test_max_length_under_graph_capture_is_an_int_up_to_the_row(max_length, length):
+    """Under capture max_length_q bounds the documents: a bool or a float is no length (the row's then),
+    one past the row is the row's, never an index error or a (documents × max_length²) allocation."""
+    cu, x = torch.tensor([0, 5, 14, 17]), torch.randn(1, 2, 20, 4)
+    with graph_capture():
+        docs = packing.from_cu_seq_lens(cu, max_length, 20, True)
+    assert (docs.count, docs.length) == (3, length)
+    kept = packing.repack(packing.unpack(x, docs), docs, 1, 20).transpose(1, 2)
+    assert torch.equal(kept[:, :, :17], x[:, :, :17]) and not kept[:, :, 17:].any()
+
+
+@pytest.mark.parametrize("max_length", [0, -1])
+def test_max_length_that_is_no_length_is_refused(max_length):
+    with graph_capture(), pytest.raises(ValueError, match=r"max_length_q: .* a positive int; got -?\d"):
+        packing.from_cu_seq_lens(torch.tensor([0, 5, 14, 17]), max_length, 20, True)
 
 
 @pytest.mark.parametrize("cu,max_length", [

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hf_spanattn.ops.inputs import LastMaskRead, attended, capturing
+from hf_spanattn.ops.inputs import LastMaskRead, as_int, attended, capturing, shown
 
 
 @dataclass(frozen=True)
@@ -87,14 +87,20 @@ def _documents(doc: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor, keys
 def from_cu_seq_lens(cu_seq_lens: torch.Tensor, max_length: Any, t: int, causal: bool) -> Documents:
     """FlashAttention's varlen form for one packed row of t tokens: document i holds the tokens
     cu_seq_lens[i]:cu_seq_lens[i+1]; tokens from cu_seq_lens[-1] on are in none. `max_length`, the
-    longest document, is read from cu_seq_lens where not given, except under CUDA graph capture:
-    then a given Python int must bound the documents of every replay, and T does otherwise."""
+    longest document (an int, as `as_int` reads it; one past t counts as t), is read from cu_seq_lens where not
+    given, except under CUDA graph capture: then a given Python or NumPy int must bound the documents of every
+    replay, and t does otherwise."""
     cu = cu_seq_lens.to(torch.long)
     count = cu.numel() - 1
-    if capturing(cu):
-        length = max_length if isinstance(max_length, int) else t
+    graph = capturing(cu)
+    given = None if graph and isinstance(max_length, torch.Tensor) else as_int(max_length)  # no host read under capture
+    if given is not None and given < 1:
+        raise ValueError(f"max_length_q: the length of the longest packed document, a positive int; "
+                         f"got {shown(max_length)}")
+    if given is not None:
+        length = min(given, t)  # no document is longer than the row
     else:
-        length = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())  # a host sync
+        length = t if graph else int((cu[1:] - cu[:-1]).max())  # a host sync
     index = torch.arange(t, device=cu.device)
     doc = torch.searchsorted(cu, index, right=True) - 1
     inside = (index >= cu[0]) & (index < cu[-1])
