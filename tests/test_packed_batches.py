@@ -294,3 +294,20 @@ def test_a_model_on_the_meta_device_takes_a_four_dimensional_mask(family):
     out = model(input_ids=ids, use_cache=False, **kwargs)
     out.logits.sum().backward()
     assert out.logits.shape == (1, 17, VOCAB) and out.logits.device.type == "meta"
+
+
+def test_fullgraph_compile_names_the_mask_read_that_breaks_the_graph(monkeypatch):
+    """The documents are read from the 4-D mask on the host, which no graph can hold: fullgraph=True says so
+    (it raised Dynamo's words on a tensor method before), and a compile that allows breaks is the eager result."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    model = patch_model(tiny("llama"), "score:1000").train()
+    ids = torch.tensor(documents()[0] + documents()[1])[None]
+    position_ids = torch.tensor([[*range(5), *range(9)]])
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="reads a 4-D attention mask on the host"):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(ids, position_ids=position_ids, use_cache=False)
+    torch._dynamo.reset()
+    eager = gradients(model, ids, ids, position_ids=position_ids)[1]
+    compiled = gradients(torch.compile(model, backend="aot_eager"), ids, ids, position_ids=position_ids)[1]
+    for name, grad in eager.items():
+        assert rel(compiled["_orig_mod." + name], grad) <= 1e-6, name

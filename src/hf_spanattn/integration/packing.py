@@ -120,6 +120,11 @@ def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     (span_attention there gives SDPA's shapes)."""
     if mask.device.type == "meta":
         return None
+    if torch.compiler.is_compiling() and not capturing(mask):  # the read is a host sync: the graph breaks here
+        torch._dynamo.graph_break(msg=(
+            "span_attention reads a 4-D attention mask on the host to find the documents packed into a row, which "
+            "breaks the graph (fullgraph=True fails): leave the mask out to compile without a break (no padding or "
+            "packing, use_cache left on, as Transformers then passes none)"))
     return _last_read(mask, lambda: _read_mask(mask, b), b)
 
 
