@@ -26,6 +26,7 @@ mask, `repack` gathers the output back; autograd carries the gradients through b
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,11 @@ def from_cu_seq_lens(cu_seq_lens: torch.Tensor, max_length: Any, t: int, causal:
 
 
 _last_read = LastMaskRead(while_capturing="captured")
+_SAID = {"msg": "span_attention reads a 4-D attention mask on the host to find the documents packed into a row, "
+                "which breaks the graph (fullgraph=True fails): leave the mask out to compile without a break (no "
+                "padding or packing, use_cache left on, as Transformers then passes none)"}
+if "msg" not in inspect.signature(torch._dynamo.graph_break).parameters:  # torch before 2.7 says no more than the break
+    _SAID = {}
 
 
 def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
@@ -121,10 +127,7 @@ def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     if mask.device.type == "meta":
         return None
     if torch.compiler.is_compiling() and not capturing(mask):  # the read is a host sync: the graph breaks here
-        torch._dynamo.graph_break(msg=(
-            "span_attention reads a 4-D attention mask on the host to find the documents packed into a row, which "
-            "breaks the graph (fullgraph=True fails): leave the mask out to compile without a break (no padding or "
-            "packing, use_cache left on, as Transformers then passes none)"))
+        torch._dynamo.graph_break(**_SAID)
     return _last_read(mask, lambda: _read_mask(mask, b), b)
 
 
