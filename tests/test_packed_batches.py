@@ -130,6 +130,19 @@ def test_cu_seq_lens_without_a_mask_that_separates_documents_warns(caplog):
     assert len([r for r in caplog.records if "no attention mask separates them" in r.getMessage()]) == 1
 
 
+def test_cu_seq_lens_with_a_padding_mask_that_joins_documents_warns(caplog):
+    """With a 2-D padding mask Transformers builds no block-diagonal mask from the position ids, so SDPA
+    attends across the documents cu_seq_lens mark; the spans follow it, and a warning says why."""
+    model = patch_model(tiny("gpt2"), "score:1000").train()
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": doc} for doc in documents()])
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][0, -1] = 0  # a padding token: Transformers builds a 4-D causal and padding mask
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model(**batch, use_cache=False).loss.backward()
+    assert len([r for r in caplog.records if "no attention mask separates them" in r.getMessage()]) == 1
+
+
 def test_unreadable_packing_warns_once(caplog, monkeypatch):
     """A packed row whose mask is not the block-diagonal mask of whole documents (here a sliding
     window inside the documents) keeps the row's spans and says so once."""

@@ -430,20 +430,25 @@ def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_ca
     one sequence."""
     b, t = query.shape[0], query.shape[2]
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
-        if b == 1 and attention_mask is not None:
-            if packing.capturing(cu_seq_lens):  # the mask cannot be read: the documents cu_seq_lens mark
-                return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t,
-                                                is_causal)
-            # else the documents of the mask, which the forward pass attends to as SDPA does (cu_seq_lens that
-            # disagree with it, or are not FlashAttention's form, would change the forward), read below
-        else:
-            logger.warning_once(
-                "span_attention: cu_seq_lens_q marks several documents, but "
-                + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
-                   "no attention mask separates them (SDPA attends across them; pass position_ids restarting per "
-                   "document, as DataCollatorWithFlattening does)")
-                + ": spans follow the attention mask.")
+    marked = isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2  # several documents
+    if marked and b == 1 and attention_mask is not None and packing.capturing(cu_seq_lens):
+        # the mask cannot be read: the documents cu_seq_lens mark; else the documents of the mask, which the forward
+        # pass attends to as SDPA does (cu_seq_lens that disagree with it, or are not FlashAttention's form, would
+        # change the forward)
+        return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
+    docs = _documents_of_mask(attention_mask, b, t)
+    if marked and (b != 1 or docs is None):
+        logger.warning_once(
+            "span_attention: cu_seq_lens_q marks several documents, but "
+            + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
+               "no attention mask separates them (SDPA attends across them; pass position_ids restarting per "
+               "document, as DataCollatorWithFlattening does, and no padding mask)")
+            + ": spans follow the attention mask.")
+    return docs
+
+
+def _documents_of_mask(attention_mask: torch.Tensor | None, b: int, t: int) -> packing.Documents | None:
+    """The documents a 4-D mask separates, None (said where it cannot be read) where it separates none."""
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (t, t):
         return None
     docs = packing.from_mask(attention_mask, b)
