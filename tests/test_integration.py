@@ -240,6 +240,29 @@ def test_gpt_neo_adapter_unpatches():
     assert "_attn" not in attn.__dict__
 
 
+
+def test_gpt_neo_attention_put_in_after_patching_trains_as_its_siblings():
+    """As a registry model's attention module replaced after patch_model (it reads the model config's
+    implementation), a GPT-Neo attention module built on the patched model's config trains with its settings;
+    after unpatch_model every module is stock again."""
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    ids = tokens()
+    patched, replaced, stock = (tiny("gpt_neo").double() for _ in range(3))
+    for model in (patched, replaced):
+        patch_model(model, "score:1000")
+    old = replaced.transformer.h[0].attn.attention
+    new = GPTNeoSelfAttention(replaced.config, "global", layer_id=0).double()
+    new.load_state_dict(old.state_dict())
+    replaced.transformer.h[0].attn.attention = new
+    expected, got = grads(patched, ids), grads(replaced, ids)
+    assert all(torch.allclose(expected[n], got[n], rtol=0, atol=1e-12) for n in expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the module taken out, still held, is no other model sharing the config
+        unpatch_model(replaced)
+    expected, got = grads(stock, ids), grads(replaced, ids)
+    assert all(torch.allclose(expected[n], got[n], rtol=0, atol=1e-12) for n in expected)
+
 def test_reorder_and_upcast_attn_is_switched_off_with_a_warning():
     model = tiny("gpt2")
     model.config.reorder_and_upcast_attn = True
