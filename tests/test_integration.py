@@ -275,6 +275,28 @@ def test_reorder_and_upcast_attn_is_switched_off_with_a_warning():
     assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
 
 
+
+def test_reorder_and_upcast_attn_comes_back_where_the_attention_was_set_otherwise_since():
+    """Patched, then set to SDPA by hand (or to eager and patched again): unpatch_model left GPT-2's
+    reorder_and_upcast_attn switched off, so the model lost the setting it had."""
+    model = tiny("gpt2")
+    model.config.reorder_and_upcast_attn = True
+    for block in model.transformer.h:
+        block.attn.reorder_and_upcast_attn = True
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
+        patch_model(model, "score:1000")
+    model.set_attn_implementation("sdpa")
+    unpatch_model(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
+        patch_model(model, "score:1000")
+    model.set_attn_implementation("eager")
+    patch_model(model, "score:1100")  # recorded afresh: eager, and the setting the first patch switched off
+    unpatch_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
+
 def test_unsupported_model_gets_a_clear_error():
     from transformers import BertConfig, BertModel
 

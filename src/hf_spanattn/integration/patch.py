@@ -145,7 +145,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
-        original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=None)
+        switched_off = original["reorder_and_upcast_attn"] if original else None  # by a patch_model before
+        original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=switched_off)
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -265,6 +266,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         delattr(base.config, CONFIG_KEY)
     for part in sharing:
         card.set_tags(part, None)
+    if original and original["reorder_and_upcast_attn"]:  # also where the attention was set otherwise since
+        _set_reorder(base, True)
     if not is_patched(base):  # its attention set otherwise since, or unpatched through a model inside it: kept
         for part in sharing:
             part.__dict__.pop(_ORIGINAL, None)
@@ -275,8 +278,6 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     implementation = original["attn_implementation"] if original else "sdpa"
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
-    if original and original["reorder_and_upcast_attn"]:
-        _set_reorder(base, True)
     for part in sharing:
         part.__dict__.pop(_ORIGINAL, None)
     return model
