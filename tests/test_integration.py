@@ -297,6 +297,22 @@ def test_reorder_and_upcast_attn_comes_back_where_the_attention_was_set_otherwis
     assert model.config._attn_implementation == "eager"
     assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
 
+
+def test_a_patched_model_saves_reorder_and_upcast_attn_as_the_user_set_it(tmp_path):
+    """Switched off on the attention modules while patched, it was saved off too: a plain from_pretrained of the
+    saved model lost it."""
+    import json
+
+    model = tiny("gpt2")
+    model.config.reorder_and_upcast_attn = True
+    for block in model.transformer.h:
+        block.attn.reorder_and_upcast_attn = True
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
+        patch_model(model, "score:1000")
+    assert not model.transformer.h[0].attn.reorder_and_upcast_attn
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["reorder_and_upcast_attn"] is True
+
 def test_unsupported_model_gets_a_clear_error():
     from transformers import BertConfig, BertModel
 

@@ -323,7 +323,10 @@ def _original(model: PreTrainedModel) -> dict | None:
     return next((part.__dict__[_ORIGINAL] for part in _sharing_config(model) if _ORIGINAL in part.__dict__), None)
 
 def _set_reorder(model: PreTrainedModel, value: bool) -> None:
-    model.config.reorder_and_upcast_attn = value
+    """GPT-2's attention modules' reorder_and_upcast_attn; the config keeps the user's True, which save_pretrained
+    writes (set again on the way back, for a model patched by an earlier version that switched it off there)."""
+    if value:
+        model.config.reorder_and_upcast_attn = True
     for module in model.modules():
         if hasattr(module, "reorder_and_upcast_attn"):
             module.reorder_and_upcast_attn = value
