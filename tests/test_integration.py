@@ -292,7 +292,8 @@ def test_reorder_and_upcast_attn_comes_back_where_the_attention_was_set_otherwis
     with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
         patch_model(model, "score:1000")
     model.set_attn_implementation("eager")
-    patch_model(model, "score:1100")  # recorded afresh: eager, and the setting the first patch switched off
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):  # recorded afresh: eager, and the setting
+        patch_model(model, "score:1100")
     unpatch_model(model)
     assert model.config._attn_implementation == "eager"
     assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
