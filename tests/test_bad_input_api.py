@@ -1901,6 +1901,20 @@ def test_a_model_built_from_the_config_of_a_patched_one_says_it_trains_with_span
     assert patched.config._attn_implementation == "sdpa"
 
 
+
+def test_an_attention_module_put_into_a_patched_model_trains_without_a_word_of_another_model():
+    """An attention module put into a patched model after patch_model (built on its config) trains with its settings,
+    as it should, but warned that it belonged to another model built from the same config."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    model = patch_model(tiny("llama"), "score:1000")
+    model.model.layers[0].self_attn = LlamaAttention(model.config, 0)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.train()(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
 def test_layers_removed_from_a_model_cannot_be_selected():
     """Layers pruned from a model whose config still counts them (or a middle one dropped): a selection of a removed
     layer was taken, and no layer got span gradients, without a word."""

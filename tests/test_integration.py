@@ -240,6 +240,29 @@ def test_gpt_neo_adapter_unpatches():
     assert "_attn" not in attn.__dict__
 
 
+
+def test_gpt_neo_attention_put_in_after_patching_trains_as_its_siblings():
+    """As a registry model's attention module replaced after patch_model (it reads the model config's
+    implementation), a GPT-Neo attention module built on the patched model's config trains with its settings;
+    after unpatch_model every module is stock again."""
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    ids = tokens()
+    patched, replaced, stock = (tiny("gpt_neo").double() for _ in range(3))
+    for model in (patched, replaced):
+        patch_model(model, "score:1000")
+    old = replaced.transformer.h[0].attn.attention
+    new = GPTNeoSelfAttention(replaced.config, "global", layer_id=0).double()
+    new.load_state_dict(old.state_dict())
+    replaced.transformer.h[0].attn.attention = new
+    expected, got = grads(patched, ids), grads(replaced, ids)
+    assert all(torch.allclose(expected[n], got[n], rtol=0, atol=1e-12) for n in expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the module taken out, still held, is no other model sharing the config
+        unpatch_model(replaced)
+    expected, got = grads(stock, ids), grads(replaced, ids)
+    assert all(torch.allclose(expected[n], got[n], rtol=0, atol=1e-12) for n in expected)
+
 def test_reorder_and_upcast_attn_is_switched_off_with_a_warning():
     model = tiny("gpt2")
     model.config.reorder_and_upcast_attn = True
@@ -251,6 +274,45 @@ def test_reorder_and_upcast_attn_is_switched_off_with_a_warning():
     unpatch_model(model)
     assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
 
+
+
+def test_reorder_and_upcast_attn_comes_back_where_the_attention_was_set_otherwise_since():
+    """Patched, then set to SDPA by hand (or to eager and patched again): unpatch_model left GPT-2's
+    reorder_and_upcast_attn switched off, so the model lost the setting it had."""
+    model = tiny("gpt2")
+    model.config.reorder_and_upcast_attn = True
+    for block in model.transformer.h:
+        block.attn.reorder_and_upcast_attn = True
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
+        patch_model(model, "score:1000")
+    model.set_attn_implementation("sdpa")
+    unpatch_model(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
+        patch_model(model, "score:1000")
+    model.set_attn_implementation("eager")
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):  # recorded afresh: eager, and the setting
+        patch_model(model, "score:1100")
+    unpatch_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
+
+
+def test_a_patched_model_saves_reorder_and_upcast_attn_as_the_user_set_it(tmp_path):
+    """Switched off on the attention modules while patched, it was saved off too: a plain from_pretrained of the
+    saved model lost it."""
+    import json
+
+    model = tiny("gpt2")
+    model.config.reorder_and_upcast_attn = True
+    for block in model.transformer.h:
+        block.attn.reorder_and_upcast_attn = True
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
+        patch_model(model, "score:1000")
+    assert not model.transformer.h[0].attn.reorder_and_upcast_attn
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["reorder_and_upcast_attn"] is True
 
 def test_unsupported_model_gets_a_clear_error():
     from transformers import BertConfig, BertModel

@@ -65,6 +65,34 @@ def _neo_attentions(model: PreTrainedModel) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GPTNeoSelfAttention)]
 
 
+# The configs of the GPT-Neo models patch_model gave its adapter (by id, held weakly), until unpatch_model.
+_NEO_CONFIGS: weakref.WeakValueDictionary[int, PretrainedConfig] = weakref.WeakValueDictionary()
+
+
+def _install_neo_class() -> None:
+    """GPT-Neo's `_attn` through the adapter for a module that a patched model's config reaches but patch_model did
+    not see (put into the model after it), as a registry model's module reads its config's implementation; any
+    other module calls the stock code."""
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    stock = GPTNeoSelfAttention._attn
+    if hasattr(stock, "__wrapped__"):
+        return
+
+    @functools.wraps(stock)
+    def _attn(self, query, key, value, attention_mask=None):
+        if getattr(self.config, CONFIG_KEY, None) is not None and _NEO_CONFIGS.get(id(self.config)) is self.config:
+            return _neo_attn(self, query, key, value, attention_mask)
+        return stock(self, query, key, value, attention_mask)
+
+    GPTNeoSelfAttention._attn = _attn
+
+
+def _stock_neo_attn(self, query, key, value, attention_mask=None):
+    attn = type(self)._attn
+    return getattr(attn, "__wrapped__", attn)(self, query, key, value, attention_mask)
+
+
 def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
                 layers: list[int] | None = None) -> torch.nn.Module:
     """Give `model` span-decomposed attention gradients; the forward pass is unchanged.
@@ -117,7 +145,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
 
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
-        original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=None)
+        switched_off = original["reorder_and_upcast_attn"] if original else None  # by a patch_model before
+        original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=switched_off)
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -148,6 +177,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     card.set_tags(base, config)
     resume.install()
     if neo:
+        _install_neo_class()
+        _NEO_CONFIGS[id(base.config)] = base.config
         for module in neo:
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
     else:
@@ -224,7 +255,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
     inside = {m for part in sharing if any(m is base for m in part.modules()) for m in part.modules()}  # and around
-    if any(m not in inside and getattr(m, "config", None) is base.config for m in list(registry.PATCHED_MODULES)):
+    # another model (a module taken out of this one, kept by the user, is none)
+    if any(isinstance(m, PreTrainedModel) and m not in inside and m.config is base.config
+           for m in list(registry.PATCHED_MODULES)):
         warnings.warn(f"unpatch_model: another model that patch_model was given shares the config object of "
                       f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
                       "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
@@ -233,17 +266,18 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         delattr(base.config, CONFIG_KEY)
     for part in sharing:
         card.set_tags(part, None)
+    if original and original["reorder_and_upcast_attn"]:  # also where the attention was set otherwise since
+        _set_reorder(base, True)
     if not is_patched(base):  # its attention set otherwise since, or unpatched through a model inside it: kept
         for part in sharing:
             part.__dict__.pop(_ORIGINAL, None)
         return model
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
+    _NEO_CONFIGS.pop(id(base.config), None)
     implementation = original["attn_implementation"] if original else "sdpa"
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
-    if original and original["reorder_and_upcast_attn"]:
-        _set_reorder(base, True)
     for part in sharing:
         part.__dict__.pop(_ORIGINAL, None)
     return model
@@ -289,7 +323,10 @@ def _original(model: PreTrainedModel) -> dict | None:
     return next((part.__dict__[_ORIGINAL] for part in _sharing_config(model) if _ORIGINAL in part.__dict__), None)
 
 def _set_reorder(model: PreTrainedModel, value: bool) -> None:
-    model.config.reorder_and_upcast_attn = value
+    """GPT-2's attention modules' reorder_and_upcast_attn; the config keeps the user's True, which save_pretrained
+    writes (set again on the way back, for a model patched by an earlier version that switched it off there)."""
+    if value:
+        model.config.reorder_and_upcast_attn = True
     for module in model.modules():
         if hasattr(module, "reorder_and_upcast_attn"):
             module.reorder_and_upcast_attn = value
@@ -300,10 +337,10 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     local causal window, the padding mask added on top, as in the stock eager code."""
     config = call_settings(self, (query, key, value), self.attn_dropout.p if self.training else 0.0)
     if config is None:
-        return type(self)._attn(self, query, key, value, attention_mask)
+        return _stock_neo_attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
     if keeps_sdpa(config, q_len, k_len):
-        return type(self)._attn(self, query, key, value, attention_mask)
+        return _stock_neo_attn(self, query, key, value, attention_mask)
     # as the stock code: the window's mask value float32's minimum, the padding mask added in its own dtype (float64's
     # minimum stays finite), scores in float32 for half precision and in float64 for a float64 model
     dtype = torch.promote_types(value.dtype, torch.float32)

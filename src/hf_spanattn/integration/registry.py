@@ -16,7 +16,7 @@ import weakref
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -281,8 +281,14 @@ def _note_shared(module: torch.nn.Module) -> None:
     it shares its config object with one that it was given."""
     model_config = getattr(module, "config", None)
     if model_config is None or PATCHED_CONFIGS.get(id(model_config)) is not model_config or \
-            module in PATCHED_MODULES or not _first_time(_SHARED_NOTED, model_config):
+            module in PATCHED_MODULES or _SHARED_NOTED.get(id(model_config)) is model_config:
         return
+    owner = next((m for m in list(PATCHED_MODULES) if isinstance(m, PreTrainedModel) and m.config is model_config
+                  and any(part is module for part in m.modules())), None)
+    if owner is not None:  # put into the patched model after patch_model (a replaced attention module): its own
+        PATCHED_MODULES.update(owner.modules())
+        return
+    _first_time(_SHARED_NOTED, model_config)
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
                   "(both built from one config), so it trains with that model's span gradients too. Build each "
