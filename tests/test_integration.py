@@ -263,28 +263,28 @@ def test_gpt_neo_attention_put_in_after_patching_trains_as_its_siblings():
     expected, got = grads(stock, ids), grads(replaced, ids)
     assert all(torch.allclose(expected[n], got[n], rtol=0, atol=1e-12) for n in expected)
 
-def test_reorder_and_upcast_attn_is_switched_off_with_a_warning():
+
+def patched_gpt2_with_reorder_and_upcast_attn() -> torch.nn.Module:
+    """A tiny GPT-2 with reorder_and_upcast_attn on, patched (score:1000), which warns that it is switched off."""
     model = tiny("gpt2")
     model.config.reorder_and_upcast_attn = True
     for block in model.transformer.h:
         block.attn.reorder_and_upcast_attn = True
     with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
-        patch_model(model, "score:1000")
+        return patch_model(model, "score:1000")
+
+
+def test_reorder_and_upcast_attn_is_switched_off_with_a_warning():
+    model = patched_gpt2_with_reorder_and_upcast_attn()
     assert not model.transformer.h[0].attn.reorder_and_upcast_attn
     unpatch_model(model)
     assert model.config.reorder_and_upcast_attn and model.transformer.h[0].attn.reorder_and_upcast_attn
 
 
-
 def test_reorder_and_upcast_attn_comes_back_where_the_attention_was_set_otherwise_since():
     """Patched, then set to SDPA by hand (or to eager and patched again): unpatch_model left GPT-2's
     reorder_and_upcast_attn switched off, so the model lost the setting it had."""
-    model = tiny("gpt2")
-    model.config.reorder_and_upcast_attn = True
-    for block in model.transformer.h:
-        block.attn.reorder_and_upcast_attn = True
-    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
-        patch_model(model, "score:1000")
+    model = patched_gpt2_with_reorder_and_upcast_attn()
     model.set_attn_implementation("sdpa")
     unpatch_model(model)
     assert model.config._attn_implementation == "sdpa"
@@ -304,15 +304,11 @@ def test_a_patched_model_saves_reorder_and_upcast_attn_as_the_user_set_it(tmp_pa
     saved model lost it."""
     import json
 
-    model = tiny("gpt2")
-    model.config.reorder_and_upcast_attn = True
-    for block in model.transformer.h:
-        block.attn.reorder_and_upcast_attn = True
-    with pytest.warns(UserWarning, match="reorder_and_upcast_attn"):
-        patch_model(model, "score:1000")
+    model = patched_gpt2_with_reorder_and_upcast_attn()
     assert not model.transformer.h[0].attn.reorder_and_upcast_attn
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["reorder_and_upcast_attn"] is True
+
 
 def test_unsupported_model_gets_a_clear_error():
     from transformers import BertConfig, BertModel
