@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _path_argument, as_config
-from hf_spanattn.integration import adapters, card, packing, registry, resume
+from hf_spanattn.integration import adapters, card, packing, registry, train_checks
 from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
@@ -175,7 +175,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
-    resume.install()
+    train_checks.install()
     if neo:
         _install_neo_class()
         _NEO_CONFIGS[id(base.config)] = base.config

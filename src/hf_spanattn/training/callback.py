@@ -48,7 +48,7 @@ from hf_spanattn.integration.registry import (
     settings_for,
     trainer_on_stack,
 )
-from hf_spanattn.integration.resume import from_rank_zero, same_on_every_rank
+from hf_spanattn.integration.train_checks import from_rank_zero, same_on_every_rank
 from hf_spanattn.ops.inputs import as_int, shown
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule

@@ -1,4 +1,6 @@
-"""A run resumed from a checkpoint trains with the settings of the model it is given, as every other argument of
+"""What `Trainer.train` checks before it trains, once `install` has wrapped it.
+
+A run resumed from a checkpoint trains with the settings of the model it is given, as every other argument of
 the model: `Trainer.train(resume_from_checkpoint=...)` loads the checkpoint's weights, not its config. Where those
 settings are not the ones the checkpoint was saved with (the model patched otherwise, or not patched), `install`
 has `Trainer.train` say so, naming both, before it trains (installed by `patch_model` and `load_pretrained`, and
