@@ -281,14 +281,14 @@ def _note_shared(module: torch.nn.Module) -> None:
     it shares its config object with one that it was given."""
     model_config = getattr(module, "config", None)
     if model_config is None or PATCHED_CONFIGS.get(id(model_config)) is not model_config or \
-            module in PATCHED_MODULES or _SHARED_NOTED.get(id(model_config)) is model_config:
+            module in PATCHED_MODULES or _said(_SHARED_NOTED, model_config):
         return
     owner = next((m for m in list(PATCHED_MODULES) if isinstance(m, PreTrainedModel) and m.config is model_config
                   and any(part is module for part in m.modules())), None)
     if owner is not None:  # put into the patched model after patch_model (a replaced attention module): its own
         PATCHED_MODULES.update(owner.modules())
         return
-    _first_time(_SHARED_NOTED, model_config)
+    _SHARED_NOTED[id(model_config)] = model_config
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
                   "(both built from one config), so it trains with that model's span gradients too. Build each "
@@ -310,9 +310,14 @@ def _note_default(model_config: Any) -> None:
         logger.warning(message)
 
 
+def _said(seen: weakref.WeakValueDictionary[int, Any], model_config: Any) -> bool:
+    """Whether `seen` holds this model config: the thing was said for it."""
+    return seen.get(id(model_config)) is model_config
+
+
 def _first_time(seen: weakref.WeakValueDictionary[int, Any], model_config: Any) -> bool:
     """Whether `seen` did not hold this model config yet (it does now): to say a thing once per config."""
-    if seen.get(id(model_config)) is model_config:
+    if _said(seen, model_config):
         return False
     seen[id(model_config)] = model_config
     return True
