@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from hf_spanattn.ops import backward
 from hf_spanattn.ops.backward import Probe
 from hf_spanattn.ops.fused import fused_attention
 from hf_spanattn.ops.inputs import broadcast_inputs, check_inputs, shown
@@ -65,9 +66,9 @@ def span_attention(
     not to Q and K (as under the bool mask), on the fused kernels what SDPA's backward gives it.
     Span rules need self-attention (T == S).
     Without autograd (but under dropout on the tiles and Triton kernels, which draw their own dropout
-    masks: the same then as with it, for a reentrant checkpoint's recomputation), with the plain
-    standard gradient (`standard:QKV111`), or with nothing to take spans of (an empty dimension, the
-    meta device), this is SDPA itself; so it is for nested
+    masks: the same then as with it, for a reentrant checkpoint's recomputation), with the standard
+    gradient (`standard:QKV111`; under other α_Q, α_K, α_V its gradients times them), or with nothing
+    to take spans of (an empty dimension, the meta device), this is SDPA itself; so it is for nested
     (ragged) tensors, whose span gradients need them padded and masked. Bad input gets a
     ValueError or TypeError that names the argument; NaN or inf in the input gives NaN
     gradients for the (batch, head) it reaches, as in SDPA.
@@ -92,7 +93,8 @@ def span_attention(
         got = f"the class {probe.__name__} (pass an instance)" if isinstance(probe, type) else type(probe).__name__
         raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, got {got}")
     needs_grad = torch.is_grad_enabled() and any(_requires_grad(t) for t in (query, key, value))
-    plain = config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None
+    standard = config.method == "standard" and probe is None  # SDPA's gradients, times α_Q, α_K, α_V
+    plain = standard and config.qkv_alphas == (1.0, 1.0, 1.0)
     if any(getattr(x, "is_nested", False) for x in (query, key, value)):  # SDPA's ragged batches
         if needs_grad and not plain:
             raise TypeError("span_attention: nested tensors do not take span gradients; pad them (to_padded_tensor) "
@@ -116,12 +118,16 @@ def span_attention(
     shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d, value.shape[-1])
     # the tiles and the Triton kernels draw their own dropout masks: a pass without autograd (a reentrant checkpoint's
     # first, whose output the loss sees) runs them too, so that their recomputation with autograd draws the same mask
-    own_dropout = dropout_p > 0 and backend != "fused" and t == s and dtype in SPAN_DTYPES \
+    own_dropout = dropout_p > 0 and not standard and backend != "fused" and t == s and dtype in SPAN_DTYPES \
         and torch._C._functorch.peek_interpreter_stack() is None
-    if (not needs_grad and not own_dropout) or plain or shape_only:
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=bool(h_q != h_kv))
         return out.reshape(layout.out_shape)
+
+    if (not needs_grad and not own_dropout) or plain or shape_only:
+        return sdpa(query, key, value)
     if dtype not in SPAN_DTYPES:  # float8: no kernel takes them
         raise ValueError(f"span_attention: span gradients take float16, bfloat16, float32 or float64 query, key and "
                          f"value, got {dtype}")
@@ -142,6 +148,8 @@ def span_attention(
     if probe is not None and t != s:  # its orders are the score rule's
         raise ValueError(f"span_attention: a probe splits the gradient into the orders of span violation, which needs "
                          f"self-attention with as many queries as keys, got {t} queries and {s} keys; pass probe=None")
+    if standard:  # SDPA itself, each of its gradients times its α
+        return sdpa(*backward.with_scaled_grads((query, key, value), config.qkv_alphas))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     query, key, value = (x.to(dtype) for x in (query, key, value))
     with torch.autocast(device, enabled=False):

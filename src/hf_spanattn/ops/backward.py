@@ -191,6 +191,25 @@ def first_order_only(backward_fn: Callable) -> Callable:
     return wrapper
 
 
+class _ScaledGrad(torch.autograd.Function):
+    """x itself in the forward pass; α·∂L/∂x in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        return grad * ctx.alpha, None
+
+
+def with_scaled_grads(tensors: Sequence[torch.Tensor], alphas: Sequence[float]) -> list[torch.Tensor]:
+    """The tensors, each of whose gradient is multiplied by its α in the backward pass (as `scaled`)."""
+    return [x if a == 1 or not x.requires_grad else _ScaledGrad.apply(x, a) for x, a in zip(tensors, alphas)]
+
+
 def mask_grad(g_parts: Iterable[tuple[torch.Tensor, int, int, int]], mask: torch.Tensor) -> torch.Tensor:
     """∂L/∂mask for an additive `mask` broadcast to (b, H_q, T, S), from ∂L/∂S without the factor
     scale (G/scale) as row tiles (b, H_kv, g, rows, columns) with their (first row, end row,
