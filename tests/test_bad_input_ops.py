@@ -567,8 +567,8 @@ def test_float64_inside_autocast_runs_in_float64_as_sdpa(grad):
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")  # torch's, from inside SDPA
 def test_nested_tensors_get_sdpas_result_or_say_span_gradients_need_dense_ones():
-    """Ragged (jagged nested) batches: SDPA's output without autograd and under the plain standard rule (with
-    its gradients); span gradients an error that says how to pad them."""
+    """Ragged (jagged nested) batches: SDPA's output without autograd and under the standard rule (with its
+    gradients, times α_Q, α_K, α_V); span gradients an error that says how to pad them."""
     gen = torch.Generator().manual_seed(0)
     offsets = torch.tensor([0, 5, 8])
     ragged = [torch.nested.nested_tensor_from_jagged(torch.randn(8, 2, 8, generator=gen), offsets).transpose(1, 2)
@@ -580,6 +580,10 @@ def test_nested_tensors_get_sdpas_result_or_say_span_gradients_need_dense_ones()
     torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=0)
     out.values().sum().backward()
     assert all(x.grad is not None for x in leaves)
+    scaled = [x.detach().requires_grad_(True) for x in ragged]  # any standard rule: SDPA's gradients times α
+    span_attention(*scaled, config="standard:QKV0.5,0,2").values().sum().backward()
+    for x, leaf, alpha in zip(scaled, leaves, (0.5, 0.0, 2.0)):
+        torch.testing.assert_close(x.grad.values(), leaf.grad.values() * alpha, rtol=0, atol=0)
     with pytest.raises(TypeError, match=r"nested tensors do not take span gradients; pad them \(to_padded_tensor\)"):
         span_attention(*leaves, config="score:1000")
 

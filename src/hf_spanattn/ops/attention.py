@@ -96,10 +96,12 @@ def span_attention(
     standard = config.method == "standard" and probe is None  # SDPA's gradients, times α_Q, α_K, α_V
     plain = standard and config.qkv_alphas == (1.0, 1.0, 1.0)
     if any(getattr(x, "is_nested", False) for x in (query, key, value)):  # SDPA's ragged batches
-        if needs_grad and not plain:
+        if needs_grad and not standard:
             raise TypeError("span_attention: nested tensors do not take span gradients; pad them (to_padded_tensor) "
-                            "and pass the padding as a bool attn_mask, or use config='standard:QKV111', which is SDPA "
-                            "itself (nested tensors included)")
+                            "and pass the padding as a bool attn_mask, or use a standard rule such as "
+                            "config='standard:QKV111', which is SDPA itself (nested tensors included)")
+        if needs_grad:
+            query, key, value = backward.with_scaled_grads((query, key, value), config.qkv_alphas)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     layout = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
