@@ -6,6 +6,7 @@ fragment `{tmp}` stands for the scratch folder, so that a message is seen to nam
 
 from __future__ import annotations
 
+import copy
 import decimal
 import json
 import sys
@@ -1302,6 +1303,28 @@ def test_unpatch_model_gives_back_the_attention_the_model_had(steps, expected):
     assert not [tag for m in (model, model.transformer) for tag in m.model_tags or () if "span" in tag]
 
 
+
+@pytest.mark.parametrize("how", ["attention set to sdpa after patching", "loaded without patching"])
+def test_trainer_says_where_the_settings_on_the_config_are_not_in_force(how, tmp_path):
+    """The model config holds span settings, but its attention is SDPA (set by hand after patch_model, or a saved
+    patched model loaded with from_pretrained): the Trainer trained with the standard gradient, and the model saved
+    and was tagged with the settings, without a word."""
+    model = patch_model(tiny("gpt2"), "score:1000")
+    if how == "loaded without patching":
+        model.save_pretrained(tmp_path / "saved")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    else:
+        model.set_attn_implementation("sdpa")
+    with pytest.warns(UserWarning, match="holds the span attention settings score:1000, but its attention "
+                                         "implementation is 'sdpa'.*standard gradient") as said:
+        trainer_with(tmp_path / "out", model=model).train()
+    drop = "unpatch_model" if how == "attention set to sdpa after patching" else "del model.config.span_attention"
+    assert drop in str(said[0].message)
+    patch_model(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*holds the span attention settings")
+        trainer_with(tmp_path / "again", model=model).train()
+
 def test_unpatch_model_of_a_model_loaded_with_span_attention_gives_it_sdpa(tmp_path):
     """from_pretrained(attn_implementation="span_attention"), then patch_model and unpatch_model: the span gradients
     stayed on (the default rule, the settings gone)."""
@@ -1976,6 +1999,31 @@ def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(
     patch_model(loaded.model.language_model, "score:1100")  # the text model alone: its own config's settings
     assert [settings_for(m).label for m in text] == ["score:1100"] * 2
 
+
+
+def test_a_composite_model_loaded_with_span_attention_trains_with_its_saved_settings(tmp_path):
+    """A patched vision-language model saved, then loaded with from_pretrained(attn_implementation="span_attention")
+    as a patched model may be: its towers read their sub-configs, which hold no settings, so it trained with the
+    default score:1000 in place of the saved rule, saying the config had none. Now the saved score:1111, the stock
+    gradients."""
+    from transformers import LlavaForConditionalGeneration
+
+    ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, pixel_values=pixels, labels=ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    stock = _tiny_llava()
+    patch_model(copy.deepcopy(stock), "score:1111").save_pretrained(tmp_path)
+    loaded = LlavaForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="span_attention",
+                                                           dtype=torch.float64)
+    expected, got = grads(stock), grads(loaded)
+    scale = max(grad.norm() for grad in expected.values())
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-12 * scale, name
 
 def test_a_hybrid_model_s_layers_without_attention_cannot_be_selected():
     """A hybrid model whose convolution layers carry a layer index too (LFM2: conv, attention, conv, attention): a

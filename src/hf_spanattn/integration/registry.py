@@ -236,10 +236,28 @@ def settings_config(module: torch.nn.Module) -> Any:
     """The model config whose settings apply to this module: that of the model patch_model was given, also where
     the module reads a sub-config of it (a composite model's towers)."""
     model_config = getattr(module, SETTINGS_FROM_ATTR, None) or getattr(module, "config", None)
+    if SETTINGS_FROM_ATTR not in module.__dict__ and getattr(model_config, CONFIG_KEY, None) is None and \
+            not torch.compiler.is_compiling():
+        model_config = module.__dict__[SETTINGS_FROM_ATTR] = _composite_on_stack(model_config) or model_config
     if model_config is None:  # a custom model's attention that holds no config, set to span_attention by hand
         raise TypeError(f"span_attention: {type(module).__name__} holds no model config (.config) to read the settings "
                         "from; call hf_spanattn.patch_model(model, ...) on its model, which points it to the model's")
     return model_config
+
+
+def _composite_on_stack(sub_config: Any) -> Any:
+    """The config of the composite model whose forward runs this call and that holds `sub_config` as a sub-config
+    (a tower's text_config) and span settings: a patched composite model saved and loaded with from_pretrained
+    (attn_implementation="span_attention"), whose towers read their sub-configs, which hold none. Else None."""
+    frame = sys._getframe(2)
+    while frame is not None and sub_config is not None:
+        owner = frame.f_locals.get("self")
+        model_config = getattr(owner, "config", None) if isinstance(owner, PreTrainedModel) else None
+        if getattr(model_config, CONFIG_KEY, None) is not None and any(
+                getattr(model_config, key, None) is sub_config for key in model_config.sub_configs or {}):
+            return model_config
+        frame = frame.f_back
+    return None
 
 
 def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:

@@ -149,6 +149,26 @@ def _settings_of(trainer: Any) -> str:
     return _described(current) if current else _STOCK
 
 
+def settings_not_in_force(trainer: Any) -> None:
+    """Warn where the model config holds span settings that its attention does not apply: its attention set
+    otherwise after patch_model (`set_attn_implementation`), or a saved patched model loaded without patching. It
+    trains with the standard gradient, and its saves and Hub tags still name the settings."""
+    from hf_spanattn.integration.patch import _original, base_model
+
+    try:
+        base = base_model(trainer.model, "Trainer.train")
+        settings = None if is_patched(base) else config_of(base.config)
+    except (TypeError, ValueError):  # not a Transformers model; bad settings, which patching names
+        return
+    if settings is not None:
+        drop = "hf_spanattn.unpatch_model(model)" if _original(base) else f"del model.config.{CONFIG_KEY}"
+        warnings.warn(f"Trainer.train: the model config holds the span attention settings {_described(settings)}, but "
+                      f"its attention implementation is {shown(base.config._attn_implementation)}, not "
+                      "span_attention, so it trains with the standard gradient (and save_pretrained still writes "
+                      f"the settings). Call hf_spanattn.patch_model(model) to train with them, or {drop} to drop "
+                      "them.", stacklevel=3)
+
+
 def install() -> None:
     """Wrap `Trainer.train` once, calling it through unchanged after the check."""
     from transformers import Trainer
@@ -165,6 +185,7 @@ def install() -> None:
         except TypeError:  # the Trainer's own error for its arguments
             resume = None
         same_on_every_rank("span attention settings", _settings_of(self), _STOCK)
+        settings_not_in_force(self)
         if resume is not None and resume is not False:
             check(self, resume)
         return train(self, *args, **kwargs)
