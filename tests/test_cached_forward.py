@@ -66,3 +66,31 @@ def test_generation_in_train_mode_under_attention_dropout_says_nothing_of_gradie
         decode_step_gradients(patched, ids, prompt=4)
     assert torch.equal(*generated)
     assert len([r for r in caplog.records if "needs self-attention" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_static_cache_s_first_forward_under_grad_gets_the_rule(family, padded, caplog):
+    """A StaticCache holds more slots than the first forward fills: its keys outnumber the queries, and the forward
+    got SDPA's standard gradient. No query attends an unfilled slot, so it is self-attention: the gradients are
+    those of the same forward without a cache, and nothing is said."""
+    from transformers import StaticCache
+
+    model = patch_model(tiny(family), "score:1000").double().train()
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    attention_mask = torch.ones_like(ids)
+    if padded:
+        attention_mask[1, 15:] = 0
+
+    def gradients(**kwargs):
+        model.zero_grad(set_to_none=True)
+        model(ids, attention_mask=attention_mask, labels=ids, **kwargs).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected = gradients()
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        got = gradients(past_key_values=StaticCache(config=model.config, max_cache_len=32), use_cache=True)
+    assert "needs self-attention" not in caplog.text
+    for name, grad in expected.items():
+        assert torch.allclose(got[name], grad, rtol=1e-10, atol=1e-14), name

@@ -25,7 +25,7 @@ from transformers.utils import CONFIG_NAME, logging
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration import packing
 from hf_spanattn.ops.attention import span_attention
-from hf_spanattn.ops.inputs import shown
+from hf_spanattn.ops.inputs import attended, shown
 
 ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
@@ -412,10 +412,14 @@ def span_attention_forward(
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "
                                       f"(attention of {type(module).__name__})")
     q_length, k_length = query.shape[2], key.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if q_length < k_length and unfilled_slots_only(attention_mask, q_length, is_causal):  # a StaticCache's first
+        key, value = key[:, :, :q_length], value[:, :, :q_length]                        # forward
+        attention_mask = None if attention_mask is None else attention_mask[..., :q_length]
+        k_length = q_length
     if keeps_sdpa(config, q_length, k_length, is_cross_attention(module)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     docs = documents_of(query, attention_mask, is_causal, kwargs) if q_length == k_length else None
     probe = getattr(module, PROBE_ATTR, None) if q_length == k_length else None  # diagnostics: self-attention
     if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
@@ -428,6 +432,18 @@ def span_attention_forward(
     out = span_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
                          scale=scaling, config=config, probe=probe)
     return out.transpose(1, 2).contiguous(), None
+
+
+def unfilled_slots_only(attention_mask: torch.Tensor | None, q_length: int, is_causal: bool) -> bool:
+    """Whether no query attends a key past the first `q_length`: the slots a fixed-size cache (StaticCache) has not
+    filled yet, on its first forward. The keys attended are then the queries' own, as in self-attention, and SDPA's
+    result is the same without the others. Without a mask, SDPA's causal attention aligns the queries with the first
+    keys (as Transformers relies on there). Not read where the mask cannot be read on the host (compiled, captured)."""
+    if attention_mask is None:
+        return is_causal and q_length > 1
+    if attention_mask.dim() != 4 or torch.compiler.is_compiling() or packing.capturing(attention_mask):
+        return False
+    return not attended(attention_mask[..., q_length:]).any().item()
 
 
 def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross: bool = False) -> bool:
