@@ -413,8 +413,9 @@ def span_attention_forward(
                                       f"(attention of {type(module).__name__})")
     q_length, k_length = query.shape[2], key.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if q_length < k_length and unfilled_slots_only(attention_mask, q_length, is_causal):  # a StaticCache's first
-        key, value = key[:, :, :q_length], value[:, :, :q_length]                        # forward
+    # a StaticCache's first forward under autograd (read only there: the mask's check waits for the device)
+    if q_length < k_length and torch.is_grad_enabled() and unfilled_slots_only(attention_mask, q_length, is_causal):
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
         attention_mask = None if attention_mask is None else attention_mask[..., :q_length]
         k_length = q_length
     if keeps_sdpa(config, q_length, k_length, is_cross_attention(module)):
