@@ -1967,14 +1967,8 @@ def _tiny_llava() -> torch.nn.Module:
     return LlavaForConditionalGeneration(config).double().train()
 
 
-def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(tmp_path):
-    """A vision-language model's text and vision attention read their sub-configs (text_config, vision_config), while
-    patch_model writes the settings on the model's config: every tower trained with the default score:1000, whatever
-    the label, with only a note that the settings were missing. Here score:1111 gives the stock gradients."""
-    from transformers import LlavaForConditionalGeneration
-
-    from hf_spanattn.integration.registry import settings_for
-
+def _llava_grads_match(expected_model: torch.nn.Module, model: torch.nn.Module) -> None:
+    """The gradients of every parameter on one image and text equal the stock model's (the settings give them)."""
     ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
     pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
@@ -1983,12 +1977,22 @@ def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(
         model(input_ids=ids, pixel_values=pixels, labels=ids).loss.backward()
         return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
-    stock = _tiny_llava()
-    patched = patch_model(_tiny_llava(), "score:1111")
-    expected, got = grads(stock), grads(patched)
+    expected, got = grads(expected_model), grads(model)
     scale = max(grad.norm() for grad in expected.values())  # (key biases have a gradient of 0, up to rounding)
     for name, grad in expected.items():
         assert (got[name] - grad).norm() <= 1e-12 * scale, name
+
+
+def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(tmp_path):
+    """A vision-language model's text and vision attention read their sub-configs (text_config, vision_config), while
+    patch_model writes the settings on the model's config: every tower trained with the default score:1000, whatever
+    the label, with only a note that the settings were missing. Here score:1111 gives the stock gradients."""
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_spanattn.integration.registry import settings_for
+
+    patched = patch_model(_tiny_llava(), "score:1111")
+    _llava_grads_match(_tiny_llava(), patched)
     attention = [m for m in patched.modules() if type(m).__name__ in ("LlamaAttention", "CLIPAttention")]
     patch_model(patched, "simple:10")
     assert [settings_for(m).label for m in attention] == ["simple:10"] * 4
@@ -2008,22 +2012,11 @@ def test_a_composite_model_loaded_with_span_attention_trains_with_its_saved_sett
     gradients."""
     from transformers import LlavaForConditionalGeneration
 
-    ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
-    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-
-    def grads(model):
-        model.zero_grad(set_to_none=True)
-        model(input_ids=ids, pixel_values=pixels, labels=ids).loss.backward()
-        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
     stock = _tiny_llava()
     patch_model(copy.deepcopy(stock), "score:1111").save_pretrained(tmp_path)
     loaded = LlavaForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="span_attention",
                                                            dtype=torch.float64)
-    expected, got = grads(stock), grads(loaded)
-    scale = max(grad.norm() for grad in expected.values())
-    for name, grad in expected.items():
-        assert (got[name] - grad).norm() <= 1e-12 * scale, name
+    _llava_grads_match(stock, loaded)
 
 def test_a_hybrid_model_s_layers_without_attention_cannot_be_selected():
     """A hybrid model whose convolution layers carry a layer index too (LFM2: conv, attention, conv, attention): a
