@@ -418,3 +418,63 @@ def test_a_keyframe_past_the_last_step_warns_once_when_training_starts(keyframe,
             warnings.filterwarnings("error", message="SpanAttentionCallback")
             train(patch_model(tiny("gpt2"), "score:1100"), tmp_path / "ramp", max_steps=2, callbacks=[
                 SpanAttentionCallback([Keyframe(0, "score:1111"), Keyframe("100%", "score:1000", ramp=True)])])
+
+
+def _bert2bert(decoder_heads: int):
+    """A tiny BERT2BERT EncoderDecoderModel: an encoder of 2 heads, a decoder of `decoder_heads`."""
+    import transformers
+
+    torch.manual_seed(0)
+    bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(
+        transformers.BertConfig(**bert),
+        transformers.BertConfig(**{**bert, "num_attention_heads": decoder_heads}, is_decoder=True,
+                                add_cross_attention=True))
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return transformers.EncoderDecoderModel(config)
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"input_ids": BATCH[i, :12], "labels": BATCH[(i + 1) % 4, :12]}
+
+
+@pytest.mark.parametrize("decoder_heads", [2, 4])
+def test_diagnostics_of_an_encoder_decoder_are_those_of_each_tower(decoder_heads, tmp_path):
+    """Layer i of the encoder and of the decoder are two layers: their figures were summed into one record of
+    "layer i" (or, with other head counts, the backward failed inside the recorder). Each gets its own record and
+    log entries, equal to those of a recorder on that tower's layer alone."""
+    from hf_spanattn.integration.registry import PROBE_ATTR
+
+    trainer = Trainer(model=patch_model(_bert2bert(decoder_heads), "score:1100"), train_dataset=Pairs(),
+                      callbacks=[SpanAttentionCallback(diagnostics_every=1)],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                             logging_steps=1, disable_tqdm=True))
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    towers = {"encoder": "encoder.encoder.layer", "decoder": "decoder.bert.encoder.layer"}
+    assert sorted((r["tower"], r["layer"]) for r in records) == sorted((t, i) for t in towers.values() for i in (0, 1))
+
+    model = patch_model(_bert2bert(decoder_heads), "score:1100").train()
+    recorders = {}
+    for path in towers.values():
+        for index in (0, 1):
+            recorders[path, index] = OrderRecorder()
+            layer = model.get_submodule(f"{path}.{index}")
+            layer.attention.self.__dict__[PROBE_ATTR] = recorders[path, index]
+    pairs = [Pairs()[i] for i in range(4)]
+    model(input_ids=torch.stack([p["input_ids"] for p in pairs]), labels=torch.stack([p["labels"] for p in pairs])
+          ).loss.backward()
+    logged = trainer.state.log_history[0]
+    for record in records:
+        want = recorders[record["tower"], record["layer"]].summary()
+        for key in ("dq_norm", "dk_norm", "dq_share", "dk_share", "cos_q", "cos_k", "rank_k", "rank_v"):
+            assert record[key] == pytest.approx(want[key], rel=1e-5, abs=1e-12), (record["tower"], key)
+        prefix = f"span/{record['tower']}.{record['layer']}/"
+        assert [logged[f"{prefix}dq_share{o}"] for o in range(4)] == record["dq_share"]
+        assert logged[f"{prefix}cos_k"] == record["cos_k"]

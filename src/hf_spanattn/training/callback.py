@@ -19,6 +19,7 @@ import warnings
 import weakref
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState
@@ -94,7 +95,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
     Logs: each step the Trainer logs gets the α in force (`span/alpha0`.., `span/alpha_q`, `_k`, `_v`;
     per layer as `span/layer{i}/alpha0`.. where the model's `layers` or a schedule's layer table sets
     layers apart), and each recorded step its diagnostics (`span/layer{i}/dq_share0`.., `cos_q`,
-    `rank_k`, ...). They go through the Trainer's own logging, so they reach `state.log_history`,
+    `rank_k`, ...; in a composite model, such as an encoder-decoder, each tower's layer apart, named by the path
+    of its list of layers: `span/encoder.encoder.layer.{i}/dq_share0`, and "tower" in the JSONL). They go
+    through the Trainer's own logging, so they reach `state.log_history`,
     `trainer_state.json` in checkpoints, TensorBoard, W&B and any other `report_to`, whether the
     callback is given as `Trainer(callbacks=[cb])`, added with `trainer.add_callback(cb)` or with
     `cb.add_to(trainer)`. Two things stand in the way, and are handled so:
@@ -129,9 +132,10 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         Trainer may restore this callback from, sets any attribute it names)."""
         self._frames: list | None = None
         self._layers: dict[int, list] = {}
+        self._towers: dict[tuple[int, str], list] = {}  # the modules of each layer, per tower (`_towers`)
         self._per_layer = False
         self._applied: dict | None = None
-        self._recorders: dict[int, OrderRecorder] = {}
+        self._recorders: dict[tuple[int, str], OrderRecorder] = {}
         self._pending: dict[str, float] = {}
         self._alphas_logged_at: int | None = None
         self._path: str | None = None
@@ -176,6 +180,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
+        self._towers = _towers(base, self._layers)
         config = config_of(base.config)
         if config is None:
             raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
@@ -263,10 +268,10 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._apply(state.global_step)
         if self.diagnostics_every and state.global_step % self.diagnostics_every == 0:
             self._recorders = {}
-            for index, modules in self._layers.items():
-                self._recorders[index] = OrderRecorder()
+            for key, modules in self._towers.items():
+                self._recorders[key] = OrderRecorder()
                 for module in modules:
-                    setattr(module, PROBE_ATTR, self._recorders[index])
+                    setattr(module, PROBE_ATTR, self._recorders[key])
                     setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -276,18 +281,20 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         for modules in self._layers.values():
             for module in modules:
                 module.__dict__.pop(PROBE_ATTR, None)
-        reduce_over_ranks([self._recorders[index] for index in sorted(self._recorders)])
+        reduce_over_ranks([self._recorders[key] for key in sorted(self._recorders)])
         records = []
-        for index, recorder in sorted(self._recorders.items()):
+        for (index, tower), recorder in sorted(self._recorders.items()):
             summary = recorder.summary(self.diagnostics_per_head)
             if not summary:
                 continue  # a layer that kept stock gradients this step
-            label = settings_for(self._layers[index][0]).label
-            records.append({"step": state.global_step, "epoch": state.epoch, "layer": index, "span": label, **summary})
+            label = settings_for(self._towers[index, tower][0]).label
+            records.append({"step": state.global_step, "epoch": state.epoch, "layer": index,
+                            **({"tower": tower} if tower else {}), "span": label, **summary})
+            prefix = log_prefix(index, tower)
             for side in ("dq", "dk"):
                 for order, share in enumerate(summary[f"{side}_share"]):
-                    self._pending[f"span/layer{index}/{side}_share{order}"] = share
-            self._pending.update({f"span/layer{index}/{k}": summary[k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")})
+                    self._pending[f"{prefix}{side}_share{order}"] = share
+            self._pending.update({f"{prefix}{k}": summary[k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")})
         self._recorders = {}
         if records and state.is_world_process_zero:
             os.makedirs(os.path.dirname(self._path), exist_ok=True)
@@ -390,6 +397,28 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
         raise ValueError(f"diagnostics_file={shown(os.fspath(file))}: longer than a path may be ({_PATH_MAX} bytes); "
                          "expected a file name (a path relative to the Trainer's output_dir)")
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
+
+
+def _towers(model: torch.nn.Module, layers: dict[int, list]) -> dict[tuple[int, str], list]:
+    """The attention modules of each layer, per tower: (index, tower) -> modules. A model with one list of layers
+    has one tower, named ""; in a composite model (an encoder and a decoder, a vision and a text model) layer i of
+    each tower is another layer, named by the path of its list of layers ("encoder.encoder.layer")."""
+    names = {id(module): name for name, module in model.named_modules()}
+    towers: dict[tuple[int, str], list] = {}
+    for index, modules in layers.items():
+        for module in modules:
+            parts = names.get(id(module), "").split(".")
+            at = max((n for n, part in enumerate(parts) if part == str(index)), default=None)
+            towers.setdefault((index, ".".join(parts[:at]) if at is not None else ""), []).append(module)
+    if len({tower for _, tower in towers}) == 1:
+        return {(index, ""): modules for (index, _), modules in towers.items()}
+    return towers
+
+
+def log_prefix(layer: int, tower: str = "") -> str:
+    """Where a layer's diagnostics go in the logs: span/layer3/ (span/encoder.layer.3/ in a tower of a composite
+    model)."""
+    return f"span/{tower}.{layer}/" if tower else f"span/layer{layer}/"
 
 
 def _calling_handler_callbacks(callback: SpanAttentionCallback) -> list | None:
@@ -613,8 +642,10 @@ def _not_logged(step: int, records: list[dict], log_history: list) -> Any:
     for record in records:
         shares = record.get("dq_share")
         entry = logged.get(record["step"], {})
+        tower = record.get("tower")
+        prefix = log_prefix(record.get("layer"), tower if isinstance(tower, str) else "")
         for order, share in enumerate(shares if isinstance(shares, list) else ()):
-            figure = entry.get(f"span/layer{record.get('layer')}/dq_share{order}")
+            figure = entry.get(f"{prefix}dq_share{order}")
             if figure is not None and figure != share and not (figure != figure and share != share):  # NaN = NaN
                 return record["step"]
     return None
