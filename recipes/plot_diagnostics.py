@@ -51,7 +51,9 @@ def line_problems(record: Any) -> list[str]:
 
 def read_records(path: Path) -> list[dict]:
     """The records of a diagnostics file. A line cut short (a run stopped while writing it) or one that is not a
-    whole record (a hand edit) is left out and named, as the callback itself leaves it out on resuming."""
+    whole record (a hand edit) is left out and named, as the callback itself leaves it out on resuming. A step
+    written again for a layer (a run resumed from an earlier step into a file that was not cut there, or files
+    joined) keeps its later record, as a resumed run's records replace those past its checkpoint; said once."""
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # after a byte order mark, as editors may save
     except (OSError, UnicodeDecodeError) as err:
@@ -74,6 +76,14 @@ def read_records(path: Path) -> list[dict]:
             print(f"{path}:{number}: left out: {'; '.join(problems)}", file=sys.stderr)
             continue
         records.append(record)
+    latest = {(r.get("tower", ""), r["layer"], r["step"]): n for n, r in enumerate(records)}
+    if len(latest) < len(records):
+        again = sorted({r["step"] for n, r in enumerate(records) if latest[r.get("tower", ""), r["layer"], r["step"]]
+                        != n})
+        print(f"{path}: steps {', '.join(map(str, again[:10]))}{' ...' if len(again) > 10 else ''} are written more "
+              "than once for a layer (a run resumed from an earlier step, or files joined); drawn from their last "
+              "records", file=sys.stderr)
+        records = [r for n, r in enumerate(records) if latest[r.get("tower", ""), r["layer"], r["step"]] == n]
     return records
 
 

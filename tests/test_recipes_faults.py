@@ -1783,6 +1783,20 @@ def test_plot_diagnostics_names_the_parts_of_every_rule_drawn(tmp_path):
     assert set(drawn["∥ (Π_K)"]) == {2} and set(drawn["order 0"]) == {4}  # each at the steps of its own rule
 
 
+def test_plot_diagnostics_draws_a_step_written_twice_from_its_last_record(tmp_path, capsys):
+    """Steps 1-4 then 3-4 again (a run resumed from step 2 into a file not cut there): both records of a step were
+    drawn at one x, the line going back; the later one is drawn, and the repeat is said."""
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    rows = [{**DIAGNOSTIC, "step": step, "cos_q": step / 10} for step in (1, 2, 3, 4)]
+    rows += [{**DIAGNOSTIC, "step": step, "cos_q": -step / 10} for step in (3, 4)]
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = plot_diagnostics.read_records(file)
+    assert [(r["step"], r["cos_q"]) for r in records] == [(1, 0.1), (2, 0.2), (3, -0.3), (4, -0.4)]
+    assert "steps 3, 4 are written more than once for a layer" in capsys.readouterr().err
+
+
 def test_plot_diagnostics_draws_each_tower_of_a_composite_model_apart(tmp_path):
     """Layer 0 of an encoder and of a decoder are two layers: a panel each, named by its tower."""
     import plot_diagnostics
