@@ -478,3 +478,26 @@ def test_diagnostics_of_an_encoder_decoder_are_those_of_each_tower(decoder_heads
         prefix = f"span/{record['tower']}.{record['layer']}/"
         assert [logged[f"{prefix}dq_share{o}"] for o in range(4)] == record["dq_share"]
         assert logged[f"{prefix}cos_k"] == record["cos_k"]
+
+
+def test_the_alphas_of_towers_patched_otherwise_are_logged_per_tower(tmp_path):
+    """An encoder-decoder patched with score:1100 and its decoder then with score:1000: the log said α = (1, 1, 0, 0)
+    for every layer, the encoder's. Each tower's layers log the α they train with, as their diagnostics show."""
+    model = patch_model(_bert2bert(2), "score:1100")
+    patch_model(model.decoder, "score:1000")
+    trainer = Trainer(model=model, train_dataset=Pairs(), callbacks=[SpanAttentionCallback(diagnostics_every=1)],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                             logging_steps=1, disable_tqdm=True))
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert not any(key.startswith("span/alpha") for key in logged)
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for record in records:
+        alphas = SpanAttentionConfig.from_label(record["span"]).alphas
+        prefix = f"span/{record['tower']}.{record['layer']}/"
+        assert [logged[f"{prefix}alpha{i}"] for i in range(4)] == list(alphas)
+        assert [share > 0 for share in record["dq_share"]] == [a > 0 for a in alphas]  # what trained
+    assert {r["tower"]: r["span"] for r in records} == {"encoder.encoder.layer": "score:1100",
+                                                        "decoder.bert.encoder.layer": "score:1000"}

@@ -318,14 +318,18 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         logs.update(figures)
 
     def _alphas_in_force(self) -> dict[str, float]:
-        """The α each layer trains with now, as log entries (stock layers: α_Q = α_K = α_V = 1)."""
+        """The α each layer trains with now, as log entries (stock layers: α_Q = α_K = α_V = 1): once for all layers,
+        or per layer (of each tower) where the model's `layers` or a layer table sets layers apart, or they differ
+        (the decoder of an encoder-decoder patched otherwise)."""
+        stock = SpanAttentionConfig.from_label("standard:QKV111")
+        settings = {key: settings_for(modules[0]) or stock for key, modules in sorted(self._towers.items())}
+        per_layer = self._per_layer or len({config.label for config in settings.values()}) > 1
         figures = {}
-        for index, modules in sorted(self._layers.items()):
-            config = settings_for(modules[0]) or SpanAttentionConfig.from_label("standard:QKV111")
-            prefix = f"span/layer{index}/" if self._per_layer else "span/"
+        for (index, tower), config in settings.items():
+            prefix = log_prefix(index, tower) if per_layer else "span/"
             figures.update({f"{prefix}alpha{i}": a for i, a in enumerate(config.alphas)})
             figures.update({f"{prefix}alpha_{n}": a for n, a in zip("qkv", config.qkv_alphas)})
-            if not self._per_layer:
+            if not per_layer:
                 break
         return figures
 
