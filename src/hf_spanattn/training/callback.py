@@ -44,8 +44,10 @@ from hf_spanattn.integration.registry import (
     OWNER_ATTR,
     PROBE_ATTR,
     attention_modules,
+    calls_the_registry,
     config_of,
     layer_count,
+    layer_index,
     settings_for,
     trainer_on_stack,
 )
@@ -132,6 +134,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         Trainer may restore this callback from, sets any attribute it names)."""
         self._frames: list | None = None
         self._layers: dict[int, list] = {}
+        self._unnumbered: list = []  # attention without a layer index beside attention with one (a vision tower)
         self._towers: dict[tuple[int, str], list] = {}  # the modules of each layer, per tower (`_towers`)
         self._per_layer = False
         self._applied: dict | None = None
@@ -180,14 +183,16 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
-        self._towers = _towers(base, self._layers)
+        numbered = {id(module) for modules in self._layers.values() for module in modules}
+        self._unnumbered = [module for module in base.modules() if id(module) not in numbered
+                            and layer_index(module) is None and calls_the_registry(module)]
+        self._towers = _towers(base, self._layers, self._unnumbered)
         config = config_of(base.config)
         if config is None:
             raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
                              "config) before training")
-        for modules in self._layers.values():  # what a training run stopped midway left on the layers
-            for module in modules:
-                module.__dict__.pop(PROBE_ATTR, None)
+        for module in self._modules():  # what a training run stopped midway left on the layers
+            module.__dict__.pop(PROBE_ATTR, None)
         self._applied, self._recorders = None, {}
         self._per_layer = config.layers is not None or (
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
@@ -202,6 +207,12 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     refuse_layers_without_attention(base, indices, f"SpanAttentionCallback: keyframe "
                                                     f"at={shown(keyframe.at)} span={shown(keyframe.span)}: layers "
                                                     f"{shown(layers)}", every=False)
+            if self._unnumbered and any(isinstance(k.span, dict) for k in self.schedule.keyframes):
+                kinds = sorted({type(module).__name__ for module in self._unnumbered})
+                warnings.warn(f"SpanAttentionCallback: {len(self._unnumbered)} attention modules of the model "
+                              f"({', '.join(kinds)}) carry no layer index, so a layer table cannot name them; they "
+                              "keep the model's settings throughout (a schedule of labels only sets them too)",
+                              stacklevel=3)
             notes = self.schedule.unreached(self._frames, state.max_steps)
             for note in notes[:5]:
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)
@@ -278,9 +289,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self.last_step = state.global_step
         if not self._recorders:
             return
-        for modules in self._layers.values():
-            for module in modules:
-                module.__dict__.pop(PROBE_ATTR, None)
+        for module in self._modules():
+            module.__dict__.pop(PROBE_ATTR, None)
         reduce_over_ranks([self._recorders[key] for key in sorted(self._recorders)])
         records = []
         for (index, tower), recorder in sorted(self._recorders.items()):
@@ -334,10 +344,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         return figures
 
     def on_train_end(self, args, state, control, **kwargs):
-        for modules in self._layers.values():
-            for module in modules:
-                for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
-                    module.__dict__.pop(name, None)
+        for module in self._modules():
+            for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+                module.__dict__.pop(name, None)
         self._applied = None
         if self._path is not None:
             _release_lock(self._path, self)
@@ -358,7 +367,19 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
                 else:
                     module.__dict__.pop(OVERRIDE_ATTR, None)
+        labels_only = self.schedule is not None and all(isinstance(k.span, str) for k in self.schedule.keyframes)
+        everywhere = next(iter(settings.values()), None) if labels_only else None  # a label sets every layer
+        for module in self._unnumbered:
+            if everywhere is not None:
+                setattr(module, OVERRIDE_ATTR, everywhere)
+                setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
+            else:
+                module.__dict__.pop(OVERRIDE_ATTR, None)
         self._applied = settings
+
+    def _modules(self) -> list:
+        """Every attention module of the model in training."""
+        return [module for modules in self._layers.values() for module in modules] + self._unnumbered
 
     def _check(self) -> None:
         """The settings checked again: code may have set them since, and so may a checkpoint's trainer_state.json
@@ -403,17 +424,22 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
 
 
-def _towers(model: torch.nn.Module, layers: dict[int, list]) -> dict[tuple[int, str], list]:
+def _towers(model: torch.nn.Module, layers: dict[int, list], unnumbered: list) -> dict[tuple[int, str], list]:
     """The attention modules of each layer, per tower: (index, tower) -> modules. A model with one list of layers
     has one tower, named ""; in a composite model (an encoder and a decoder, a vision and a text model) layer i of
-    each tower is another layer, named by the path of its list of layers ("encoder.encoder.layer")."""
-    names = {id(module): name for name, module in model.named_modules()}
+    each tower is another layer, named by the path of its list of layers ("encoder.encoder.layer"). A module that
+    carries no layer index (`unnumbered`) is numbered by its entry in the list; one in no list is left out."""
+    named = dict(model.named_modules())
+    names = {id(module): name for name, module in named.items()}
     towers: dict[tuple[int, str], list] = {}
-    for index, modules in layers.items():
-        for module in modules:
-            parts = names.get(id(module), "").split(".")
-            at = max((n for n, part in enumerate(parts) if part == str(index)), default=None)
-            towers.setdefault((index, ".".join(parts[:at]) if at is not None else ""), []).append(module)
+    for index, module in [(i, m) for i, modules in layers.items() for m in modules] + [(None, m) for m in unnumbered]:
+        parts = names.get(id(module), "").split(".")
+        # the list of layers it lies in: the first ModuleList in its path whose entry (`index`) holds it
+        entries = [(int(part), ".".join(parts[:n])) for n, part in enumerate(parts) if part.isdigit()]
+        entry, tower = next(((i, path) for i, path in entries if index in (None, i)
+                             and isinstance(named.get(path), torch.nn.ModuleList)), (index, ""))
+        if entry is not None:
+            towers.setdefault((entry, tower), []).append(module)
     if len({tower for _, tower in towers}) == 1:
         return {(index, ""): modules for (index, _), modules in towers.items()}
     return towers
