@@ -591,6 +591,9 @@ CASES = [
     ("schedule settings at a step given as a string",
      lambda t: Schedule.at_step(Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:1100")]).resolve(10, None, 2),
                                 "3"), TypeError, "Schedule.at_step: step='3': expected the optimizer step (a number)"),
+    ("callback asked for the schedule's settings before training",  # gave {}, as without a schedule
+     lambda t: SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe("50%", "score:1100")]).settings_at(3),
+     ValueError, "SpanAttentionCallback.settings_at: the schedule's steps are known once training starts"),
 ]
 
 

@@ -353,7 +353,12 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     # -- schedule ---------------------------------------------------------------------------
     def settings_at(self, step: int) -> dict:
-        """Per-layer settings the schedule sets at `step` (empty without a schedule)."""
+        """Per-layer settings the schedule sets at `step` in the training run that started last (empty without a
+        schedule)."""
+        if self.schedule is not None and self._frames is None:  # its shares and epochs are counted out at the start
+            raise ValueError("SpanAttentionCallback.settings_at: the schedule's steps are known once training starts "
+                             "(a share or an epoch needs the Trainer's max_steps and steps per epoch); before, call "
+                             "Schedule.at_step(callback.schedule.resolve(max_steps, steps_per_epoch, n_layers), step)")
         return Schedule.at_step(self._frames, step) if self._frames else {}
 
     def _apply(self, step: int) -> None:
