@@ -420,15 +420,15 @@ def test_a_keyframe_past_the_last_step_warns_once_when_training_starts(keyframe,
                 SpanAttentionCallback([Keyframe(0, "score:1111"), Keyframe("100%", "score:1000", ramp=True)])])
 
 
-def _bert2bert(decoder_heads: int):
-    """A tiny BERT2BERT EncoderDecoderModel: an encoder of 2 heads, a decoder of `decoder_heads`."""
+def _bert2bert(decoder_heads: int, encoder_layers: int = 2):
+    """A tiny BERT2BERT EncoderDecoderModel: an encoder of 2 heads, a decoder of `decoder_heads` and 2 layers."""
     import transformers
 
     torch.manual_seed(0)
     bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                 max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(
-        transformers.BertConfig(**bert),
+        transformers.BertConfig(**{**bert, "num_hidden_layers": encoder_layers}),
         transformers.BertConfig(**{**bert, "num_attention_heads": decoder_heads}, is_decoder=True,
                                 add_cross_attention=True))
     config.decoder_start_token_id, config.pad_token_id = 1, 0
@@ -556,3 +556,27 @@ def test_a_schedule_of_labels_reaches_a_vision_tower_whose_attention_carries_no_
                                          "so a layer table cannot name them; they keep the model's settings"):
         train(patch_model(_tiny_llava(), "score:1100"), tmp_path / "table", max_steps=1,
               callbacks=[SpanAttentionCallback([Keyframe(0, {"*": "score:1000"})])])
+
+
+def test_a_label_reaches_every_layer_of_an_encoder_deeper_than_its_decoder(tmp_path):
+    """An encoder of 3 layers and a decoder of 2: the config counts the decoder's, and a label (every layer) left
+    encoder layer 2 with the model's setting. Its gradients are now those of the model patched with the label."""
+    recorder = GradRecorder()
+    trainer = Trainer(model=patch_model(_bert2bert(2, encoder_layers=3), "score:1100"), train_dataset=Pairs(),
+                      callbacks=[SpanAttentionCallback([Keyframe(0, "score:1000")]), recorder],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                             disable_tqdm=True, max_grad_norm=0.0))
+    trainer.train()
+
+    def by_hand(label):
+        model = patch_model(_bert2bert(2, encoder_layers=3), label).train()
+        pairs = [Pairs()[i] for i in range(4)]
+        model(input_ids=torch.stack([p["input_ids"] for p in pairs]),
+              labels=torch.stack([p["labels"] for p in pairs])).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "encoder.layer.2." in n}
+
+    want, other = by_hand("score:1000"), by_hand("score:1100")
+    got = recorder.grads[0]
+    assert any((want[n] - other[n]).norm() > 1e-3 * want[n].norm() for n in want)  # the rule shows there
+    assert all((got[n] - want[n]).norm() <= 1e-5 * want[n].norm() for n in want)
