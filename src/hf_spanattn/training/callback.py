@@ -197,8 +197,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._per_layer = config.layers is not None or (
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
         if self.schedule is not None:
-            # an encoder-decoder's config counts the decoder's layers; its encoder may have more
-            n_layers = max(layer_count(base), max(self._layers, default=-1) + 1)
+            n_layers = layer_count(base)
             steps_per_epoch = None  # as the Trainer counts them: a last partial accumulation is a step
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
