@@ -131,8 +131,7 @@ def figure(records: list[dict], columns: int = 8) -> plt.Figure:
             twin.set_ylim(-1.05, 1.05)
             if col < columns - 1 and index < len(layers) - 1:
                 twin.set_yticklabels([])
-            ax.set_title(f"{f'{tower}.{layer}' if tower else f'layer {layer}'}: {side} ({rows[-1]['span']})",
-                         fontsize=9)
+            ax.set_title(f"{f'{tower}.{layer}' if tower else f'layer {layer}'}: {side} ({_rules(rows)})", fontsize=9)
             ax.set_ylim(0, 1)
             if row == 1:
                 ax.set_xlabel("step")
@@ -146,6 +145,12 @@ def figure(records: list[dict], columns: int = 8) -> plt.Figure:
                loc="lower center", ncol=ncol, fontsize=8)
     fig.tight_layout(rect=(0, (0.25 + 0.25 * legend_rows) / fig.get_figheight(), 1, 1))
     return fig
+
+
+def _rules(rows: list[dict]) -> str:
+    """The rules a layer trained with, in order: "score:1000", "simple:10 → score:1000", "a → … → z"."""
+    rules = [r["span"] for n, r in enumerate(rows) if n == 0 or r["span"] != rows[n - 1]["span"]]
+    return " → ".join(rules if len(rules) <= 2 else [rules[0], "…", rules[-1]])
 
 
 def _stretches(rows: list[dict], key: str) -> list[list[dict]]:

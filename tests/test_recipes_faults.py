@@ -1781,6 +1781,7 @@ def test_plot_diagnostics_names_the_parts_of_every_rule_drawn(tmp_path):
     layer0_dq = fig.axes[0]
     drawn = {part.get_label(): part.get_paths()[0].vertices[:, 0] for part in layer0_dq.collections}
     assert set(drawn["∥ (Π_K)"]) == {2} and set(drawn["order 0"]) == {4}  # each at the steps of its own rule
+    assert layer0_dq.get_title() == "layer 0: dq (simple:10 → score:1000)"  # was the last rule alone
 
 
 def test_plot_diagnostics_draws_a_step_written_twice_from_its_last_record(tmp_path, capsys):
