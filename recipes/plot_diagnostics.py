@@ -36,6 +36,8 @@ def line_problems(record: Any) -> list[str]:
             problems.append(f"{key}={value!r}"[:80] + ": expected an integer from 0 to 2^53")
     if not isinstance(record.get("span"), str):
         problems.append(f"span={record.get('span')!r}: expected a span label")
+    if not isinstance(record.get("tower", ""), str):
+        problems.append(f"tower={record.get('tower')!r}"[:80] + ": expected the path of a composite model's layers")
     for key in ("dq_share", "dk_share"):
         value = record.get(key)
         if not isinstance(value, list) or not value or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -49,7 +51,9 @@ def line_problems(record: Any) -> list[str]:
 
 def read_records(path: Path) -> list[dict]:
     """The records of a diagnostics file. A line cut short (a run stopped while writing it) or one that is not a
-    whole record (a hand edit) is left out and named, as the callback itself leaves it out on resuming."""
+    whole record (a hand edit) is left out and named, as the callback itself leaves it out on resuming. A step
+    written again for a layer (a run resumed from an earlier step into a file that was not cut there, or files
+    joined) keeps its later record, as a resumed run's records replace those past its checkpoint; said once."""
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # after a byte order mark, as editors may save
     except (OSError, UnicodeDecodeError) as err:
@@ -72,14 +76,32 @@ def read_records(path: Path) -> list[dict]:
             print(f"{path}:{number}: left out: {'; '.join(problems)}", file=sys.stderr)
             continue
         records.append(record)
+    latest = {(r.get("tower", ""), r["layer"], r["step"]): n for n, r in enumerate(records)}
+    if len(latest) < len(records):
+        again = sorted({r["step"] for n, r in enumerate(records) if latest[r.get("tower", ""), r["layer"], r["step"]]
+                        != n})
+        print(f"{path}: steps {', '.join(map(str, again[:10]))}{' ...' if len(again) > 10 else ''} are written more "
+              "than once for a layer (a run resumed from an earlier step, or files joined); drawn from their last "
+              "records", file=sys.stderr)
+        records = [r for n, r in enumerate(records) if latest[r.get("tower", ""), r["layer"], r["step"]] == n]
     return records
 
 
 def plot(records: list[dict], out: Path, columns: int = 8) -> Path:
     """The figure in `out`: per layer a dQ panel above a dK panel, `columns` layers to a row."""
-    by_layer: dict[int, list[dict]] = defaultdict(list)
+    fig = figure(records, columns)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def figure(records: list[dict], columns: int = 8) -> plt.Figure:
+    """Per layer (of each tower of a composite model) a dQ panel above a dK panel, `columns` layers to a row. A
+    layer whose rule changes between ones of 2 parts (∥, ⊥) and of 4 (orders 0-3) draws each stretch with its own
+    parts; each part has one colour in every panel, and the legend names every part drawn."""
+    by_layer: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in records:
-        by_layer[r["layer"]].append(r)
+        by_layer[r.get("tower", ""), r["layer"]].append(r)
     layers = sorted(by_layer)
     columns = min(columns, len(layers))
     groups = -(-len(layers) // columns)
@@ -88,35 +110,58 @@ def plot(records: list[dict], out: Path, columns: int = 8) -> Path:
     for col in range(len(layers) - (groups - 1) * columns, columns):  # the last row's panels past the last layer
         axes[-2][col].set_visible(False)
         axes[-1][col].set_visible(False)
-    for index, layer in enumerate(layers):
+    colours: dict[str, Any] = {}  # part name -> its colour, in every panel
+    handles: dict[str, Any] = {}
+    for index, (tower, layer) in enumerate(layers):
         group, col = divmod(index, columns)
-        rows = sorted(by_layer[layer], key=lambda r: r["step"])
+        rows = sorted(by_layer[tower, layer], key=lambda r: r["step"])
         steps = [r["step"] for r in rows]
         for row, side in enumerate(("dq", "dk")):
             ax = axes[2 * group + row][col]
-            width = max(len(r[f"{side}_share"]) for r in rows)
-            shares = list(zip(*(r[f"{side}_share"] + [0.0] * (width - len(r[f"{side}_share"])) for r in rows)))
-            names = ORDER_NAMES.get(len(shares), [f"part {i}" for i in range(len(shares))])
-            ax.stackplot(steps, *shares, labels=names, alpha=0.85)
+            for stretch in _stretches(rows, f"{side}_share"):
+                shares = list(zip(*(r[f"{side}_share"] for r in stretch)))
+                names = ORDER_NAMES.get(len(shares), [f"part {i}" for i in range(len(shares))])
+                for name in names:
+                    colours.setdefault(name, f"C{len(colours) % 10}")
+                drawn = ax.stackplot([r["step"] for r in stretch], *shares, labels=names, alpha=0.85,
+                                     colors=[colours[name] for name in names])
+                handles.update((name, patch) for name, patch in zip(names, drawn) if name not in handles)
             twin = ax.twinx()
             twin.plot(steps, [r[f"cos_{side[1]}"] for r in rows], color="black", linewidth=1.2)
             twin.set_ylim(-1.05, 1.05)
             if col < columns - 1 and index < len(layers) - 1:
                 twin.set_yticklabels([])
-            ax.set_title(f"layer {layer}: {side} ({rows[-1]['span']})", fontsize=9)
+            ax.set_title(f"{f'{tower}.{layer}' if tower else f'layer {layer}'}: {side} ({_rules(rows)})", fontsize=9)
             ax.set_ylim(0, 1)
             if row == 1:
                 ax.set_xlabel("step")
                 ax.xaxis.set_tick_params(labelbottom=True)
             if col == 0:
                 ax.set_ylabel("share of order norms")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles + [plt.Line2D([], [], color="black")], labels + ["cos(applied, standard)"],
-               loc="lower center", ncol=len(labels) + 1, fontsize=8)
-    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    ncol = min(len(handles) + 1, max(1, int(fig.get_figwidth() / 1.6)))  # entries of about 1.6 in to a row
+    legend_rows = -(-(len(handles) + 1) // ncol)
+    fig.set_figheight(fig.get_figheight() + 0.25 * (legend_rows - 1))
+    fig.legend([*handles.values(), plt.Line2D([], [], color="black")], [*handles, "cos(applied, standard)"],
+               loc="lower center", ncol=ncol, fontsize=8)
+    fig.tight_layout(rect=(0, (0.25 + 0.25 * legend_rows) / fig.get_figheight(), 1, 1))
+    return fig
+
+
+def _rules(rows: list[dict]) -> str:
+    """The rules a layer trained with, in order: "score:1000", "simple:10 → score:1000", "a → … → z"."""
+    rules = [r["span"] for n, r in enumerate(rows) if n == 0 or r["span"] != rows[n - 1]["span"]]
+    return " → ".join(rules if len(rules) <= 2 else [rules[0], "…", rules[-1]])
+
+
+def _stretches(rows: list[dict], key: str) -> list[list[dict]]:
+    """`rows` cut where the number of parts of `key` changes (the rule of the layer changed)."""
+    stretches: list[list[dict]] = []
+    for r in rows:
+        if stretches and len(stretches[-1][-1][key]) == len(r[key]):
+            stretches[-1].append(r)
+        else:
+            stretches.append([r])
+    return stretches
 
 
 def layer_list(text: str) -> list[int]:

@@ -581,6 +581,20 @@ CASES = [
         10, None, 2), ValueError, "keyframe at=5 span='score:9': alphas=(9.0,): expected 4 values"),
     ("keyframe with a bad label in its layer table", lambda t: Keyframe("50%", {"0": "score:1000", "1": "simple:1"})
      .settings(2), ValueError, "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: alphas=(1.0,)"),
+    # a schedule asked for its settings as a custom training loop would: Python's "missing 'step'", or a TypeError
+    # from inside the loop over the keyframes
+    ("schedule asked for the settings at a step without its resolved keyframes",
+     lambda t: Schedule([Keyframe(0, "score:1000")]).at_step(3), TypeError,
+     "Schedule.at_step: frames=3: expected the keyframes that Schedule.resolve gives; call "
+     "Schedule.at_step(schedule.resolve(max_steps, steps_per_epoch, n_layers), step)"),
+    ("schedule settings at a step from frames=None", lambda t: Schedule.at_step(None, 3), TypeError,
+     "Schedule.at_step: frames=None: expected the keyframes that Schedule.resolve gives"),
+    ("schedule settings at a step given as a string",
+     lambda t: Schedule.at_step(Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:1100")]).resolve(10, None, 2),
+                                "3"), TypeError, "Schedule.at_step: step='3': expected the optimizer step (a number)"),
+    ("callback asked for the schedule's settings before training",  # gave {}, as without a schedule
+     lambda t: SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe("50%", "score:1100")]).settings_at(3),
+     ValueError, "SpanAttentionCallback.settings_at: the schedule's steps are known once training starts"),
 ]
 
 

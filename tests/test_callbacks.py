@@ -418,3 +418,165 @@ def test_a_keyframe_past_the_last_step_warns_once_when_training_starts(keyframe,
             warnings.filterwarnings("error", message="SpanAttentionCallback")
             train(patch_model(tiny("gpt2"), "score:1100"), tmp_path / "ramp", max_steps=2, callbacks=[
                 SpanAttentionCallback([Keyframe(0, "score:1111"), Keyframe("100%", "score:1000", ramp=True)])])
+
+
+def _bert2bert(decoder_heads: int, encoder_layers: int = 2):
+    """A tiny BERT2BERT EncoderDecoderModel: an encoder of 2 heads, a decoder of `decoder_heads` and 2 layers."""
+    import transformers
+
+    torch.manual_seed(0)
+    bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(
+        transformers.BertConfig(**{**bert, "num_hidden_layers": encoder_layers}),
+        transformers.BertConfig(**{**bert, "num_attention_heads": decoder_heads}, is_decoder=True,
+                                add_cross_attention=True))
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return transformers.EncoderDecoderModel(config)
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"input_ids": BATCH[i, :12], "labels": BATCH[(i + 1) % 4, :12]}
+
+
+@pytest.mark.parametrize("decoder_heads", [2, 4])
+def test_diagnostics_of_an_encoder_decoder_are_those_of_each_tower(decoder_heads, tmp_path):
+    """Layer i of the encoder and of the decoder are two layers: their figures were summed into one record of
+    "layer i" (or, with other head counts, the backward failed inside the recorder). Each gets its own record and
+    log entries, equal to those of a recorder on that tower's layer alone."""
+    from hf_spanattn.integration.registry import PROBE_ATTR
+
+    trainer = Trainer(model=patch_model(_bert2bert(decoder_heads), "score:1100"), train_dataset=Pairs(),
+                      callbacks=[SpanAttentionCallback(diagnostics_every=1)],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                             logging_steps=1, disable_tqdm=True))
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    towers = {"encoder": "encoder.encoder.layer", "decoder": "decoder.bert.encoder.layer"}
+    assert sorted((r["tower"], r["layer"]) for r in records) == sorted((t, i) for t in towers.values() for i in (0, 1))
+
+    model = patch_model(_bert2bert(decoder_heads), "score:1100").train()
+    recorders = {}
+    for path in towers.values():
+        for index in (0, 1):
+            recorders[path, index] = OrderRecorder()
+            layer = model.get_submodule(f"{path}.{index}")
+            layer.attention.self.__dict__[PROBE_ATTR] = recorders[path, index]
+    pairs = [Pairs()[i] for i in range(4)]
+    model(input_ids=torch.stack([p["input_ids"] for p in pairs]), labels=torch.stack([p["labels"] for p in pairs])
+          ).loss.backward()
+    logged = trainer.state.log_history[0]
+    for record in records:
+        want = recorders[record["tower"], record["layer"]].summary()
+        for key in ("dq_norm", "dk_norm", "dq_share", "dk_share", "cos_q", "cos_k", "rank_k", "rank_v"):
+            assert record[key] == pytest.approx(want[key], rel=1e-5, abs=1e-12), (record["tower"], key)
+        prefix = f"span/{record['tower']}.{record['layer']}/"
+        assert [logged[f"{prefix}dq_share{o}"] for o in range(4)] == record["dq_share"]
+        assert logged[f"{prefix}cos_k"] == record["cos_k"]
+
+
+def test_the_alphas_of_towers_patched_otherwise_are_logged_per_tower(tmp_path):
+    """An encoder-decoder patched with score:1100 and its decoder then with score:1000: the log said α = (1, 1, 0, 0)
+    for every layer, the encoder's. Each tower's layers log the α they train with, as their diagnostics show."""
+    model = patch_model(_bert2bert(2), "score:1100")
+    patch_model(model.decoder, "score:1000")
+    trainer = Trainer(model=model, train_dataset=Pairs(), callbacks=[SpanAttentionCallback(diagnostics_every=1)],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                             logging_steps=1, disable_tqdm=True))
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert not any(key.startswith("span/alpha") for key in logged)
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for record in records:
+        alphas = SpanAttentionConfig.from_label(record["span"]).alphas
+        prefix = f"span/{record['tower']}.{record['layer']}/"
+        assert [logged[f"{prefix}alpha{i}"] for i in range(4)] == list(alphas)
+        assert [share > 0 for share in record["dq_share"]] == [a > 0 for a in alphas]  # what trained
+    assert {r["tower"]: r["span"] for r in records} == {"encoder.encoder.layer": "score:1100",
+                                                        "decoder.bert.encoder.layer": "score:1000"}
+
+
+def _tiny_llava():
+    """A vision tower (CLIP, whose attention carries no layer index) of 16 patches, beside a Llama text model."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)
+    text = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       intermediate_size=64, vocab_size=VOCAB + 1, max_position_embeddings=64)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1)
+    return LlavaForConditionalGeneration(config)
+
+
+class Pictures(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        ids = torch.cat([torch.full((16,), VOCAB), BATCH[i, :8]])
+        return {"input_ids": ids, "labels": ids.masked_fill(ids == VOCAB, -100),
+                "pixel_values": torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(i))}
+
+
+def test_a_schedule_of_labels_reaches_a_vision_tower_whose_attention_carries_no_layer_index(tmp_path):
+    """LLaVA: CLIP's attention carries no layer index, Llama's does. A schedule's label (all layers) reached the
+    text layers only, the vision tower training with the model's setting. Its gradients are now those of the model
+    patched by hand with the label, its diagnostics are recorded per tower, and a layer table says what it leaves."""
+    recorder = GradRecorder()
+    schedule = [Keyframe(0, "score:1000")]
+    trainer = Trainer(model=patch_model(_tiny_llava(), "score:1100"), train_dataset=Pictures(),
+                      callbacks=[SpanAttentionCallback(schedule, diagnostics_every=1), recorder],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                             disable_tqdm=True, max_grad_norm=0.0))
+    trainer.train()
+
+    def by_hand(label):
+        model = patch_model(_tiny_llava(), label).train()
+        rows = [Pictures()[i] for i in range(2)]
+        model(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "vision_tower" in n}
+
+    want, other = by_hand("score:1000"), by_hand("score:1100")
+    assert any(not torch.allclose(want[n], other[n], rtol=1e-4) for n in want)  # the rule shows in the vision tower
+    assert_same(recorder.grads[0], want)
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert sorted((r["tower"], r["layer"], r["span"]) for r in records) == [
+        (tower, layer, "score:1000") for tower in ("model.language_model.layers", "model.vision_tower.encoder.layers")
+        for layer in (0, 1)]
+    with pytest.warns(UserWarning, match=r"2 attention modules of the model \(CLIPAttention\) carry no layer index, "
+                                         "so a layer table cannot name them; they keep the model's settings"):
+        train(patch_model(_tiny_llava(), "score:1100"), tmp_path / "table", max_steps=1,
+              callbacks=[SpanAttentionCallback([Keyframe(0, {"*": "score:1000"})])])
+
+
+def test_a_label_reaches_every_layer_of_an_encoder_deeper_than_its_decoder(tmp_path):
+    """An encoder of 3 layers and a decoder of 2: the config counts the decoder's, and a label (every layer) left
+    encoder layer 2 with the model's setting. Its gradients are now those of the model patched with the label."""
+    recorder = GradRecorder()
+    trainer = Trainer(model=patch_model(_bert2bert(2, encoder_layers=3), "score:1100"), train_dataset=Pairs(),
+                      callbacks=[SpanAttentionCallback([Keyframe(0, "score:1000")]), recorder],
+                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                             disable_tqdm=True, max_grad_norm=0.0))
+    trainer.train()
+
+    def by_hand(label):
+        model = patch_model(_bert2bert(2, encoder_layers=3), label).train()
+        pairs = [Pairs()[i] for i in range(4)]
+        model(input_ids=torch.stack([p["input_ids"] for p in pairs]),
+              labels=torch.stack([p["labels"] for p in pairs])).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "encoder.layer.2." in n}
+
+    want, other = by_hand("score:1000"), by_hand("score:1100")
+    got = recorder.grads[0]
+    assert any((want[n] - other[n]).norm() > 1e-3 * want[n].norm() for n in want)  # the rule shows there
+    assert all((got[n] - want[n]).norm() <= 1e-5 * want[n].norm() for n in want)

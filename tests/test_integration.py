@@ -586,3 +586,22 @@ def test_an_encoder_decoder_whose_decoder_lacks_the_flag_names_it():
     with pytest.raises(ValueError, match=r"EncoderDecoderModel \(it holds BartForCausalLM, which does not\) does not "
                                          "declare Transformers' attention-backend support"):
         patch_model(transformers.EncoderDecoderModel(config), "score:1000")
+
+
+def test_layers_selects_a_layer_of_an_encoder_deeper_than_its_decoder():
+    """An encoder of 3 layers and a decoder of 2, whose config counts the decoder's: layers=[2] was refused as
+    "EncoderDecoderModel has layers 0..1"; it selects the encoder's layer 2, the only one of that index."""
+    import transformers
+
+    bert = dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=32)
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(
+        transformers.BertConfig(**bert, num_hidden_layers=3),
+        transformers.BertConfig(**bert, num_hidden_layers=2, is_decoder=True, add_cross_attention=True))
+    model = patch_model(transformers.EncoderDecoderModel(config), "score:1000", layers=[2])
+    selected = {name: getattr(registry.settings_for(m), "label", None) for name, m in model.named_modules()
+                if type(m).__name__ == "BertSelfAttention"}
+    assert selected == {f"encoder.encoder.layer.{i}.attention.self": "score:1000" if i == 2 else None
+                        for i in range(3)} | {f"decoder.bert.encoder.layer.{i}.attention.self": None for i in range(2)}
+    with pytest.raises(ValueError, match=r"layers=\[3\]: EncoderDecoderModel has layers 0..2"):
+        patch_model(transformers.EncoderDecoderModel(config), "score:1000", layers=[3])

@@ -1750,13 +1750,67 @@ def test_plot_diagnostics_wraps_a_deep_models_layers_into_rows_and_draws_the_lay
         sizes[name] = matplotlib.image.imread(tmp_path / f"{name}.png").shape[:2]
     panel_width, panel_height = 3.2 * 120, 2.75 * 120
     assert sizes["all"][1] == 8 * panel_width and sizes["all"][0] == 4 * panel_height + 60
-    assert sizes["three"][1] == 2 * panel_width and sizes["three"][0] == 4 * panel_height + 60
+    # two columns hold the legend's five entries in two rows (in one it ran past the figure's edges)
+    assert sizes["three"][1] == 2 * panel_width and sizes["three"][0] == 4 * panel_height + 60 + 30
     for argv, message in [(["--layers", "3,12"], "--layers: {file} has no records of layer 12; it has layers 0, 1,"),
                           (["--layers", "3,x"], "argument --layers: '3,x': expected comma-separated layer indices"),
                           (["--columns", "0"], "argument --columns: '0': expected a whole number of at least 1")]:
         with pytest.raises(SystemExit):
             plot_diagnostics.main([str(file), *argv])
         assert message.format(file=file) in capsys.readouterr().err
+
+
+def test_plot_diagnostics_names_the_parts_of_every_rule_drawn(tmp_path):
+    """A layer trained with simple:10 (parts ∥, ⊥), then score:1000 (orders 0-3), beside one trained with score:
+    its ∥ share was drawn and named as order 0, and the legend was that of the first panel alone."""
+    import matplotlib.colors
+    import plot_diagnostics
+
+    simple = {**DIAGNOSTIC, "span": "simple:10", "dq_share": [0.6, 0.4], "dk_share": [0.5, 0.5]}
+    records = [{**simple, "step": 2}, {**DIAGNOSTIC, "step": 4}, {**DIAGNOSTIC, "layer": 1, "step": 2},
+               {**DIAGNOSTIC, "layer": 1, "step": 4}]
+    fig = plot_diagnostics.figure(records)
+    legend = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert legend == ["∥ (Π_K)", "⊥ (Π_K^⊥)", "order 0", "order 1", "order 2", "order 3", "cos(applied, standard)"]
+    colours = {}
+    for ax in fig.axes:
+        for part in ax.collections:
+            colour = matplotlib.colors.to_hex(part.get_facecolor()[0])
+            assert colours.setdefault(part.get_label(), colour) == colour, part.get_label()  # one colour per part
+    assert len(set(colours.values())) == 6
+    layer0_dq = fig.axes[0]
+    drawn = {part.get_label(): part.get_paths()[0].vertices[:, 0] for part in layer0_dq.collections}
+    assert set(drawn["∥ (Π_K)"]) == {2} and set(drawn["order 0"]) == {4}  # each at the steps of its own rule
+    assert layer0_dq.get_title() == "layer 0: dq (simple:10 → score:1000)"  # was the last rule alone
+
+
+def test_plot_diagnostics_draws_a_step_written_twice_from_its_last_record(tmp_path, capsys):
+    """Steps 1-4 then 3-4 again (a run resumed from step 2 into a file not cut there): both records of a step were
+    drawn at one x, the line going back; the later one is drawn, and the repeat is said."""
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    rows = [{**DIAGNOSTIC, "step": step, "cos_q": step / 10} for step in (1, 2, 3, 4)]
+    rows += [{**DIAGNOSTIC, "step": step, "cos_q": -step / 10} for step in (3, 4)]
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = plot_diagnostics.read_records(file)
+    assert [(r["step"], r["cos_q"]) for r in records] == [(1, 0.1), (2, 0.2), (3, -0.3), (4, -0.4)]
+    assert "steps 3, 4 are written more than once for a layer" in capsys.readouterr().err
+
+
+def test_plot_diagnostics_draws_each_tower_of_a_composite_model_apart(tmp_path):
+    """Layer 0 of an encoder and of a decoder are two layers: a panel each, named by its tower."""
+    import plot_diagnostics
+
+    records = [{**DIAGNOSTIC, "tower": tower, "step": step} for tower in ("encoder.layer", "decoder.layers")
+               for step in (2, 4)]
+    fig = plot_diagnostics.figure(records)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles == ["decoder.layers.0: dq (score:1000)", "encoder.layer.0: dq (score:1000)",
+                      "decoder.layers.0: dk (score:1000)", "encoder.layer.0: dk (score:1000)"]
+    for ax in fig.axes[:4]:
+        steps = [x for part in ax.collections for x in part.get_paths()[0].vertices[:, 0]]
+        assert sorted(set(steps)) == [2, 4]
 
 
 @pytest.mark.parametrize("name,text,message", [

@@ -204,10 +204,12 @@ def attention_modules(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]
 
 
 def layer_count(model: torch.nn.Module) -> int:
-    """The model's number of layers: its config's `num_hidden_layers`, else (a config that does not say, as a
-    custom model's may) one more than the highest layer index its attention modules carry."""
+    """The model's number of layers: its config's `num_hidden_layers`, or one more than the highest layer index its
+    attention modules carry where the config does not say (a custom model's) or says fewer (an encoder-decoder's
+    counts the decoder's layers, and its encoder may have more)."""
     n_layers = _configured_layers(model)
-    return n_layers if n_layers is not None else max(attention_modules(model), default=-1) + 1
+    numbered = max(attention_modules(model), default=-1) + 1
+    return numbered if n_layers is None else max(n_layers, numbered)
 
 
 def _configured_layers(model: torch.nn.Module) -> int | None:

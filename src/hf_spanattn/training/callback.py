@@ -19,6 +19,7 @@ import warnings
 import weakref
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState
@@ -43,8 +44,10 @@ from hf_spanattn.integration.registry import (
     OWNER_ATTR,
     PROBE_ATTR,
     attention_modules,
+    calls_the_registry,
     config_of,
     layer_count,
+    layer_index,
     settings_for,
     trainer_on_stack,
 )
@@ -94,7 +97,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
     Logs: each step the Trainer logs gets the α in force (`span/alpha0`.., `span/alpha_q`, `_k`, `_v`;
     per layer as `span/layer{i}/alpha0`.. where the model's `layers` or a schedule's layer table sets
     layers apart), and each recorded step its diagnostics (`span/layer{i}/dq_share0`.., `cos_q`,
-    `rank_k`, ...). They go through the Trainer's own logging, so they reach `state.log_history`,
+    `rank_k`, ...; in a composite model, such as an encoder-decoder, each tower's layer apart, named by the path
+    of its list of layers: `span/encoder.encoder.layer.{i}/dq_share0`, and "tower" in the JSONL). They go
+    through the Trainer's own logging, so they reach `state.log_history`,
     `trainer_state.json` in checkpoints, TensorBoard, W&B and any other `report_to`, whether the
     callback is given as `Trainer(callbacks=[cb])`, added with `trainer.add_callback(cb)` or with
     `cb.add_to(trainer)`. Two things stand in the way, and are handled so:
@@ -129,9 +134,11 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         Trainer may restore this callback from, sets any attribute it names)."""
         self._frames: list | None = None
         self._layers: dict[int, list] = {}
+        self._unnumbered: list = []  # attention without a layer index beside attention with one (a vision tower)
+        self._towers: dict[tuple[int, str], list] = {}  # the modules of each layer, per tower (`_towers`)
         self._per_layer = False
         self._applied: dict | None = None
-        self._recorders: dict[int, OrderRecorder] = {}
+        self._recorders: dict[tuple[int, str], OrderRecorder] = {}
         self._pending: dict[str, float] = {}
         self._alphas_logged_at: int | None = None
         self._path: str | None = None
@@ -176,13 +183,16 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._move_first()
         base = base_model(model)
         self._layers = attention_modules(base)
+        numbered = {id(module) for modules in self._layers.values() for module in modules}
+        self._unnumbered = [module for module in base.modules() if id(module) not in numbered
+                            and layer_index(module) is None and calls_the_registry(module)]
+        self._towers = _towers(base, self._layers, self._unnumbered)
         config = config_of(base.config)
         if config is None:
             raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
                              "config) before training")
-        for modules in self._layers.values():  # what a training run stopped midway left on the layers
-            for module in modules:
-                module.__dict__.pop(PROBE_ATTR, None)
+        for module in self._modules():  # what a training run stopped midway left on the layers
+            module.__dict__.pop(PROBE_ATTR, None)
         self._applied, self._recorders = None, {}
         self._per_layer = config.layers is not None or (
             self.schedule is not None and any(isinstance(k.span, dict) for k in self.schedule.keyframes))
@@ -197,6 +207,12 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     refuse_layers_without_attention(base, indices, f"SpanAttentionCallback: keyframe "
                                                     f"at={shown(keyframe.at)} span={shown(keyframe.span)}: layers "
                                                     f"{shown(layers)}", every=False)
+            if self._unnumbered and any(isinstance(k.span, dict) for k in self.schedule.keyframes):
+                kinds = sorted({type(module).__name__ for module in self._unnumbered})
+                warnings.warn(f"SpanAttentionCallback: {len(self._unnumbered)} attention modules of the model "
+                              f"({', '.join(kinds)}) carry no layer index, so a layer table cannot name them; they "
+                              "keep the model's settings throughout (a schedule of labels only sets them too)",
+                              stacklevel=3)
             notes = self.schedule.unreached(self._frames, state.max_steps)
             for note in notes[:5]:
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)
@@ -263,31 +279,32 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._apply(state.global_step)
         if self.diagnostics_every and state.global_step % self.diagnostics_every == 0:
             self._recorders = {}
-            for index, modules in self._layers.items():
-                self._recorders[index] = OrderRecorder()
+            for key, modules in self._towers.items():
+                self._recorders[key] = OrderRecorder()
                 for module in modules:
-                    setattr(module, PROBE_ATTR, self._recorders[index])
+                    setattr(module, PROBE_ATTR, self._recorders[key])
                     setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
 
     def on_step_end(self, args, state, control, **kwargs):
         self.last_step = state.global_step
         if not self._recorders:
             return
-        for modules in self._layers.values():
-            for module in modules:
-                module.__dict__.pop(PROBE_ATTR, None)
-        reduce_over_ranks([self._recorders[index] for index in sorted(self._recorders)])
+        for module in self._modules():
+            module.__dict__.pop(PROBE_ATTR, None)
+        reduce_over_ranks([self._recorders[key] for key in sorted(self._recorders)])
         records = []
-        for index, recorder in sorted(self._recorders.items()):
+        for (index, tower), recorder in sorted(self._recorders.items()):
             summary = recorder.summary(self.diagnostics_per_head)
             if not summary:
                 continue  # a layer that kept stock gradients this step
-            label = settings_for(self._layers[index][0]).label
-            records.append({"step": state.global_step, "epoch": state.epoch, "layer": index, "span": label, **summary})
+            label = settings_for(self._towers[index, tower][0]).label
+            records.append({"step": state.global_step, "epoch": state.epoch, "layer": index,
+                            **({"tower": tower} if tower else {}), "span": label, **summary})
+            prefix = log_prefix(index, tower)
             for side in ("dq", "dk"):
                 for order, share in enumerate(summary[f"{side}_share"]):
-                    self._pending[f"span/layer{index}/{side}_share{order}"] = share
-            self._pending.update({f"span/layer{index}/{k}": summary[k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")})
+                    self._pending[f"{prefix}{side}_share{order}"] = share
+            self._pending.update({f"{prefix}{k}": summary[k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")})
         self._recorders = {}
         if records and state.is_world_process_zero:
             os.makedirs(os.path.dirname(self._path), exist_ok=True)
@@ -311,29 +328,37 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         logs.update(figures)
 
     def _alphas_in_force(self) -> dict[str, float]:
-        """The α each layer trains with now, as log entries (stock layers: α_Q = α_K = α_V = 1)."""
+        """The α each layer trains with now, as log entries (stock layers: α_Q = α_K = α_V = 1): once for all layers,
+        or per layer (of each tower) where the model's `layers` or a layer table sets layers apart, or they differ
+        (the decoder of an encoder-decoder patched otherwise)."""
+        stock = SpanAttentionConfig.from_label("standard:QKV111")
+        settings = {key: settings_for(modules[0]) or stock for key, modules in sorted(self._towers.items())}
+        per_layer = self._per_layer or len({config.label for config in settings.values()}) > 1
         figures = {}
-        for index, modules in sorted(self._layers.items()):
-            config = settings_for(modules[0]) or SpanAttentionConfig.from_label("standard:QKV111")
-            prefix = f"span/layer{index}/" if self._per_layer else "span/"
+        for (index, tower), config in settings.items():
+            prefix = log_prefix(index, tower) if per_layer else "span/"
             figures.update({f"{prefix}alpha{i}": a for i, a in enumerate(config.alphas)})
             figures.update({f"{prefix}alpha_{n}": a for n, a in zip("qkv", config.qkv_alphas)})
-            if not self._per_layer:
+            if not per_layer:
                 break
         return figures
 
     def on_train_end(self, args, state, control, **kwargs):
-        for modules in self._layers.values():
-            for module in modules:
-                for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
-                    module.__dict__.pop(name, None)
+        for module in self._modules():
+            for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
+                module.__dict__.pop(name, None)
         self._applied = None
         if self._path is not None:
             _release_lock(self._path, self)
 
     # -- schedule ---------------------------------------------------------------------------
     def settings_at(self, step: int) -> dict:
-        """Per-layer settings the schedule sets at `step` (empty without a schedule)."""
+        """Per-layer settings the schedule sets at `step` in the training run that started last (empty without a
+        schedule)."""
+        if self.schedule is not None and self._frames is None:  # its shares and epochs are counted out at the start
+            raise ValueError("SpanAttentionCallback.settings_at: the schedule's steps are known once training starts "
+                             "(a share or an epoch needs the Trainer's max_steps and steps per epoch); before, call "
+                             "Schedule.at_step(callback.schedule.resolve(max_steps, steps_per_epoch, n_layers), step)")
         return Schedule.at_step(self._frames, step) if self._frames else {}
 
     def _apply(self, step: int) -> None:
@@ -347,7 +372,19 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
                 else:
                     module.__dict__.pop(OVERRIDE_ATTR, None)
+        labels_only = self.schedule is not None and all(isinstance(k.span, str) for k in self.schedule.keyframes)
+        everywhere = next(iter(settings.values()), None) if labels_only else None  # a label sets every layer
+        for module in self._unnumbered:
+            if everywhere is not None:
+                setattr(module, OVERRIDE_ATTR, everywhere)
+                setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
+            else:
+                module.__dict__.pop(OVERRIDE_ATTR, None)
         self._applied = settings
+
+    def _modules(self) -> list:
+        """Every attention module of the model in training."""
+        return [module for modules in self._layers.values() for module in modules] + self._unnumbered
 
     def _check(self) -> None:
         """The settings checked again: code may have set them since, and so may a checkpoint's trainer_state.json
@@ -390,6 +427,33 @@ def _checked(schedule: Any, every: Any, per_head: Any, file: Any) -> tuple[Sched
         raise ValueError(f"diagnostics_file={shown(os.fspath(file))}: longer than a path may be ({_PATH_MAX} bytes); "
                          "expected a file name (a path relative to the Trainer's output_dir)")
     return schedule, as_int(every), per_head, None if file is None else os.fspath(file)
+
+
+def _towers(model: torch.nn.Module, layers: dict[int, list], unnumbered: list) -> dict[tuple[int, str], list]:
+    """The attention modules of each layer, per tower: (index, tower) -> modules. A model with one list of layers
+    has one tower, named ""; in a composite model (an encoder and a decoder, a vision and a text model) layer i of
+    each tower is another layer, named by the path of its list of layers ("encoder.encoder.layer"). A module that
+    carries no layer index (`unnumbered`) is numbered by its entry in the list; one in no list is left out."""
+    named = dict(model.named_modules())
+    names = {id(module): name for name, module in named.items()}
+    towers: dict[tuple[int, str], list] = {}
+    for index, module in [(i, m) for i, modules in layers.items() for m in modules] + [(None, m) for m in unnumbered]:
+        parts = names.get(id(module), "").split(".")
+        # the list of layers it lies in: the first ModuleList in its path whose entry (`index`) holds it
+        entries = [(int(part), ".".join(parts[:n])) for n, part in enumerate(parts) if part.isdigit()]
+        entry, tower = next(((i, path) for i, path in entries if index in (None, i)
+                             and isinstance(named.get(path), torch.nn.ModuleList)), (index, ""))
+        if entry is not None:
+            towers.setdefault((entry, tower), []).append(module)
+    if len({tower for _, tower in towers}) == 1:
+        return {(index, ""): modules for (index, _), modules in towers.items()}
+    return towers
+
+
+def log_prefix(layer: int, tower: str = "") -> str:
+    """Where a layer's diagnostics go in the logs: span/layer3/ (span/encoder.layer.3/ in a tower of a composite
+    model)."""
+    return f"span/{tower}.{layer}/" if tower else f"span/layer{layer}/"
 
 
 def _calling_handler_callbacks(callback: SpanAttentionCallback) -> list | None:
@@ -613,8 +677,10 @@ def _not_logged(step: int, records: list[dict], log_history: list) -> Any:
     for record in records:
         shares = record.get("dq_share")
         entry = logged.get(record["step"], {})
+        tower = record.get("tower")
+        prefix = log_prefix(record.get("layer"), tower if isinstance(tower, str) else "")
         for order, share in enumerate(shares if isinstance(shares, list) else ()):
-            figure = entry.get(f"span/layer{record.get('layer')}/dq_share{order}")
+            figure = entry.get(f"{prefix}dq_share{order}")
             if figure is not None and figure != share and not (figure != figure and share != share):  # NaN = NaN
                 return record["step"]
     return None

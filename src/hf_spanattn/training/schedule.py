@@ -187,8 +187,15 @@ class Schedule:
         return notes
 
     @staticmethod
-    def at_step(frames: list[tuple[int, LayerSettings, bool]], step: int) -> LayerSettings:
-        """The per-layer settings in force at `step` (layers no keyframe names are absent)."""
+    def at_step(frames: list[tuple[int, LayerSettings, bool]], step: float | None = None) -> LayerSettings:
+        """The per-layer settings in force at `step` (layers no keyframe names are absent), from the `frames` that
+        `resolve` gives: `Schedule.at_step(schedule.resolve(max_steps, steps_per_epoch, n_layers), step)`."""
+        if not isinstance(frames, (list, tuple)) or not all(isinstance(f, tuple) and len(f) == 3 for f in frames):
+            raise TypeError(f"Schedule.at_step: frames={shown(frames)}: expected the keyframes that Schedule.resolve "
+                            "gives; call Schedule.at_step(schedule.resolve(max_steps, steps_per_epoch, n_layers), "
+                            "step)")
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step:
+            raise TypeError(f"Schedule.at_step: step={shown(step)}: expected the optimizer step (a number)")
         current: LayerSettings = {}
         for i, (start, table, ramp) in enumerate(frames):
             if start <= step:
