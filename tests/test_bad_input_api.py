@@ -882,6 +882,33 @@ def test_a_settings_save_into_a_folder_that_takes_no_file_names_the_settings_fil
     assert os.listdir(tmp_path / "mine") == ["span_attention_config.json"]
 
 
+def test_a_settings_save_onto_a_full_disk_names_the_settings_file_and_keeps_those_saved_before(tmp_path, monkeypatch):
+    """A write that fails (a full disk, a file-size limit) raised the operating system's error alone: "[Errno 28] No
+    space left on device", naming no file."""
+    import builtins
+    import errno
+
+    import hf_spanattn.config
+
+    def no_space(text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        f.write = no_space
+        return f
+
+    SpanAttentionConfig().save_pretrained(tmp_path)
+    monkeypatch.setattr(hf_spanattn.config, "open", full, raising=False)
+    saved = tmp_path / "span_attention_config.json"
+    with pytest.raises(OSError, match=f"{saved}: cannot be saved \\(No space left on device when writing "
+                                      f"{saved}.[0-9]+.partial beside it first\\)"):
+        SpanAttentionConfig.from_label("score:1100").save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1000"
+    assert [p.name for p in tmp_path.iterdir()] == ["span_attention_config.json"]
+
+
 def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
     """`layers=` is patch_model's argument; load_pretrained passes it on (to a model's or an adapter's base model)
     rather than to the model class, which refused it."""
