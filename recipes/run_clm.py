@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -60,11 +61,12 @@ import math
 import os
 import platform
 import re
+import resource
 import sys
 import time
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -917,18 +919,52 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
     if callback is not None:
         callback.add_to(trainer)
     start = time.time()
-    train_result = trainer.train(resume_from_checkpoint=resume) if training_args.do_train else None
-    if training_args.do_eval and not any("eval_loss" in h for h in trainer.state.log_history):
-        trainer.evaluate()
-    metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
-    metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
-        if len(splits) == 2 else None
-    if trainer.is_world_process_zero():
-        if training_args.do_train:
-            trainer.save_model()
-            tokenizer.save_pretrained(training_args.output_dir)
-        write_json(Path(training_args.output_dir) / "metrics.json", metrics)
+    with room_named(training_args.output_dir):
+        train_result = trainer.train(resume_from_checkpoint=resume) if training_args.do_train else None
+        if training_args.do_eval and not any("eval_loss" in h for h in trainer.state.log_history):
+            trainer.evaluate()
+        metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
+        metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
+            if len(splits) == 2 else None
+        if trainer.is_world_process_zero():
+            if training_args.do_train:
+                trainer.save_model()
+                tokenizer.save_pretrained(training_args.output_dir)
+            write_json(Path(training_args.output_dir) / "metrics.json", metrics)
     return metrics
+
+
+@contextlib.contextmanager
+def room_named(output_dir: str) -> Iterator[None]:
+    """A save into `output_dir` that fails for want of room (a full disk, a file-size limit) says so: torch's own
+    error names neither ("unexpected pos 4160 vs 4052"), safetensors' and the operating system's no file."""
+    try:
+        yield
+    except Exception as err:  # OSError, torch's RuntimeError, safetensors' SafetensorError
+        why = no_room(output_dir, err)
+        if why is None:
+            raise
+        raise SystemExit(f"--output_dir {output_dir}: a save failed: {why[0]} ({type(err).__name__}: "
+                         f"{shown(str(err), 200)}). {why[1]}, then run the same command again: it resumes from its "
+                         "last complete checkpoint, if any") from err
+
+
+def no_room(output_dir: str, err: BaseException) -> tuple[str, str] | None:
+    """(why a save into `output_dir` that raised `err` found no room, what to do), in words; None where it did not.
+    safetensors gives the cause in its message alone, torch not at all (then the file left, or the disk, shows it)."""
+    said = {code for code in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
+            if getattr(err, "errno", None) == code or os.strerror(code) in str(err)}
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and (errno.EFBIG in said or any(
+            p.is_file() and p.stat().st_size >= limit for p in Path(output_dir).rglob("*"))):
+        return f"a file reached this process's file-size limit of {limit} bytes", "Raise the limit (`ulimit -f`)"
+    try:
+        free = os.statvfs(output_dir).f_bavail * os.statvfs(output_dir).f_frsize
+    except OSError:
+        return None
+    if said & {errno.ENOSPC, errno.EDQUOT} or free < 2**20:
+        return f"its disk is full ({free} bytes free)", "Make room"
+    return None
 
 
 def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> dict:

@@ -416,7 +416,10 @@ class RunLock:
         long = too_long(self.path.with_suffix(""))
         if long:
             raise SystemExit(f"{self.flag} {shown(str(self.path.with_suffix('')), 120)}: {long}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise self.unwritable(err) from None
         if self.path.is_symlink() or self.path.exists() and not self.path.is_file():
             raise SystemExit(f"{self.path} is where the lock of {self.path.with_suffix('')} goes, but it is not a lock "
                              f"file this recipe wrote; move it away, or choose another {self.flag}")
@@ -425,7 +428,12 @@ class RunLock:
         for _ in range(5):
             try:
                 with open(self.path, "x") as f:
-                    json.dump(info, f)
+                    try:
+                        json.dump(info, f)
+                        f.flush()
+                    except OSError:  # a full disk: an empty lock left would hold the folder as "a process starting"
+                        self.path.unlink(missing_ok=True)
+                        raise
                 return self
             except FileExistsError:
                 holder = self.holder(self.path)
@@ -435,7 +443,14 @@ class RunLock:
                                      f"such run is going on, delete {self.path}") from None
                 print(f"{self.path}: taking over the lock of a run that ended without removing it", file=sys.stderr)
                 self.path.unlink(missing_ok=True)
+            except OSError as err:
+                raise self.unwritable(err) from None
         raise SystemExit(f"{self.path}: could not take the lock")
+
+    def unwritable(self, err: OSError) -> SystemExit:
+        """The error of a lock that cannot be written (a full disk, a folder this user cannot write into)."""
+        return SystemExit(f"{self.flag} {self.path.with_suffix('')}: its lock {self.path} cannot be written "
+                          f"({type(err).__name__}: {err.strerror}); make room there, or choose another {self.flag}")
 
     def __exit__(self, *exc) -> None:
         try:

@@ -901,6 +901,30 @@ def test_a_rerun_after_a_kill_during_a_save_resumes_the_last_complete_checkpoint
     assert (out / "incomplete-checkpoint-4" / "model.safetensors").is_file()
 
 
+@needs_data
+def test_a_save_past_the_file_size_limit_is_named_and_the_rerun_finishes(tmp_path):
+    """A checkpoint save that found no room (a file-size limit here, a full disk alike) failed with torch's
+    "[enforce fail at inline_container.cc:672] . unexpected pos 6437184 vs 6437072", naming neither file nor cause."""
+    import resource
+
+    start = pretrained(tmp_path / "start", "gpt2")
+    out = tmp_path / "out"
+    args = flags({**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start,
+                  "output_dir": out, "save_strategy": "epoch"})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            run_clm.main(args)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value).startswith(f"--output_dir {out}: a save failed: a file reached this process's file-size "
+                                     f"limit of {2**20} bytes (SafetensorError: ")
+    assert "Raise the limit (`ulimit -f`), then run the same command again: it resumes from" in str(err.value)
+    assert not (out / "metrics.json").exists() and not (tmp_path / "out.lock").exists()
+    assert run_clm.main(args)["min_val_loss"] > 0 and (out / "incomplete-checkpoint-2").is_dir()
+
+
 @pytest.mark.parametrize("group,value,message", [
     ("data", "wikitext", "data='wikitext': expected an object of settings"),  # was: AttributeError, no file named
     ("span", {"span": "score:12"}, "alphas=(1.0, 2.0): expected 4 values"),
@@ -987,6 +1011,25 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkey
     run_clm.main(["--output_dir", str(out), "--tokenizer_name", str(DATA / "gpt2-tokenizer")])
     assert seen == [os.getpid()] and not lock.exists()
     assert "taking over the lock of a run that ended" in capsys.readouterr().err
+
+
+def test_a_lock_that_finds_no_room_is_named_and_left_nowhere(tmp_path):
+    """A full disk (a file-size limit here) raised the bare "[Errno 28] No space left on device" and left an empty
+    lock, which held the folder as "a process starting now" for the next command."""
+    import resource
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err, run_identity.RunLock(tmp_path / "out"):
+            pass
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"--output_dir {tmp_path / 'out'}: its lock {tmp_path / 'out.lock'} cannot be written "
+                              "(OSError: File too large); make room there, or choose another --output_dir")
+    assert not (tmp_path / "out.lock").exists()
+    with run_identity.RunLock(tmp_path / "out"):
+        assert (tmp_path / "out.lock").is_file()
 
 
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
