@@ -1459,6 +1459,33 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="x" * 300)).train()
 
 
+def test_diagnostics_that_find_no_room_are_named_and_leave_no_record_cut_short_nor_a_lock(tmp_path):
+    """A full disk (a file-size limit here): the append raised the bare "[Errno 28] No space left on device" and left
+    a record cut short; the lock's write left an empty lock, which held the file as "a process starting now"."""
+    import os
+    import resource
+
+    records = tmp_path / "span_diagnostics.jsonl"
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    for limit, name, said in ((100, records, "cannot write the diagnostics (File too large)"),
+                              (10, f"{records}.lock", "cannot write the lock of the diagnostics file (OSError: File too "
+                                                      "large)")):
+        trainer = trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+        try:
+            with pytest.raises(OSError) as err:
+                trainer.train()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        assert f"{name}: {said}; make room there, or name another diagnostics_file" in str(err.value)
+        if limit == 100:  # the records of a step are written whole or not at all
+            assert records.read_bytes() == b""
+            os.remove(f"{records}.lock")  # a run stopped by an error keeps it (as a kill would)
+    assert not os.path.exists(f"{records}.lock")
+    trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert steps_in(records) == [1, 1]
+
+
 def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagnostics_file(tmp_path):
     """Two Trainers in threads of one process writing diagnostics into one file: the lock holds the process id, so
     the second took it over as one that a stopped run of this process left, and moved the first's records aside. A
