@@ -1467,9 +1467,9 @@ def test_diagnostics_that_find_no_room_are_named_and_leave_no_record_cut_short_n
 
     records = tmp_path / "span_diagnostics.jsonl"
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    lock_said = "cannot write the lock of the diagnostics file (OSError: File too large)"
     for limit, name, said in ((100, records, "cannot write the diagnostics (File too large)"),
-                              (10, f"{records}.lock", "cannot write the lock of the diagnostics file (OSError: File too "
-                                                      "large)")):
+                              (10, f"{records}.lock", lock_said)):
         trainer = trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
         try:
