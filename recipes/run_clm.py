@@ -900,7 +900,10 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
                            "%s.replaced-<n> and runs it afresh)", finished, training_args.output_dir)
             return read_json(finished)
         if first:
-            write_config(Path(training_args.output_dir), config)
+            try:
+                write_config(Path(training_args.output_dir), config)
+            except OSError as err:  # a folder this user cannot write into, a full disk
+                raise SystemExit(f"--output_dir {training_args.output_dir}: {err.strerror}") from None
     if not training_args.do_train:
         resume = None
     set_seed(training_args.seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -143,15 +144,27 @@ def write_whole(path: Path, text: str) -> None:
     a folder or link there, put by hand, is left as it is and another name taken."""
     for n in itertools.count():
         tmp = path.with_name(f".{path.name}.tmp" + (f"-{n}" if n else ""))
-        if tmp.is_file() and not tmp.is_symlink():
-            tmp.unlink(missing_ok=True)
         try:
+            if tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink(missing_ok=True)
             with open(tmp, "x") as f:  # never through a link, nor into a file another writer has open
-                f.write(text)
+                try:
+                    f.write(text)
+                    f.flush()
+                except OSError:
+                    tmp.unlink(missing_ok=True)
+                    raise
             break
         except FileExistsError:
             continue
-    tmp.replace(path)
+        except OSError as err:  # a full disk, a folder that takes no files: named, not the hidden file
+            raise OSError(err.errno, f"{path}: cannot be written ({err.strerror} when writing {tmp.name} beside it "
+                                     "first)") from None
+    try:
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"{path}: cannot be written ({err.strerror})") from None
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -353,6 +366,7 @@ def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | No
     return resume_from_checkpoint or last_checkpoint(out, first)
 
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, the file-size limit
 MAX_NAME_BYTES = 240  # of a folder or file that RunLock guards: 255, the most file systems allow, less suffixes
 
 
@@ -449,8 +463,9 @@ class RunLock:
 
     def unwritable(self, err: OSError) -> SystemExit:
         """The error of a lock that cannot be written (a full disk, a folder this user cannot write into)."""
+        room = "make room there" if err.errno in NO_ROOM else "make its folder writable"
         return SystemExit(f"{self.flag} {self.path.with_suffix('')}: its lock {self.path} cannot be written "
-                          f"({type(err).__name__}: {err.strerror}); make room there, or choose another {self.flag}")
+                          f"({type(err).__name__}: {err.strerror}); {room}, or choose another {self.flag}")
 
     def __exit__(self, *exc) -> None:
         try:

@@ -1032,6 +1032,26 @@ def test_a_lock_that_finds_no_room_is_named_and_left_nowhere(tmp_path):
         assert (tmp_path / "out.lock").is_file()
 
 
+@needs_data
+def test_a_run_config_that_cannot_be_written_is_named_with_the_output_dir_and_leaves_the_old_one(tmp_path):
+    """A folder that takes no file, or no more bytes (a file-size limit here): the traceback ended in
+    "[Errno 27] File too large", naming no file, or named only the hidden file written first."""
+    import resource
+
+    out = tmp_path / "out"
+    run_identity.write_config(out, {"before": 1})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, limits[1]))  # the lock fits, the configuration does not
+    try:
+        with pytest.raises(SystemExit) as err:
+            run_clm.main(flags({**TINY, "output_dir": out}))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"--output_dir {out}: {out / 'run_config.json'}: cannot be written (File too large "
+                              "when writing .run_config.json.tmp beside it first)")
+    assert os.listdir(out) == ["run_config.json"] and json.loads((out / "run_config.json").read_text()) == {"before": 1}
+
+
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
 def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys):
     """A process id past int64 or infinite failed with an OverflowError; -1 and 0 (whole groups of processes) held
