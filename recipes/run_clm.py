@@ -121,6 +121,7 @@ PAPER_GPT2 = {"n_embd": 256, "n_head": 4, "n_layer": 6, "ffn_mult": 4, "dropout"
 DTYPES = Literal["auto", "bfloat16", "float16", "float32"]
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 COMMA_SEPARATED = ("span_layers", "config_overrides")  # the text arguments a config file may give as a list
+PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 1024  # bytes of a path (Linux: 4096)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 
@@ -552,6 +553,11 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     out = Path(training.output_dir)
     if not out.absolute().name:  # its <output_dir>.lock and .replaced-<n> would lie outside any folder
         raise ValueError(f"--output_dir {out}: the root of the file system; give a folder inside it")
+    size = len(os.fsencode(out.absolute()))
+    if size > PATH_MAX - 100:  # the file system's error names no argument
+        raise ValueError(f"--output_dir {shown(str(out), 120)}: a path of {size} bytes; the files a run writes in it "
+                         f"(checkpoint-<step>/optimizer.pt, ...) need paths under {PATH_MAX} bytes, this system's "
+                         f"limit, so give one of at most {PATH_MAX - 100}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {out}: exists and is not a folder")
     blocking = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)

@@ -473,6 +473,10 @@ CASES = [
     pytest.param("run_clm block_size above the data", lambda t: run_tiny(t, tiny_text(t, 50, 50), block_size=400),
                  ValueError, "{tmp}/data/train.txt: its 150 train tokens make no block of --block_size 400",
                  marks=needs_data),
+    pytest.param("run_clm output_dir past the system's path length",  # was: OSError "File name too long" from a stat
+                 lambda t: run_tiny(t, tiny_text(t, 50, 50), output_dir=t / "/".join(["d" * 200] * 21)), ValueError,
+                 "bytes; the files a run writes in it (checkpoint-<step>/optimizer.pt, ...) need paths under",
+                 marks=needs_data),
     pytest.param("run_clm validation shorter than a block", lambda t: run_tiny(t, tiny_text(t, 50, 3)), ValueError,
                  "{tmp}/data/validation.txt: its 9 validation tokens make no block of --block_size 16",
                  marks=needs_data),
