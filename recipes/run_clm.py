@@ -660,6 +660,10 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
             err = err.__cause__ or err.__context__
         if "corresponds to no data" in str(err):
             raise ValueError(f"{flag} {path}: holds no rows of text (a split needs text)") from None
+        cache = os.path.abspath(datasets.config.HF_DATASETS_CACHE)
+        if isinstance(err, OSError) and os.path.abspath(err.filename or "/").startswith(cache):  # not the file's fault
+            raise SystemExit(f"{flag} {path}: the datasets cache cannot be written ({err.filename}: {err.strerror}); "
+                             "point HF_DATASETS_CACHE (or HF_HOME) to a folder this user can write") from None
         where = json_line_problem(path) if builder == "json" else None
         if where is not None:
             raise ValueError(f"{flag} {path}: could not be read as JSON ({where})") from None

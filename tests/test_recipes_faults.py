@@ -1052,6 +1052,23 @@ def test_a_run_config_that_cannot_be_written_is_named_with_the_output_dir_and_le
     assert os.listdir(out) == ["run_config.json"] and json.loads((out / "run_config.json").read_text()) == {"before": 1}
 
 
+@needs_data
+def test_a_datasets_cache_that_cannot_be_written_is_named_not_the_data_file(tmp_path, monkeypatch):
+    """HF_HOME read-only (a file where its folder goes here): the error said the train file "could not be read as
+    text"."""
+    import datasets
+
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    files = data_files(tmp_path / "data", "txt")
+    with pytest.raises(SystemExit) as err:
+        run_clm.main(flags({**SMALL, **files, "output_dir": tmp_path / "out",
+                            "tokenizer_name": DATA / "gpt2-tokenizer"}))
+    assert str(err.value).startswith(f"--train_file {files['train_file']}: the datasets cache cannot be written "
+                                     f"({tmp_path / 'cache'}")
+    assert str(err.value).endswith("point HF_DATASETS_CACHE (or HF_HOME) to a folder this user can write")
+
+
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
 def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys):
     """A process id past int64 or infinite failed with an OverflowError; -1 and 0 (whole groups of processes) held
