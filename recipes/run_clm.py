@@ -874,7 +874,14 @@ def token_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def make_compute_metrics():
-    metric = evaluate.load(METRIC_PATH)
+    try:
+        metric = evaluate.load(METRIC_PATH)
+    except OSError as err:  # evaluate copies the metric's script into its modules cache first
+        cache = os.path.abspath(evaluate.config.HF_MODULES_CACHE)
+        if not os.path.abspath(err.filename or "/").startswith(cache):
+            raise
+        raise SystemExit(f"{METRIC_PATH}: evaluate's modules cache cannot be written ({err.filename}: {err.strerror}); "
+                         "point HF_MODULES_CACHE (or HF_HOME) to a folder this user can write") from None
 
     def compute(eval_pred):
         scores, labels = eval_pred.predictions, eval_pred.label_ids[:, 1:]

@@ -1069,6 +1069,19 @@ def test_a_datasets_cache_that_cannot_be_written_is_named_not_the_data_file(tmp_
     assert str(err.value).endswith("point HF_DATASETS_CACHE (or HF_HOME) to a folder this user can write")
 
 
+def test_a_modules_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """HF_HOME read-only (a file where its folder goes here): evaluate's traceback ended in a PermissionError."""
+    import evaluate
+
+    (tmp_path / "modules").write_text("not a folder")
+    monkeypatch.setattr(evaluate.config, "HF_MODULES_CACHE", tmp_path / "modules")
+    with pytest.raises(SystemExit) as err:
+        run_clm.make_compute_metrics()
+    assert str(err.value).startswith(f"{run_clm.METRIC_PATH}: evaluate's modules cache cannot be written "
+                                     f"({tmp_path / 'modules'}")
+    assert str(err.value).endswith("point HF_MODULES_CACHE (or HF_HOME) to a folder this user can write")
+
+
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
 def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys):
     """A process id past int64 or infinite failed with an OverflowError; -1 and 0 (whole groups of processes) held
