@@ -54,6 +54,7 @@ import argparse
 import codecs
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import logging
@@ -654,7 +655,8 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
             raise ValueError(f"{flag} {path}: starts with {head.splitlines()[0][:20]!r}; expected rows: one JSON "
                              "object with a 'text' field a line (JSON Lines), or a list of such objects or of strings")
     try:
-        rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", **extra)
+        rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", cache_dir=cache_of(path),
+                                     **extra)
     except Exception as err:  # the loaders raise many types; the message is what counts
         while err.__cause__ is not None or err.__context__ is not None:  # "an error occurred": say which
             err = err.__cause__ or err.__context__
@@ -686,6 +688,15 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     rows = rows.select_columns([column]).rename_column(column, "text") if column != "text" else \
         rows.select_columns(["text"])
     return rows.map(lambda row: {"text": row["text"] or ""})  # an empty CSV cell is None
+
+
+def cache_of(path: str) -> str:
+    """The datasets cache folder for the data file `path`, named by its contents: `datasets` tells a local file's
+    versions apart by its modification time alone, so a file replaced by another of the same time (cp -p, rsync -t,
+    tar) was read from the cache of the one before."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "run_clm", digest[:32])
 
 
 def json_line_problem(path: str) -> str | None:

@@ -1082,6 +1082,22 @@ def test_a_modules_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     assert str(err.value).endswith("point HF_MODULES_CACHE (or HF_HOME) to a folder this user can write")
 
 
+@pytest.mark.parametrize("name", ["train.txt", "train.jsonl", "train.csv"])
+def test_a_data_file_replaced_by_another_of_the_same_time_is_read_anew(name, tmp_path, monkeypatch):
+    """`datasets` keys a local file's cache by its modification time alone: a file replaced by another with the same
+    time (cp -p, rsync -t, tar) gave the rows of the one before."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    path = tmp_path / name
+    texts = {".txt": lambda t: f"{t}\n", ".jsonl": lambda t: json.dumps({"text": t}) + "\n",
+             ".csv": lambda t: f"text\n{t}\n"}[path.suffix]
+    for text in ("the first text", "the other text"):  # the same size too
+        path.write_text(texts(text))
+        os.utime(path, (2e9, 2e9))
+        assert [t.strip() for t in run_clm.load_file(str(path), "--train_file")["text"]] == [text]
+
+
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
 def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys):
     """A process id past int64 or infinite failed with an OverflowError; -1 and 0 (whole groups of processes) held
