@@ -483,6 +483,27 @@ def test_pack_appends_after_a_cut_line_on_a_line_of_its_own(tmp_path, fake, caps
         pack.load_records(jsonl)
 
 
+def test_a_jsonl_line_that_finds_no_room_is_named_and_leaves_no_line_cut_short(tmp_path, fake):
+    """A full disk (a file-size limit here) raised the bare "[Errno 28] No space left on device" and left a line cut
+    short, which the next command appended after: merge.py then refused the file."""
+    import resource
+
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000", "score:1100"], [0])
+    jsonl = tmp_path / "r.jsonl"
+    assert pack.main([str(config), "--jsonl", str(jsonl), "--max_runs", "1"]) == 0
+    before = jsonl.read_bytes()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 500, limits[1]))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(OSError, match=f"{jsonl}: cannot be written \\(File too large\\)"):
+            pack.main([str(config), "--jsonl", str(jsonl)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert jsonl.read_bytes() == before
+    assert pack.main([str(config), "--jsonl", str(jsonl)]) == 0
+    assert [r["name"] for r in pack.load_records(jsonl)] == ["H2xL1__score-1000__seed0", "H2xL1__score-1100__seed0"]
+
+
 @pytest.mark.parametrize("flag", ["--results", "--jsonl"])
 def test_a_second_pack_command_on_the_same_results_stops_at_once(flag, tmp_path, fake):
     """Both ran every run: twice the device time, and two records of each run that merge.py then refused."""
