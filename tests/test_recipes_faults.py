@@ -262,6 +262,24 @@ def test_merge_names_a_pipe_given_as_input_and_a_link_loop_in_the_tree(tmp_path)
         merge.main([str(path), "--out", str(tmp_path / "out")])
 
 
+def test_a_merge_that_finds_no_room_names_the_result_and_leaves_none_empty(tmp_path, fake):
+    """A full disk (a file-size limit here) raised the bare "[Errno 28] No space left on device" and left an empty
+    metrics.json in the tree."""
+    import resource
+
+    one_record(tmp_path, fake)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))  # the lock fits, a result does not
+    try:
+        with pytest.raises(OSError, match="H2xL1/score-1000/seed0/metrics.json: cannot be written \\(File too large "):
+            merge.main([str(tmp_path / "made"), "--out", str(tmp_path / "out")])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert not list((tmp_path / "out").rglob("*.json*")) and not (tmp_path / "out.lock").exists()
+    merge.main([str(tmp_path / "made"), "--out", str(tmp_path / "out")])
+    assert [p.name for p in (tmp_path / "out").rglob("metrics.json*")] == ["metrics.json"]
+
+
 def test_a_second_merge_into_the_same_folder_stops_at_once(tmp_path):
     """Both wrote the tree and then the report, each over the other's: the last one could leave runs out."""
     path = tmp_path / "in.json"
