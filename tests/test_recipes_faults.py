@@ -799,6 +799,28 @@ def test_a_hand_edited_metrics_json_is_read_or_named(edit, message, tmp_path):
     assert message.format(path=path) in str(err.value)
 
 
+def test_a_report_that_finds_no_room_is_named_and_leaves_the_report_before(tmp_path):
+    """A full disk (a file-size limit here): matplotlib's bare "[Errno 28] No space left on device", and report.md
+    and report.csv were cut to nothing before being written."""
+    import resource
+
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    metrics_file(runs, "standard:QKV111", 0, 0.4)
+    metrics_file(runs, "score:1000", 0, 0.5)
+    report.main([str(runs), "--out", str(out)])
+    before = {name: (out / name).read_bytes() for name in ("report.md", "report.csv")}
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            report.main([str(runs), "--out", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value).startswith(f"report: --out {out}: ") and str(err.value).endswith(
+        "cannot be written (File too large); make room there, or give another --out")
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
 def test_report_on_a_baseline_loss_of_zero_gives_no_percentage(tmp_path, capsys):
     runs = tmp_path / "runs"
     metrics_file(runs, "standard:QKV111", 0, 0.0)
