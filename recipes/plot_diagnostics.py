@@ -158,8 +158,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--layers: {args.jsonl} has no records of layer {', '.join(map(str, missing))}; it has "
                          f"layers {', '.join(map(str, sorted({r['layer'] for r in records})))}")
         records = [r for r in records if r["layer"] in args.layers]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(plot(records, out, args.columns))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(plot(records, out, args.columns))
+    except OSError as err:  # matplotlib's error names no file (a full disk, a folder that takes no files)
+        raise SystemExit(f"-o {out}: cannot be written ({err.strerror}); make room there, or give another -o") \
+            from None
 
 
 if __name__ == "__main__":

@@ -1895,6 +1895,25 @@ def test_plot_diagnostics_reads_past_a_byte_order_mark(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_plot_diagnostics_that_finds_no_room_names_the_figure(tmp_path):
+    """A full disk (a file-size limit here): matplotlib's bare "[Errno 28] No space left on device"."""
+    import resource
+
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    file.write_text(json.dumps(DIAGNOSTIC) + "\n")
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            plot_diagnostics.main([str(file)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"-o {tmp_path / 'span_diagnostics.png'}: cannot be written (File too large); make "
+                              "room there, or give another -o")
+
+
 def test_plot_diagnostics_draws_the_records_of_a_run_stopped_while_writing(tmp_path, capsys):
     import plot_diagnostics
 
