@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -140,8 +141,8 @@ def stopped_as_by_ctrl_c() -> Iterator[None]:
 
 def write_whole(path: Path, text: str) -> None:
     """`text` in `path`, whole or not at all: written to a new hidden file beside it, then renamed over it (a run
-    stopped while writing leaves the old file). A file left at that hidden name by a stopped write is written over;
-    a folder or link there, put by hand, is left as it is and another name taken."""
+    stopped while writing leaves the old file), with the old file's permissions. A file left at that hidden name by
+    a stopped write is written over; a folder or link there, put by hand, is left as it is and another name taken."""
     for n in itertools.count():
         tmp = path.with_name(f".{path.name}.tmp" + (f"-{n}" if n else ""))
         try:
@@ -161,6 +162,8 @@ def write_whole(path: Path, text: str) -> None:
             raise OSError(err.errno, f"{path}: cannot be written ({err.strerror} when writing {tmp.name} beside it "
                                      "first)") from None
     try:
+        if path.exists():  # a file made private (or shared) by hand stays so
+            shutil.copymode(path, tmp)
         tmp.replace(path)
     except OSError as err:
         tmp.unlink(missing_ok=True)

@@ -1159,6 +1159,16 @@ def test_a_data_file_replaced_by_another_of_the_same_time_is_read_anew(name, tmp
         assert [t.strip() for t in run_clm.load_file(str(path), "--train_file")["text"]] == [text]
 
 
+@pytest.mark.parametrize("mode", [0o600, 0o644])
+def test_a_file_written_again_keeps_the_permissions_given_it(mode, tmp_path):
+    """run_config.json made private by hand (chmod 600) was readable by all after a resumed run wrote it again."""
+    path = tmp_path / "run_config.json"
+    path.write_text("{}")
+    path.chmod(mode)
+    run_identity.write_json(path, {"a": 1})
+    assert path.stat().st_mode & 0o777 == mode and json.loads(path.read_text()) == {"a": 1}
+
+
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
 def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys):
     """A process id past int64 or infinite failed with an OverflowError; -1 and 0 (whole groups of processes) held
