@@ -1898,6 +1898,26 @@ def test_an_adapter_save_stopped_at_its_settings_leaves_no_adapter_without_them(
     assert (tmp_path / "a" / "adapter_config.json").exists()
 
 
+def test_an_adapter_save_that_finds_no_room_names_the_folder(tmp_path):
+    """A full disk (a file-size limit here): PEFT's bare "[Errno 27] File too large", naming no file; the mark that
+    keeps load_pretrained from pairing the new settings with earlier weights stays."""
+    import resource
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))  # the settings fit, the adapter's files do not
+    try:
+        with pytest.raises(OSError, match=f"^\\[Errno 27\\] {tmp_path}: the adapter's save did not finish \\(File too "
+                                          "large\\); save it again once there is room$"):
+            model.save_pretrained(tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert (tmp_path / ".span_attention_save_unfinished").exists()
+
+
 def test_an_adapter_save_stopped_over_an_earlier_adapter_is_refused_at_load(tmp_path, monkeypatch):
     """The same stopped save into a folder holding an earlier adapter left the new settings beside the earlier
     weights, which load_pretrained paired without a word: a mark file stays until PEFT's save is done, and a folder
