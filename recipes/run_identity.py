@@ -370,6 +370,16 @@ def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | No
 
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, the file-size limit
+def start_time(pid: int) -> str | None:
+    """When process `pid` started (Linux: the boot and the clock ticks since it), telling it from a later process given
+    the same id; None where that cannot be read."""
+    try:
+        ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}/{ticks}"
+    except (OSError, IndexError):
+        return None
+
+
 MAX_NAME_BYTES = 240  # of a folder or file that RunLock guards: 255, the most file systems allow, less suffixes
 
 
@@ -404,20 +414,21 @@ class RunLock:
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError, KeyError):  # being written, cut short, edited: stale once it is old
-            try:
-                return None if time.time() - path.stat().st_mtime > 10 else f"a process starting now ({path})"
+            try:  # a time in the future (a clock set back) is not "now" either
+                return None if abs(time.time() - path.stat().st_mtime) > 10 else f"a process starting now ({path})"
             except FileNotFoundError:
                 return None
-        if not RunLock.running(pid, host):
+        if not RunLock.running(pid, host, info.get("process_start")):
             return None
         started = info.get("started", "?")
         return "process {} on {} since {}".format(pid, *(x if isinstance(x, str) and len(x) <= 200 else shown(x)
                                                           for x in (host, started)))  # as edited, cut
 
     @staticmethod
-    def running(pid: int, host: str) -> bool:
+    def running(pid: int, host: str, since: Any = None) -> bool:
         """Whether process `pid` of `host` may be running: False only where it is provably gone (on this host), or
-        dead and not yet reaped (Linux: a killed process whose parent was killed too, where nothing reaps it)."""
+        dead and not yet reaped (Linux: a killed process whose parent was killed too, where nothing reaps it), or
+        where `since` (its start_time) is given and the process of that id started at another time (the id reused)."""
         if host == socket.gethostname():
             try:
                 os.kill(pid, 0)
@@ -425,6 +436,8 @@ class RunLock:
                 return False
             except PermissionError:
                 pass
+            if since is not None and start_time(pid) not in (None, since):
+                return False
             with contextlib.suppress(OSError, IndexError):
                 return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
         return True
@@ -441,7 +454,7 @@ class RunLock:
             raise SystemExit(f"{self.path} is where the lock of {self.path.with_suffix('')} goes, but it is not a lock "
                              f"file this recipe wrote; move it away, or choose another {self.flag}")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": sys.argv,
-                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "process_start": start_time(os.getpid())}
         for _ in range(5):
             try:
                 with open(self.path, "x") as f:

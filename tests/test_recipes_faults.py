@@ -1169,6 +1169,31 @@ def test_a_file_written_again_keeps_the_permissions_given_it(mode, tmp_path):
     assert path.stat().st_mode & 0o777 == mode and json.loads(path.read_text()) == {"a": 1}
 
 
+def test_a_lock_whose_process_id_was_given_to_another_process_is_taken_over(tmp_path, capsys):
+    """A run killed, its process id given to an unrelated process later (a reboot, a long day): the folder was held
+    for ever as that process's; a lock cut short with a time in the future (a clock set back) was "a process starting
+    now" for ever."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = tmp_path / "out.lock"
+    try:
+        mine = {"pid": other.pid, "host": socket.gethostname(), "process_start": run_identity.start_time(other.pid)}
+        lock.write_text(json.dumps(mine))
+        with pytest.raises(SystemExit, match=f"another run is writing into this folder \\(process {other.pid} on"):
+            with run_identity.RunLock(tmp_path / "out"):
+                pass
+        lock.write_text(json.dumps({**mine, "process_start": "another boot/12345"}))
+        with run_identity.RunLock(tmp_path / "out"):
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+    finally:
+        other.kill()
+        other.wait()
+    assert "taking over the lock of a run that ended" in capsys.readouterr().err
+    lock.write_text('{"pid": 4')
+    os.utime(lock, (time.time() + 86400,) * 2)
+    with run_identity.RunLock(tmp_path / "out"):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
 def test_a_lock_file_edited_by_hand_is_taken_over_once_old(pid, tmp_path, capsys):
     """A process id past int64 or infinite failed with an OverflowError; -1 and 0 (whole groups of processes) held
