@@ -1423,6 +1423,7 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
     import os
     import socket
     import subprocess
+    import time
 
     lock = tmp_path / "span_diagnostics.jsonl.lock"
     records = tmp_path / "span_diagnostics.jsonl"
@@ -1444,11 +1445,12 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
     with pytest.warns(UserWarning, match="moved to"):  # left by this process
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
     assert not lock.exists()
-    lock.write_text('{"pid": 4')  # cut short by a kill while it was written, long ago: taken over
-    os.utime(lock, (0, 0))
-    with pytest.warns(UserWarning, match="moved to"):
-        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
-    assert not lock.exists()
+    for when in (0, time.time() + 86400):  # cut short by a kill while it was written, long ago or (a clock set
+        lock.write_text('{"pid": 4')           # back) in the future: taken over
+        os.utime(lock, (when, when))
+        with pytest.warns(UserWarning, match="moved to"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+        assert not lock.exists()
     lock.mkdir()
     with pytest.raises(ValueError, match=f"{lock} is where the lock of the diagnostics file goes, but it is not a"):
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()

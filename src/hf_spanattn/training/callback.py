@@ -551,7 +551,7 @@ def _lock_holder(lock: str) -> str | None:
         if not (b'{"pid": '.startswith(text[:8]) and len(text) < 1024 and b"\n" not in text):
             raise not_a_lock from None
         with contextlib.suppress(FileNotFoundError):
-            if time.time() - os.path.getmtime(lock) < 10:
+            if abs(time.time() - os.path.getmtime(lock)) < 10:  # a time in the future (a clock set back) is not now
                 return "a process starting now"
         return None
     pid, host = (info.get("pid"), info.get("host")) if isinstance(info, dict) else (None, None)
