@@ -32,7 +32,7 @@ from pack import TRAINING_KEYS, folded  # noqa: E402
 from plot_diagnostics import plot as plot_diagnostics  # noqa: E402
 from plot_diagnostics import read_records as read_diagnostics  # noqa: E402
 from records import metrics_problems  # noqa: E402
-from run_identity import data_source, differences, path_argument, read_json, span_dir, write_whole  # noqa: E402
+from run_identity import NO_ROOM, data_source, differences, path_argument, read_json, span_dir, write_whole  # noqa: E402
 
 from hf_spanattn import SpanAttentionConfig  # noqa: E402
 from hf_spanattn.ops.inputs import shown  # noqa: E402
@@ -325,8 +325,9 @@ def main(argv: list[str] | None = None) -> None:
         text = write_report(runs, out)
     except OSError as err:  # matplotlib and the OS name no file, or the figure alone
         where = f"{err.filename}: " if err.filename else ""
-        raise SystemExit(f"report: --out {out}: {where}cannot be written ({err.strerror}); make room there, or give "
-                         "another --out") from None
+        room = "make room there" if err.errno in NO_ROOM else "make it writable"
+        raise SystemExit(f"report: --out {out}: {where}cannot be written ({err.strerror}); {room}, or give another "
+                         "--out") from None
     print("\n".join(text))
 
 
