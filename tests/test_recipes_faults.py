@@ -1662,6 +1662,23 @@ def test_a_sweep_file_sweep_py_cannot_read_is_named(content, message, tmp_path):
     assert f"sweep: {path}: " in str(err.value) and message.format(path=path) in str(err.value)
 
 
+def test_a_sweep_log_that_finds_no_room_is_named_and_its_run_stopped(tmp_path, capsys):
+    """A full disk (a file-size limit here) under the sweep's tree: the bare "[Errno 28] No space left on device"."""
+    import resource
+
+    log = tmp_path / "train.log"
+    command = [sys.executable, "-c", "import time; print('x' * 5000, flush=True); time.sleep(5)"]
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            sweep.run_and_log(command, log)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"sweep: {log}: cannot be written (File too large); make room there and run the sweep "
+                              "again")
+
+
 def test_sweep_redoes_a_run_whose_metrics_json_was_cut_short(tmp_path, capsys):
     config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
               "shapes": [{"n_head": 2, "n_layer": 1}]}
