@@ -455,7 +455,12 @@ def results_of(args: argparse.Namespace) -> list[str]:
 
 
 def start(run: Run, args: argparse.Namespace) -> Started:
-    tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=args.tmp_dir))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=args.tmp_dir))
+    except OSError as err:  # a folder that takes no files, a full disk: named, not the run's folder in it
+        where = f"--tmp_dir {args.tmp_dir}" if args.tmp_dir else f"the temporary folder {tempfile.gettempdir()}"
+        raise SystemExit(f"pack: {where}: a run's folder cannot be made there ({err.strerror}); make it writable or "
+                         "make room there, or give another --tmp_dir") from None
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "results": results_of(args)}
     write_json(tmp / OWNER, owner)
     command = [sys.executable, str(RUN_CLM), *(f"--{k}={v}" for k, v in run.args.items()), f"--output_dir={tmp}"]

@@ -501,6 +501,24 @@ def test_pack_appends_after_a_cut_line_on_a_line_of_its_own(tmp_path, fake, caps
         pack.load_records(jsonl)
 
 
+def test_a_tmp_dir_that_takes_no_folders_is_named(tmp_path, fake, monkeypatch):
+    """--tmp_dir read-only (or full): the traceback named the run's temporary folder inside it, not --tmp_dir."""
+    import errno
+    import tempfile
+
+    def refused(prefix, dir):
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir, prefix + "x1y2"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(SystemExit) as err:
+        pack.main([str(config), "--results", str(tmp_path / "r"), "--tmp_dir", str(tmp_path / "tmp")])
+    assert str(err.value).startswith(f"pack: --tmp_dir {tmp_path / 'tmp'}: a run's folder cannot be made there "
+                                     "(Permission denied)")
+    assert fake() == []
+
+
 def test_a_jsonl_line_that_finds_no_room_is_named_and_leaves_no_line_cut_short(tmp_path, fake):
     """A full disk (a file-size limit here) raised the bare "[Errno 28] No space left on device" and left a line cut
     short, which the next command appended after: merge.py then refused the file."""
