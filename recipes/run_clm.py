@@ -561,6 +561,9 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
                          f"limit, so give one of at most {PATH_MAX - 100}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {out}: exists and is not a folder")
+    if out.is_symlink() and not out.exists():  # else mkdir says only "File exists"
+        raise ValueError(f"--output_dir {out}: a link to nothing (to {os.readlink(out)}); make the folder it leads to, "
+                         "or give another --output_dir")
     blocking = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ValueError(f"--output_dir {out}: {blocking} is a file, so the folder cannot be made")

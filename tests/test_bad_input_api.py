@@ -124,6 +124,11 @@ def tiny_text(tmp: Path, train_words: int, validation_words: int) -> str:
     return str(tmp / "data")
 
 
+def link(path: Path, target: Path) -> Path:
+    path.symlink_to(target)
+    return path
+
+
 def run_tiny(tmp: Path, data_dir: str, **flags) -> None:
     args = {"data_dir": data_dir, "tokenizer_name": str(DATA / "gpt2-tokenizer"), "n_embd": 16, "n_head": 1,
             "n_layer": 1, "block_size": 16, "output_dir": str(tmp / "out"), **flags}
@@ -477,6 +482,9 @@ CASES = [
                  lambda t: run_tiny(t, tiny_text(t, 50, 50), output_dir=t / "/".join(["d" * 200] * 21)), ValueError,
                  "bytes; the files a run writes in it (checkpoint-<step>/optimizer.pt, ...) need paths under",
                  marks=needs_data),
+    pytest.param("run_clm output_dir a link to nothing",  # was: "--output_dir …: File exists", its target's folder made
+                 lambda t: run_tiny(t, tiny_text(t, 50, 50), output_dir=link(t / "out", t / "gone" / "x")), ValueError,
+                 "/out: a link to nothing (to {tmp}/gone/x); make the folder it leads to", marks=needs_data),
     pytest.param("run_clm validation shorter than a block", lambda t: run_tiny(t, tiny_text(t, 50, 3)), ValueError,
                  "{tmp}/data/validation.txt: its 9 validation tokens make no block of --block_size 16",
                  marks=needs_data),
