@@ -955,7 +955,7 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
     start = time.time()
     with room_named(training_args.output_dir):
         train_result = trainer.train(resume_from_checkpoint=resume) if training_args.do_train else None
-        if training_args.do_eval and not any("eval_loss" in h for h in trainer.state.log_history):
+        if training_args.do_eval and not evaluated_to_the_end(trainer):
             trainer.evaluate()
         metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
         metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
@@ -966,6 +966,15 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
                 tokenizer.save_pretrained(training_args.output_dir)
             write_json(Path(training_args.output_dir) / "metrics.json", metrics)
     return metrics
+
+
+def evaluated_to_the_end(trainer: Trainer) -> bool:
+    """Whether the run has every evaluation it was to make. A run stopped after its last checkpoint, which the Trainer
+    saves before the last evaluation, resumes there with nothing left to train: that evaluation was missing."""
+    state, strategy = trainer.state, trainer.args.eval_strategy
+    evaluated = {h["step"] for h in state.log_history if "eval_loss" in h}
+    due = strategy == "epoch" or strategy == "steps" and state.eval_steps and state.global_step % state.eval_steps == 0
+    return bool(evaluated) and (not due or state.global_step in evaluated)
 
 
 @contextlib.contextmanager

@@ -1004,6 +1004,21 @@ def test_a_save_past_the_file_size_limit_is_named_and_the_rerun_finishes(tmp_pat
     assert run_clm.main(args)["min_val_loss"] > 0 and (out / "incomplete-checkpoint-2").is_dir()
 
 
+@needs_data
+def test_a_rerun_after_a_stop_past_the_last_checkpoint_makes_the_last_evaluation(tmp_path):
+    """A run stopped after its last checkpoint (saved before the last evaluation) resumed there with nothing left to
+    train: metrics.json lacked the last evaluation, and its min_val_loss was an earlier one's."""
+    start = pretrained(tmp_path / "start", "gpt2")
+    out = tmp_path / "out"
+    args = flags({**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start, "output_dir": out,
+                  "num_train_epochs": 2, "save_strategy": "steps", "save_steps": 3})
+    full = run_clm.main(args)
+    (out / "metrics.json").unlink()  # as if killed after the last checkpoint
+    again = run_clm.main(args)
+    assert again["resumed_from"] == str(out / "checkpoint-4")
+    assert again["eval_history"] == full["eval_history"] and again["min_val_loss"] == full["min_val_loss"]
+
+
 @pytest.mark.parametrize("group,value,message", [
     ("data", "wikitext", "data='wikitext': expected an object of settings"),  # was: AttributeError, no file named
     ("span", {"span": "score:12"}, "alphas=(1.0, 2.0): expected 4 values"),
