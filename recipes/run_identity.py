@@ -29,6 +29,7 @@ import yaml
 
 from hf_spanattn.config import KeyGivenTwice, unique_keys
 from hf_spanattn.ops.inputs import shown
+from hf_spanattn.training.callback import process_start
 
 RUN_CONFIG = "run_config.json"
 # TrainingArguments that do not change what a run computes
@@ -370,16 +371,6 @@ def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | No
 
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, the file-size limit
-def start_time(pid: int) -> str | None:
-    """When process `pid` started (Linux: the boot and the clock ticks since it), telling it from a later process given
-    the same id; None where that cannot be read."""
-    try:
-        ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-        return f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}/{ticks}"
-    except (OSError, IndexError):
-        return None
-
-
 MAX_NAME_BYTES = 240  # of a folder or file that RunLock guards: 255, the most file systems allow, less suffixes
 
 
@@ -428,7 +419,8 @@ class RunLock:
     def running(pid: int, host: str, since: Any = None) -> bool:
         """Whether process `pid` of `host` may be running: False only where it is provably gone (on this host), or
         dead and not yet reaped (Linux: a killed process whose parent was killed too, where nothing reaps it), or
-        where `since` (its start_time) is given and the process of that id started at another time (the id reused)."""
+        where `since` (its process_start) is given and the process of that id started at another time (the id
+        reused)."""
         if host == socket.gethostname():
             try:
                 os.kill(pid, 0)
@@ -436,7 +428,7 @@ class RunLock:
                 return False
             except PermissionError:
                 pass
-            if since is not None and start_time(pid) not in (None, since):
+            if since is not None and process_start(pid) not in (None, since):
                 return False
             with contextlib.suppress(OSError, IndexError):
                 return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -454,7 +446,7 @@ class RunLock:
             raise SystemExit(f"{self.path} is where the lock of {self.path.with_suffix('')} goes, but it is not a lock "
                              f"file this recipe wrote; move it away, or choose another {self.flag}")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": sys.argv,
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "process_start": start_time(os.getpid())}
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "process_start": process_start(os.getpid())}
         for _ in range(5):
             try:
                 with open(self.path, "x") as f:

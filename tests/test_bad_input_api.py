@@ -1473,6 +1473,29 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="x" * 300)).train()
 
 
+def test_a_diagnostics_lock_whose_process_id_was_given_to_another_process_is_taken_over(tmp_path):
+    """A run killed, its process id given to an unrelated process later: the diagnostics file was held for ever."""
+    import os
+    import socket
+    import subprocess
+
+    from hf_spanattn.training.callback import process_start
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = tmp_path / "span_diagnostics.jsonl.lock"
+    try:
+        held = {"pid": other.pid, "host": socket.gethostname(), "process_start": process_start(other.pid)}
+        lock.write_text(json.dumps(held))
+        with pytest.raises(ValueError, match=f"writing diagnostics into this file \\(process {other.pid}"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+        lock.write_text(json.dumps({**held, "process_start": "another boot/12345"}))
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    finally:
+        other.kill()
+        other.wait()
+    assert not os.path.exists(lock) and steps_in(tmp_path / "span_diagnostics.jsonl") == [1, 1]
+
+
 def test_diagnostics_that_find_no_room_are_named_and_leave_no_record_cut_short_nor_a_lock(tmp_path):
     """A full disk (a file-size limit here): the append raised the bare "[Errno 28] No space left on device" and left
     a record cut short; the lock's write left an empty lock, which held the file as "a process starting now"."""

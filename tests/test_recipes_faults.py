@@ -1209,7 +1209,7 @@ def test_a_lock_whose_process_id_was_given_to_another_process_is_taken_over(tmp_
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     lock = tmp_path / "out.lock"
     try:
-        mine = {"pid": other.pid, "host": socket.gethostname(), "process_start": run_identity.start_time(other.pid)}
+        mine = {"pid": other.pid, "host": socket.gethostname(), "process_start": run_identity.process_start(other.pid)}
         lock.write_text(json.dumps(mine))
         with pytest.raises(SystemExit, match=f"another run is writing into this folder \\(process {other.pid} on"):
             with run_identity.RunLock(tmp_path / "out"):

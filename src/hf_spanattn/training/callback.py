@@ -513,7 +513,8 @@ def _take_lock_file(path: str, lock: str) -> None:
                 os.remove(lock)  # gone, or a lock left by a process that is
             with open(lock, "x") as f:
                 try:
-                    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+                    json.dump({"pid": os.getpid(), "host": socket.gethostname(),
+                               "process_start": process_start(os.getpid())}, f)
                     f.flush()
                 except OSError:  # a full disk: an empty lock left would hold the file as "a process starting now"
                     os.remove(lock)
@@ -567,7 +568,21 @@ def _lock_holder(lock: str) -> str | None:
             return None
         except PermissionError:  # alive, another user's
             pass
+        if info.get("process_start") is not None and process_start(pid) not in (None, info["process_start"]):
+            return None  # the id was given to another process since
     return f"process {pid} on {host[:100]}"
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: the boot and the clock ticks since it), telling it from a later process given
+    the same id; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = f.read().rsplit(")", 1)[1].split()[19]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{ticks}"
+    except (OSError, IndexError):
+        return None
 
 
 def _is_a_pipe(path: str) -> bool:
