@@ -23,7 +23,7 @@ from pathlib import Path
 import report
 from pack import load_records
 from records import metrics_problems
-from run_identity import RunLock, data_source, json_file, move_aside, path_argument, span_dir
+from run_identity import RunLock, data_source, json_file, move_aside, path_argument, span_dir, write_whole
 
 from hf_spanattn import SpanAttentionConfig
 
@@ -87,7 +87,7 @@ def merge(inputs: list[Path], runs_dir: Path, replace: bool = False, write: bool
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists():  # replaced, or not a whole result: kept beside the new one
             print(f"{dest} moved to {move_aside(dest, 'replaced')}", flush=True)
-        dest.write_text(json.dumps(record, indent=1) + "\n")
+        write_whole(dest, json.dumps(record, indent=1) + "\n")  # a full disk leaves no empty result in the tree
     return len(writes), len(chosen) - len(writes)
 
 

@@ -251,13 +251,18 @@ def write_record(record: dict, results: Path | None, jsonl: Path | None) -> None
     if results is not None:  # whole or absent, even if killed mid-write
         write_whole(results / f"{record['name']}.json", json.dumps(record, indent=1) + "\n")
     if jsonl is not None:
-        with open(jsonl, "a+b") as f:
+        with open(jsonl, "a+b", buffering=0) as f:  # unbuffered: nothing left to fail again on close
             end = f.seek(0, os.SEEK_END)
+            line = (json.dumps(record) + "\n").encode()
             if end and f.seek(end - 1) >= 0 and f.read(1) != b"\n":
-                f.write(b"\n")  # a line cut short by a stopped command stays a line of its own
-            f.write((json.dumps(record) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
+                line = b"\n" + line  # a line cut short by a stopped command stays a line of its own
+            try:
+                while line:
+                    line = line[f.write(line):]
+                os.fsync(f.fileno())
+            except OSError as err:  # a full disk: no line cut short, which merge.py would refuse once inside the file
+                f.truncate(end)
+                raise OSError(err.errno, f"{jsonl}: cannot be written ({err.strerror})") from None
 
 
 def add_missing_lines(finished: list[Run], results: Path, jsonl: Path) -> None:
@@ -450,7 +455,12 @@ def results_of(args: argparse.Namespace) -> list[str]:
 
 
 def start(run: Run, args: argparse.Namespace) -> Started:
-    tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=args.tmp_dir))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{run.name}-", dir=args.tmp_dir))
+    except OSError as err:  # a folder that takes no files, a full disk: named, not the run's folder in it
+        where = f"--tmp_dir {args.tmp_dir}" if args.tmp_dir else f"the temporary folder {tempfile.gettempdir()}"
+        raise SystemExit(f"pack: {where}: a run's folder cannot be made there ({err.strerror}); make it writable or "
+                         "make room there, or give another --tmp_dir") from None
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "results": results_of(args)}
     write_json(tmp / OWNER, owner)
     command = [sys.executable, str(RUN_CLM), *(f"--{k}={v}" for k, v in run.args.items()), f"--output_dir={tmp}"]

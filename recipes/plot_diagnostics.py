@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from records import integer  # noqa: E402
-from run_identity import KeyGivenTwice, json_value, path_argument  # noqa: E402
+from run_identity import NO_ROOM, KeyGivenTwice, json_value, path_argument  # noqa: E402
 
 ORDER_NAMES = {2: ["∥ (Π_K)", "⊥ (Π_K^⊥)"], 4: ["order 0", "order 1", "order 2", "order 3"]}
 
@@ -203,8 +203,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--layers: {args.jsonl} has no records of layer {', '.join(map(str, missing))}; it has "
                          f"layers {', '.join(map(str, sorted({r['layer'] for r in records})))}")
         records = [r for r in records if r["layer"] in args.layers]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(plot(records, out, args.columns))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(plot(records, out, args.columns))
+    except OSError as err:  # matplotlib's error names no file (a full disk, a folder that takes no files)
+        room = "make room there" if err.errno in NO_ROOM else "make its folder writable"
+        raise SystemExit(f"-o {out}: cannot be written ({err.strerror}); {room}, or give another -o") from None
 
 
 if __name__ == "__main__":

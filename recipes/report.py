@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import math
 import os
 import re
@@ -31,7 +32,7 @@ from pack import TRAINING_KEYS, folded  # noqa: E402
 from plot_diagnostics import plot as plot_diagnostics  # noqa: E402
 from plot_diagnostics import read_records as read_diagnostics  # noqa: E402
 from records import metrics_problems  # noqa: E402
-from run_identity import data_source, differences, path_argument, read_json, span_dir  # noqa: E402
+from run_identity import NO_ROOM, data_source, differences, path_argument, read_json, span_dir, write_whole  # noqa: E402
 
 from hf_spanattn import SpanAttentionConfig  # noqa: E402
 from hf_spanattn.ops.inputs import shown  # noqa: E402
@@ -320,6 +321,19 @@ def main(argv: list[str] | None = None) -> None:
         if path.is_dir() or (path.is_symlink() and not path.exists()):
             what = "a folder" if path.is_dir() else "a link to nothing"
             raise SystemExit(f"report: {path} is {what}, where the report writes a file; move it away")
+    try:
+        text = write_report(runs, out)
+    except OSError as err:  # matplotlib and the OS name no file, or the figure alone
+        where = f"{err.filename}: " if err.filename else ""
+        room = "make room there" if err.errno in NO_ROOM else "make it writable"
+        raise SystemExit(f"report: --out {out}: {where}cannot be written ({err.strerror}); {room}, or give another "
+                         "--out") from None
+    print("\n".join(text))
+
+
+def write_report(runs: dict, out: Path) -> list[str]:
+    """report.md, report.csv and the figures of `runs` in `out`; the lines of report.md. Each of the two files is
+    written whole or not at all (a full disk leaves the report before)."""
     out.mkdir(parents=True, exist_ok=True)
     text, records = ["## Results", "", "Δ %: (baseline − value) / baseline · 100 against standard:QKV111 of the "
                      "same shape (positive is better); ± is the standard deviation over seeds.", ""], []
@@ -331,12 +345,13 @@ def main(argv: list[str] | None = None) -> None:
         text.extend(f"![{f.stem}]({f.name})" for f in figures)
         text.append("")
         records += [{"shape": shape, **{k: v for k, v in r.items() if k != "val_delta_paired"}} for r in rows]
-    (out / "report.md").write_text("\n".join(text) + "\n")
-    with open(out / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
-    print("\n".join(text))
+    table_text = io.StringIO(newline="")
+    writer = csv.DictWriter(table_text, fieldnames=list(records[0]))
+    writer.writeheader()
+    writer.writerows(records)
+    write_whole(out / "report.md", "\n".join(text) + "\n")
+    write_whole(out / "report.csv", table_text.getvalue())
+    return text
 
 
 if __name__ == "__main__":

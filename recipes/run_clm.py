@@ -53,6 +53,8 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import errno
+import hashlib
 import io
 import json
 import logging
@@ -60,11 +62,12 @@ import math
 import os
 import platform
 import re
+import resource
 import sys
 import time
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -119,6 +122,7 @@ PAPER_GPT2 = {"n_embd": 256, "n_head": 4, "n_layer": 6, "ffn_mult": 4, "dropout"
 DTYPES = Literal["auto", "bfloat16", "float16", "float32"]
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 COMMA_SEPARATED = ("span_layers", "config_overrides")  # the text arguments a config file may give as a list
+PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 1024  # bytes of a path (Linux: 4096)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 
@@ -550,8 +554,16 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     out = Path(training.output_dir)
     if not out.absolute().name:  # its <output_dir>.lock and .replaced-<n> would lie outside any folder
         raise ValueError(f"--output_dir {out}: the root of the file system; give a folder inside it")
+    size = len(os.fsencode(out.absolute()))
+    if size > PATH_MAX - 100:  # the file system's error names no argument
+        raise ValueError(f"--output_dir {shown(str(out), 120)}: a path of {size} bytes; the files a run writes in it "
+                         f"(checkpoint-<step>/optimizer.pt, ...) need paths under {PATH_MAX} bytes, this system's "
+                         f"limit, so give one of at most {PATH_MAX - 100}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {out}: exists and is not a folder")
+    if out.is_symlink() and not out.exists():  # else mkdir says only "File exists"
+        raise ValueError(f"--output_dir {out}: a link to nothing (to {os.readlink(out)}); make the folder it leads to, "
+                         "or give another --output_dir")
     blocking = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ValueError(f"--output_dir {out}: {blocking} is a file, so the folder cannot be made")
@@ -646,12 +658,17 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
             raise ValueError(f"{flag} {path}: starts with {head.splitlines()[0][:20]!r}; expected rows: one JSON "
                              "object with a 'text' field a line (JSON Lines), or a list of such objects or of strings")
     try:
-        rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", **extra)
+        rows = datasets.load_dataset(builder, data_files={"train": path}, split="train", cache_dir=cache_of(path),
+                                     **extra)
     except Exception as err:  # the loaders raise many types; the message is what counts
         while err.__cause__ is not None or err.__context__ is not None:  # "an error occurred": say which
             err = err.__cause__ or err.__context__
         if "corresponds to no data" in str(err):
             raise ValueError(f"{flag} {path}: holds no rows of text (a split needs text)") from None
+        cache = os.path.abspath(datasets.config.HF_DATASETS_CACHE)
+        if isinstance(err, OSError) and os.path.abspath(err.filename or "/").startswith(cache):  # not the file's fault
+            raise SystemExit(f"{flag} {path}: the datasets cache cannot be written ({err.filename}: {err.strerror}); "
+                             "point HF_DATASETS_CACHE (or HF_HOME) to a folder this user can write") from None
         where = json_line_problem(path) if builder == "json" else None
         if where is not None:
             raise ValueError(f"{flag} {path}: could not be read as JSON ({where})") from None
@@ -674,6 +691,15 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     rows = rows.select_columns([column]).rename_column(column, "text") if column != "text" else \
         rows.select_columns(["text"])
     return rows.map(lambda row: {"text": row["text"] or ""})  # an empty CSV cell is None
+
+
+def cache_of(path: str) -> str:
+    """The datasets cache folder for the data file `path`, named by its contents: `datasets` tells a local file's
+    versions apart by its modification time alone, so a file replaced by another of the same time (cp -p, rsync -t,
+    tar) was read from the cache of the one before."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "run_clm", digest[:32])
 
 
 def json_line_problem(path: str) -> str | None:
@@ -862,7 +888,14 @@ def token_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def make_compute_metrics():
-    metric = evaluate.load(METRIC_PATH)
+    try:
+        metric = evaluate.load(METRIC_PATH)
+    except OSError as err:  # evaluate copies the metric's script into its modules cache first
+        cache = os.path.abspath(evaluate.config.HF_MODULES_CACHE)
+        if not os.path.abspath(err.filename or "/").startswith(cache):
+            raise
+        raise SystemExit(f"{METRIC_PATH}: evaluate's modules cache cannot be written ({err.filename}: {err.strerror}); "
+                         "point HF_MODULES_CACHE (or HF_HOME) to a folder this user can write") from None
 
     def compute(eval_pred):
         scores, labels = eval_pred.predictions, eval_pred.label_ids[:, 1:]
@@ -898,7 +931,10 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
                            "%s.replaced-<n> and runs it afresh)", finished, training_args.output_dir)
             return read_json(finished)
         if first:
-            write_config(Path(training_args.output_dir), config)
+            try:
+                write_config(Path(training_args.output_dir), config)
+            except OSError as err:  # a folder this user cannot write into, a full disk
+                raise SystemExit(f"--output_dir {training_args.output_dir}: {err.strerror}") from None
     if not training_args.do_train:
         resume = None
     set_seed(training_args.seed)
@@ -917,18 +953,61 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
     if callback is not None:
         callback.add_to(trainer)
     start = time.time()
-    train_result = trainer.train(resume_from_checkpoint=resume) if training_args.do_train else None
-    if training_args.do_eval and not any("eval_loss" in h for h in trainer.state.log_history):
-        trainer.evaluate()
-    metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
-    metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
-        if len(splits) == 2 else None
-    if trainer.is_world_process_zero():
-        if training_args.do_train:
-            trainer.save_model()
-            tokenizer.save_pretrained(training_args.output_dir)
-        write_json(Path(training_args.output_dir) / "metrics.json", metrics)
+    with room_named(training_args.output_dir):
+        train_result = trainer.train(resume_from_checkpoint=resume) if training_args.do_train else None
+        if training_args.do_eval and not evaluated_to_the_end(trainer):
+            trainer.evaluate()
+        metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
+        metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
+            if len(splits) == 2 else None
+        if trainer.is_world_process_zero():
+            if training_args.do_train:
+                trainer.save_model()
+                tokenizer.save_pretrained(training_args.output_dir)
+            write_json(Path(training_args.output_dir) / "metrics.json", metrics)
     return metrics
+
+
+def evaluated_to_the_end(trainer: Trainer) -> bool:
+    """Whether the run has every evaluation it was to make. A run stopped after its last checkpoint, which the Trainer
+    saves before the last evaluation, resumes there with nothing left to train: that evaluation was missing."""
+    state, strategy = trainer.state, trainer.args.eval_strategy
+    evaluated = {h["step"] for h in state.log_history if "eval_loss" in h}
+    due = strategy == "epoch" or strategy == "steps" and state.eval_steps and state.global_step % state.eval_steps == 0
+    return bool(evaluated) and (not due or state.global_step in evaluated)
+
+
+@contextlib.contextmanager
+def room_named(output_dir: str) -> Iterator[None]:
+    """A save into `output_dir` that fails for want of room (a full disk, a file-size limit) says so: torch's own
+    error names neither ("unexpected pos 4160 vs 4052"), safetensors' and the operating system's no file."""
+    try:
+        yield
+    except Exception as err:  # OSError, torch's RuntimeError, safetensors' SafetensorError
+        why = no_room(output_dir, err)
+        if why is None:
+            raise
+        raise SystemExit(f"--output_dir {output_dir}: a save failed: {why[0]} ({type(err).__name__}: "
+                         f"{shown(str(err), 200)}). {why[1]}, then run the same command again: it resumes from its "
+                         "last complete checkpoint, if any") from err
+
+
+def no_room(output_dir: str, err: BaseException) -> tuple[str, str] | None:
+    """(why a save into `output_dir` that raised `err` found no room, what to do), in words; None where it did not.
+    safetensors gives the cause in its message alone, torch not at all (then the file left, or the disk, shows it)."""
+    said = {code for code in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
+            if getattr(err, "errno", None) == code or os.strerror(code) in str(err)}
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and (errno.EFBIG in said or any(
+            p.is_file() and p.stat().st_size >= limit for p in Path(output_dir).rglob("*"))):
+        return f"a file reached this process's file-size limit of {limit} bytes", "Raise the limit (`ulimit -f`)"
+    try:
+        free = os.statvfs(output_dir).f_bavail * os.statvfs(output_dir).f_frsize
+    except OSError:
+        return None
+    if said & {errno.ENOSPC, errno.EDQUOT} or free < 2**20:
+        return f"its disk is full ({free} bytes free)", "Make room"
+    return None
 
 
 def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> dict:

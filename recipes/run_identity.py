@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -27,6 +29,7 @@ import yaml
 
 from hf_spanattn.config import KeyGivenTwice, unique_keys
 from hf_spanattn.ops.inputs import shown
+from hf_spanattn.training.callback import process_start
 
 RUN_CONFIG = "run_config.json"
 # TrainingArguments that do not change what a run computes
@@ -139,19 +142,33 @@ def stopped_as_by_ctrl_c() -> Iterator[None]:
 
 def write_whole(path: Path, text: str) -> None:
     """`text` in `path`, whole or not at all: written to a new hidden file beside it, then renamed over it (a run
-    stopped while writing leaves the old file). A file left at that hidden name by a stopped write is written over;
-    a folder or link there, put by hand, is left as it is and another name taken."""
+    stopped while writing leaves the old file), with the old file's permissions. A file left at that hidden name by
+    a stopped write is written over; a folder or link there, put by hand, is left as it is and another name taken."""
     for n in itertools.count():
         tmp = path.with_name(f".{path.name}.tmp" + (f"-{n}" if n else ""))
-        if tmp.is_file() and not tmp.is_symlink():
-            tmp.unlink(missing_ok=True)
         try:
+            if tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink(missing_ok=True)
             with open(tmp, "x") as f:  # never through a link, nor into a file another writer has open
-                f.write(text)
+                try:
+                    f.write(text)
+                    f.flush()
+                except OSError:
+                    tmp.unlink(missing_ok=True)
+                    raise
             break
         except FileExistsError:
             continue
-    tmp.replace(path)
+        except OSError as err:  # a full disk, a folder that takes no files: named, not the hidden file
+            raise OSError(err.errno, f"{path}: cannot be written ({err.strerror} when writing {tmp.name} beside it "
+                                     "first)") from None
+    try:
+        if path.exists():  # a file made private (or shared) by hand stays so
+            shutil.copymode(path, tmp)
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"{path}: cannot be written ({err.strerror})") from None
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -353,6 +370,7 @@ def resume_point(output_dir: str, config: dict, resume_from_checkpoint: str | No
     return resume_from_checkpoint or last_checkpoint(out, first)
 
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, the file-size limit
 MAX_NAME_BYTES = 240  # of a folder or file that RunLock guards: 255, the most file systems allow, less suffixes
 
 
@@ -387,20 +405,22 @@ class RunLock:
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError, KeyError):  # being written, cut short, edited: stale once it is old
-            try:
-                return None if time.time() - path.stat().st_mtime > 10 else f"a process starting now ({path})"
+            try:  # a time in the future (a clock set back) is not "now" either
+                return None if abs(time.time() - path.stat().st_mtime) > 10 else f"a process starting now ({path})"
             except FileNotFoundError:
                 return None
-        if not RunLock.running(pid, host):
+        if not RunLock.running(pid, host, info.get("process_start")):
             return None
         started = info.get("started", "?")
         return "process {} on {} since {}".format(pid, *(x if isinstance(x, str) and len(x) <= 200 else shown(x)
                                                           for x in (host, started)))  # as edited, cut
 
     @staticmethod
-    def running(pid: int, host: str) -> bool:
+    def running(pid: int, host: str, since: Any = None) -> bool:
         """Whether process `pid` of `host` may be running: False only where it is provably gone (on this host), or
-        dead and not yet reaped (Linux: a killed process whose parent was killed too, where nothing reaps it)."""
+        dead and not yet reaped (Linux: a killed process whose parent was killed too, where nothing reaps it), or
+        where `since` (its process_start) is given and the process of that id started at another time (the id
+        reused)."""
         if host == socket.gethostname():
             try:
                 os.kill(pid, 0)
@@ -408,6 +428,8 @@ class RunLock:
                 return False
             except PermissionError:
                 pass
+            if since is not None and process_start(pid) not in (None, since):
+                return False
             with contextlib.suppress(OSError, IndexError):
                 return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
         return True
@@ -416,16 +438,24 @@ class RunLock:
         long = too_long(self.path.with_suffix(""))
         if long:
             raise SystemExit(f"{self.flag} {shown(str(self.path.with_suffix('')), 120)}: {long}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise self.unwritable(err) from None
         if self.path.is_symlink() or self.path.exists() and not self.path.is_file():
             raise SystemExit(f"{self.path} is where the lock of {self.path.with_suffix('')} goes, but it is not a lock "
                              f"file this recipe wrote; move it away, or choose another {self.flag}")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": sys.argv,
-                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "process_start": process_start(os.getpid())}
         for _ in range(5):
             try:
                 with open(self.path, "x") as f:
-                    json.dump(info, f)
+                    try:
+                        json.dump(info, f)
+                        f.flush()
+                    except OSError:  # a full disk: an empty lock left would hold the folder as "a process starting"
+                        self.path.unlink(missing_ok=True)
+                        raise
                 return self
             except FileExistsError:
                 holder = self.holder(self.path)
@@ -435,7 +465,15 @@ class RunLock:
                                      f"such run is going on, delete {self.path}") from None
                 print(f"{self.path}: taking over the lock of a run that ended without removing it", file=sys.stderr)
                 self.path.unlink(missing_ok=True)
+            except OSError as err:
+                raise self.unwritable(err) from None
         raise SystemExit(f"{self.path}: could not take the lock")
+
+    def unwritable(self, err: OSError) -> SystemExit:
+        """The error of a lock that cannot be written (a full disk, a folder this user cannot write into)."""
+        room = "make room there" if err.errno in NO_ROOM else "make its folder writable"
+        return SystemExit(f"{self.flag} {self.path.with_suffix('')}: its lock {self.path} cannot be written "
+                          f"({type(err).__name__}: {err.strerror}); {room}, or choose another {self.flag}")
 
     def __exit__(self, *exc) -> None:
         try:

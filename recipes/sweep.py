@@ -42,6 +42,7 @@ from hf_spanattn.ops.inputs import shown
 sys.path.insert(0, str(Path(__file__).parent))
 from records import MAX_SEED, path_part  # noqa: E402
 from run_identity import (  # noqa: E402
+    NO_ROOM,
     RunLock,
     differences,
     move_aside,
@@ -304,17 +305,24 @@ def expected_config(run_args: list[str]) -> dict:
 def run_and_log(command: list[str], log_path: Path) -> int:
     """Run `command`, its output (progress bars included) to the console and appended to `log_path`."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
-        try:
-            while chunk := process.stdout.read1(65536):
-                log.write(chunk)
-                sys.stdout.write(decoder.decode(chunk))
-                sys.stdout.flush()
-        finally:
-            if process.poll() is None:  # the sweep was stopped: so is its run, which the next sweep resumes
-                process.terminate()
-                process.wait()
+    try:
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       env=os.environ.copy())
+            try:
+                while chunk := process.stdout.read1(65536):
+                    log.write(chunk)
+                    log.flush()  # here, where the run is stopped and the log named if it fails
+                    sys.stdout.write(decoder.decode(chunk))
+                    sys.stdout.flush()
+            finally:
+                if process.poll() is None:  # the sweep was stopped: so is its run, which the next sweep resumes
+                    process.terminate()
+                    process.wait()
+    except OSError as err:  # a full disk: the run is stopped (the next sweep resumes it), the log named
+        room = "make room there" if err.errno in NO_ROOM else "make its folder writable"
+        raise SystemExit(f"sweep: {log_path}: cannot be written ({err.strerror}); {room} and run the sweep again") \
+            from None
     return process.wait()
 
 

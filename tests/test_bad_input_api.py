@@ -125,6 +125,11 @@ def tiny_text(tmp: Path, train_words: int, validation_words: int) -> str:
     return str(tmp / "data")
 
 
+def link(path: Path, target: Path) -> Path:
+    path.symlink_to(target)
+    return path
+
+
 def run_tiny(tmp: Path, data_dir: str, **flags) -> None:
     args = {"data_dir": data_dir, "tokenizer_name": str(DATA / "gpt2-tokenizer"), "n_embd": 16, "n_head": 1,
             "n_layer": 1, "block_size": 16, "output_dir": str(tmp / "out"), **flags}
@@ -474,6 +479,13 @@ CASES = [
     pytest.param("run_clm block_size above the data", lambda t: run_tiny(t, tiny_text(t, 50, 50), block_size=400),
                  ValueError, "{tmp}/data/train.txt: its 150 train tokens make no block of --block_size 400",
                  marks=needs_data),
+    pytest.param("run_clm output_dir past the system's path length",  # was: OSError "File name too long" from a stat
+                 lambda t: run_tiny(t, tiny_text(t, 50, 50), output_dir=t / "/".join(["d" * 200] * 21)), ValueError,
+                 "bytes; the files a run writes in it (checkpoint-<step>/optimizer.pt, ...) need paths under",
+                 marks=needs_data),
+    pytest.param("run_clm output_dir a link to nothing",  # was: "--output_dir …: File exists", its target's folder made
+                 lambda t: run_tiny(t, tiny_text(t, 50, 50), output_dir=link(t / "out", t / "gone" / "x")), ValueError,
+                 "/out: a link to nothing (to {tmp}/gone/x); make the folder it leads to", marks=needs_data),
     pytest.param("run_clm validation shorter than a block", lambda t: run_tiny(t, tiny_text(t, 50, 3)), ValueError,
                  "{tmp}/data/validation.txt: its 9 validation tokens make no block of --block_size 16",
                  marks=needs_data),
@@ -895,6 +907,33 @@ def test_a_settings_save_into_a_folder_that_takes_no_file_names_the_settings_fil
                                                 r"\(Is a directory\)$"):
         SpanAttentionConfig().save_pretrained(tmp_path / "mine")
     assert os.listdir(tmp_path / "mine") == ["span_attention_config.json"]
+
+
+def test_a_settings_save_onto_a_full_disk_names_the_settings_file_and_keeps_those_saved_before(tmp_path, monkeypatch):
+    """A write that fails (a full disk, a file-size limit) raised the operating system's error alone: "[Errno 28] No
+    space left on device", naming no file."""
+    import builtins
+    import errno
+
+    import hf_spanattn.config
+
+    def no_space(text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        f.write = no_space
+        return f
+
+    SpanAttentionConfig().save_pretrained(tmp_path)
+    monkeypatch.setattr(hf_spanattn.config, "open", full, raising=False)
+    saved = tmp_path / "span_attention_config.json"
+    with pytest.raises(OSError, match=f"{saved}: cannot be saved \\(No space left on device when writing "
+                                      f"{saved}.[0-9]+.partial beside it first\\)"):
+        SpanAttentionConfig.from_label("score:1100").save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert SpanAttentionConfig.from_pretrained(tmp_path).label == "score:1000"
+    assert [p.name for p in tmp_path.iterdir()] == ["span_attention_config.json"]
 
 
 def test_load_pretrained_takes_layers_as_patch_model_does(tmp_path):
@@ -1429,6 +1468,7 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
     import os
     import socket
     import subprocess
+    import time
 
     lock = tmp_path / "span_diagnostics.jsonl.lock"
     records = tmp_path / "span_diagnostics.jsonl"
@@ -1450,11 +1490,12 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
     with pytest.warns(UserWarning, match="moved to"):  # left by this process
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
     assert not lock.exists()
-    lock.write_text('{"pid": 4')  # cut short by a kill while it was written, long ago: taken over
-    os.utime(lock, (0, 0))
-    with pytest.warns(UserWarning, match="moved to"):
-        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
-    assert not lock.exists()
+    for when in (0, time.time() + 86400):  # cut short by a kill while it was written, long ago or (a clock set
+        lock.write_text('{"pid": 4')           # back) in the future: taken over
+        os.utime(lock, (when, when))
+        with pytest.warns(UserWarning, match="moved to"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+        assert not lock.exists()
     lock.mkdir()
     with pytest.raises(ValueError, match=f"{lock} is where the lock of the diagnostics file goes, but it is not a"):
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
@@ -1467,6 +1508,56 @@ def test_a_second_trainer_writing_diagnostics_into_the_same_file_is_refused(tmp_
     with pytest.raises(OSError, match=f"{tmp_path}/{'x' * 300}.lock: cannot write the lock of the diagnostics file "
                                       r"\(OSError: File name too long\); name another diagnostics_file"):
         trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file="x" * 300)).train()
+
+
+def test_a_diagnostics_lock_whose_process_id_was_given_to_another_process_is_taken_over(tmp_path):
+    """A run killed, its process id given to an unrelated process later: the diagnostics file was held for ever."""
+    import os
+    import socket
+    import subprocess
+
+    from hf_spanattn.training.callback import process_start
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = tmp_path / "span_diagnostics.jsonl.lock"
+    try:
+        held = {"pid": other.pid, "host": socket.gethostname(), "process_start": process_start(other.pid)}
+        lock.write_text(json.dumps(held))
+        with pytest.raises(ValueError, match=f"writing diagnostics into this file \\(process {other.pid}"):
+            trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+        lock.write_text(json.dumps({**held, "process_start": "another boot/12345"}))
+        trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    finally:
+        other.kill()
+        other.wait()
+    assert not os.path.exists(lock) and steps_in(tmp_path / "span_diagnostics.jsonl") == [1, 1]
+
+
+def test_diagnostics_that_find_no_room_are_named_and_leave_no_record_cut_short_nor_a_lock(tmp_path):
+    """A full disk (a file-size limit here): the append raised the bare "[Errno 28] No space left on device" and left
+    a record cut short; the lock's write left an empty lock, which held the file as "a process starting now"."""
+    import os
+    import resource
+
+    records = tmp_path / "span_diagnostics.jsonl"
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    lock_said = "cannot write the lock of the diagnostics file (OSError: File too large)"
+    for limit, name, said in ((100, records, "cannot write the diagnostics (File too large)"),
+                              (10, f"{records}.lock", lock_said)):
+        trainer = trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+        try:
+            with pytest.raises(OSError) as err:
+                trainer.train()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        assert f"{name}: {said}; make room there, or name another diagnostics_file" in str(err.value)
+        if limit == 100:  # the records of a step are written whole or not at all
+            assert records.read_bytes() == b""
+            os.remove(f"{records}.lock")  # a run stopped by an error keeps it (as a kill would)
+    assert not os.path.exists(f"{records}.lock")
+    trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1)).train()
+    assert steps_in(records) == [1, 1]
 
 
 def test_a_second_trainer_in_another_thread_of_the_process_is_refused_the_diagnostics_file(tmp_path):
@@ -1875,6 +1966,26 @@ def test_an_adapter_save_stopped_at_its_settings_leaves_no_adapter_without_them(
     model.save_pretrained(tmp_path / "a")
     assert SpanAttentionConfig.from_pretrained(tmp_path / "a").label == "score:1100"
     assert (tmp_path / "a" / "adapter_config.json").exists()
+
+
+def test_an_adapter_save_that_finds_no_room_names_the_folder(tmp_path):
+    """A full disk (a file-size limit here): PEFT's bare "[Errno 27] File too large", naming no file; the mark that
+    keeps load_pretrained from pairing the new settings with earlier weights stays."""
+    import resource
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(patch_model(tiny("gpt2"), "score:1100"), LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(tmp_path)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))  # the settings fit, the adapter's files do not
+    try:
+        with pytest.raises(OSError, match=f"^\\[Errno 27\\] {tmp_path}: the adapter's save did not finish \\(File too "
+                                          "large\\); save it again once there is room$"):
+            model.save_pretrained(tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert (tmp_path / ".span_attention_save_unfinished").exists()
 
 
 def test_an_adapter_save_stopped_over_an_earlier_adapter_is_refused_at_load(tmp_path, monkeypatch):

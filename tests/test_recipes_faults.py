@@ -262,6 +262,24 @@ def test_merge_names_a_pipe_given_as_input_and_a_link_loop_in_the_tree(tmp_path)
         merge.main([str(path), "--out", str(tmp_path / "out")])
 
 
+def test_a_merge_that_finds_no_room_names_the_result_and_leaves_none_empty(tmp_path, fake):
+    """A full disk (a file-size limit here) raised the bare "[Errno 28] No space left on device" and left an empty
+    metrics.json in the tree."""
+    import resource
+
+    one_record(tmp_path, fake)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))  # the lock fits, a result does not
+    try:
+        with pytest.raises(OSError, match="H2xL1/score-1000/seed0/metrics.json: cannot be written \\(File too large "):
+            merge.main([str(tmp_path / "made"), "--out", str(tmp_path / "out")])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert not list((tmp_path / "out").rglob("*.json*")) and not (tmp_path / "out.lock").exists()
+    merge.main([str(tmp_path / "made"), "--out", str(tmp_path / "out")])
+    assert [p.name for p in (tmp_path / "out").rglob("metrics.json*")] == ["metrics.json"]
+
+
 def test_a_second_merge_into_the_same_folder_stops_at_once(tmp_path):
     """Both wrote the tree and then the report, each over the other's: the last one could leave runs out."""
     path = tmp_path / "in.json"
@@ -481,6 +499,45 @@ def test_pack_appends_after_a_cut_line_on_a_line_of_its_own(tmp_path, fake, caps
     assert len(problems) == 1 and problems[0].startswith(f"{jsonl} line 2: not valid JSON")
     with pytest.raises(ValueError, match="line 2: not valid JSON"):  # now inside the file: merge refuses it
         pack.load_records(jsonl)
+
+
+def test_a_tmp_dir_that_takes_no_folders_is_named(tmp_path, fake, monkeypatch):
+    """--tmp_dir read-only (or full): the traceback named the run's temporary folder inside it, not --tmp_dir."""
+    import errno
+    import tempfile
+
+    def refused(prefix, dir):
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir, prefix + "x1y2"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000"], [0])
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(SystemExit) as err:
+        pack.main([str(config), "--results", str(tmp_path / "r"), "--tmp_dir", str(tmp_path / "tmp")])
+    assert str(err.value).startswith(f"pack: --tmp_dir {tmp_path / 'tmp'}: a run's folder cannot be made there "
+                                     "(Permission denied)")
+    assert fake() == []
+
+
+def test_a_jsonl_line_that_finds_no_room_is_named_and_leaves_no_line_cut_short(tmp_path, fake):
+    """A full disk (a file-size limit here) raised the bare "[Errno 28] No space left on device" and left a line cut
+    short, which the next command appended after: merge.py then refused the file."""
+    import resource
+
+    config = write_sweep(tmp_path / "sweep.yaml", ["score:1000", "score:1100"], [0])
+    jsonl = tmp_path / "r.jsonl"
+    assert pack.main([str(config), "--jsonl", str(jsonl), "--max_runs", "1"]) == 0
+    before = jsonl.read_bytes()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 500, limits[1]))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(OSError, match=f"{jsonl}: cannot be written \\(File too large\\)"):
+            pack.main([str(config), "--jsonl", str(jsonl)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert jsonl.read_bytes() == before
+    assert pack.main([str(config), "--jsonl", str(jsonl)]) == 0
+    assert [r["name"] for r in pack.load_records(jsonl)] == ["H2xL1__score-1000__seed0", "H2xL1__score-1100__seed0"]
 
 
 @pytest.mark.parametrize("flag", ["--results", "--jsonl"])
@@ -760,6 +817,28 @@ def test_a_hand_edited_metrics_json_is_read_or_named(edit, message, tmp_path):
     assert message.format(path=path) in str(err.value)
 
 
+def test_a_report_that_finds_no_room_is_named_and_leaves_the_report_before(tmp_path):
+    """A full disk (a file-size limit here): matplotlib's bare "[Errno 28] No space left on device", and report.md
+    and report.csv were cut to nothing before being written."""
+    import resource
+
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    metrics_file(runs, "standard:QKV111", 0, 0.4)
+    metrics_file(runs, "score:1000", 0, 0.5)
+    report.main([str(runs), "--out", str(out)])
+    before = {name: (out / name).read_bytes() for name in ("report.md", "report.csv")}
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            report.main([str(runs), "--out", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value).startswith(f"report: --out {out}: ") and str(err.value).endswith(
+        "cannot be written (File too large); make room there, or give another --out")
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
 def test_report_on_a_baseline_loss_of_zero_gives_no_percentage(tmp_path, capsys):
     runs = tmp_path / "runs"
     metrics_file(runs, "standard:QKV111", 0, 0.0)
@@ -901,6 +980,45 @@ def test_a_rerun_after_a_kill_during_a_save_resumes_the_last_complete_checkpoint
     assert (out / "incomplete-checkpoint-4" / "model.safetensors").is_file()
 
 
+@needs_data
+def test_a_save_past_the_file_size_limit_is_named_and_the_rerun_finishes(tmp_path):
+    """A checkpoint save that found no room (a file-size limit here, a full disk alike) failed with torch's
+    "[enforce fail at inline_container.cc:672] . unexpected pos 6437184 vs 6437072", naming neither file nor cause."""
+    import resource
+
+    start = pretrained(tmp_path / "start", "gpt2")
+    out = tmp_path / "out"
+    args = flags({**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start,
+                  "output_dir": out, "save_strategy": "epoch"})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            run_clm.main(args)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value).startswith(f"--output_dir {out}: a save failed: a file reached this process's file-size "
+                                     f"limit of {2**20} bytes (SafetensorError: ")
+    assert "Raise the limit (`ulimit -f`), then run the same command again: it resumes from" in str(err.value)
+    assert not (out / "metrics.json").exists() and not (tmp_path / "out.lock").exists()
+    assert run_clm.main(args)["min_val_loss"] > 0 and (out / "incomplete-checkpoint-2").is_dir()
+
+
+@needs_data
+def test_a_rerun_after_a_stop_past_the_last_checkpoint_makes_the_last_evaluation(tmp_path):
+    """A run stopped after its last checkpoint (saved before the last evaluation) resumed there with nothing left to
+    train: metrics.json lacked the last evaluation, and its min_val_loss was an earlier one's."""
+    start = pretrained(tmp_path / "start", "gpt2")
+    out = tmp_path / "out"
+    args = flags({**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start, "output_dir": out,
+                  "num_train_epochs": 2, "save_strategy": "steps", "save_steps": 3})
+    full = run_clm.main(args)
+    (out / "metrics.json").unlink()  # as if killed after the last checkpoint
+    again = run_clm.main(args)
+    assert again["resumed_from"] == str(out / "checkpoint-4")
+    assert again["eval_history"] == full["eval_history"] and again["min_val_loss"] == full["min_val_loss"]
+
+
 @pytest.mark.parametrize("group,value,message", [
     ("data", "wikitext", "data='wikitext': expected an object of settings"),  # was: AttributeError, no file named
     ("span", {"span": "score:12"}, "alphas=(1.0, 2.0): expected 4 values"),
@@ -987,6 +1105,126 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_released(tmp_path, monkey
     run_clm.main(["--output_dir", str(out), "--tokenizer_name", str(DATA / "gpt2-tokenizer")])
     assert seen == [os.getpid()] and not lock.exists()
     assert "taking over the lock of a run that ended" in capsys.readouterr().err
+
+
+def test_a_lock_that_finds_no_room_is_named_and_left_nowhere(tmp_path):
+    """A full disk (a file-size limit here) raised the bare "[Errno 28] No space left on device" and left an empty
+    lock, which held the folder as "a process starting now" for the next command."""
+    import resource
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err, run_identity.RunLock(tmp_path / "out"):
+            pass
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"--output_dir {tmp_path / 'out'}: its lock {tmp_path / 'out.lock'} cannot be written "
+                              "(OSError: File too large); make room there, or choose another --output_dir")
+    assert not (tmp_path / "out.lock").exists()
+    with run_identity.RunLock(tmp_path / "out"):
+        assert (tmp_path / "out.lock").is_file()
+
+
+@needs_data
+def test_a_run_config_that_cannot_be_written_is_named_with_the_output_dir_and_leaves_the_old_one(tmp_path):
+    """A folder that takes no file, or no more bytes (a file-size limit here): the traceback ended in
+    "[Errno 27] File too large", naming no file, or named only the hidden file written first."""
+    import resource
+
+    out = tmp_path / "out"
+    run_identity.write_config(out, {"before": 1})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, limits[1]))  # the lock fits, the configuration does not
+    try:
+        with pytest.raises(SystemExit) as err:
+            run_clm.main(flags({**TINY, "output_dir": out}))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"--output_dir {out}: {out / 'run_config.json'}: cannot be written (File too large "
+                              "when writing .run_config.json.tmp beside it first)")
+    assert os.listdir(out) == ["run_config.json"] and json.loads((out / "run_config.json").read_text()) == {"before": 1}
+
+
+@needs_data
+def test_a_datasets_cache_that_cannot_be_written_is_named_not_the_data_file(tmp_path, monkeypatch):
+    """HF_HOME read-only (a file where its folder goes here): the error said the train file "could not be read as
+    text"."""
+    import datasets
+
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    files = data_files(tmp_path / "data", "txt")
+    with pytest.raises(SystemExit) as err:
+        run_clm.main(flags({**SMALL, **files, "output_dir": tmp_path / "out",
+                            "tokenizer_name": DATA / "gpt2-tokenizer"}))
+    assert str(err.value).startswith(f"--train_file {files['train_file']}: the datasets cache cannot be written "
+                                     f"({tmp_path / 'cache'}")
+    assert str(err.value).endswith("point HF_DATASETS_CACHE (or HF_HOME) to a folder this user can write")
+
+
+def test_a_modules_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """HF_HOME read-only (a file where its folder goes here): evaluate's traceback ended in a PermissionError."""
+    import evaluate
+
+    (tmp_path / "modules").write_text("not a folder")
+    monkeypatch.setattr(evaluate.config, "HF_MODULES_CACHE", tmp_path / "modules")
+    with pytest.raises(SystemExit) as err:
+        run_clm.make_compute_metrics()
+    assert str(err.value).startswith(f"{run_clm.METRIC_PATH}: evaluate's modules cache cannot be written "
+                                     f"({tmp_path / 'modules'}")
+    assert str(err.value).endswith("point HF_MODULES_CACHE (or HF_HOME) to a folder this user can write")
+
+
+@pytest.mark.parametrize("name", ["train.txt", "train.jsonl", "train.csv"])
+def test_a_data_file_replaced_by_another_of_the_same_time_is_read_anew(name, tmp_path, monkeypatch):
+    """`datasets` keys a local file's cache by its modification time alone: a file replaced by another with the same
+    time (cp -p, rsync -t, tar) gave the rows of the one before."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    path = tmp_path / name
+    texts = {".txt": lambda t: f"{t}\n", ".jsonl": lambda t: json.dumps({"text": t}) + "\n",
+             ".csv": lambda t: f"text\n{t}\n"}[path.suffix]
+    for text in ("the first text", "the other text"):  # the same size too
+        path.write_text(texts(text))
+        os.utime(path, (2e9, 2e9))
+        assert [t.strip() for t in run_clm.load_file(str(path), "--train_file")["text"]] == [text]
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o644])
+def test_a_file_written_again_keeps_the_permissions_given_it(mode, tmp_path):
+    """run_config.json made private by hand (chmod 600) was readable by all after a resumed run wrote it again."""
+    path = tmp_path / "run_config.json"
+    path.write_text("{}")
+    path.chmod(mode)
+    run_identity.write_json(path, {"a": 1})
+    assert path.stat().st_mode & 0o777 == mode and json.loads(path.read_text()) == {"a": 1}
+
+
+def test_a_lock_whose_process_id_was_given_to_another_process_is_taken_over(tmp_path, capsys):
+    """A run killed, its process id given to an unrelated process later (a reboot, a long day): the folder was held
+    for ever as that process's; a lock cut short with a time in the future (a clock set back) was "a process starting
+    now" for ever."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = tmp_path / "out.lock"
+    try:
+        mine = {"pid": other.pid, "host": socket.gethostname(), "process_start": run_identity.process_start(other.pid)}
+        lock.write_text(json.dumps(mine))
+        with pytest.raises(SystemExit, match=f"another run is writing into this folder \\(process {other.pid} on"):
+            with run_identity.RunLock(tmp_path / "out"):
+                pass
+        lock.write_text(json.dumps({**mine, "process_start": "another boot/12345"}))
+        with run_identity.RunLock(tmp_path / "out"):
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+    finally:
+        other.kill()
+        other.wait()
+    assert "taking over the lock of a run that ended" in capsys.readouterr().err
+    lock.write_text('{"pid": 4')
+    os.utime(lock, (time.time() + 86400,) * 2)
+    with run_identity.RunLock(tmp_path / "out"):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
 
 
 @pytest.mark.parametrize("pid", [1e400, 1e308, 2**63, -1, 0, True])
@@ -1457,6 +1695,23 @@ def test_a_sweep_file_sweep_py_cannot_read_is_named(content, message, tmp_path):
     assert f"sweep: {path}: " in str(err.value) and message.format(path=path) in str(err.value)
 
 
+def test_a_sweep_log_that_finds_no_room_is_named_and_its_run_stopped(tmp_path, capsys):
+    """A full disk (a file-size limit here) under the sweep's tree: the bare "[Errno 28] No space left on device"."""
+    import resource
+
+    log = tmp_path / "train.log"
+    command = [sys.executable, "-c", "import time; print('x' * 5000, flush=True); time.sleep(5)"]
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            sweep.run_and_log(command, log)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"sweep: {log}: cannot be written (File too large); make room there and run the sweep "
+                              "again")
+
+
 def test_sweep_redoes_a_run_whose_metrics_json_was_cut_short(tmp_path, capsys):
     config = {"output_dir": str(tmp_path / "runs"), "args": TINY, "spans": ["score:1000"], "seeds": [0],
               "shapes": [{"n_head": 2, "n_layer": 1}]}
@@ -1723,6 +1978,25 @@ def test_plot_diagnostics_reads_past_a_byte_order_mark(tmp_path, capsys):
     file.write_bytes(codecs.BOM_UTF8 + (json.dumps(DIAGNOSTIC) + "\r\n").encode())
     assert [r["step"] for r in plot_diagnostics.read_records(file)] == [DIAGNOSTIC["step"]]
     assert capsys.readouterr().err == ""
+
+
+def test_plot_diagnostics_that_finds_no_room_names_the_figure(tmp_path):
+    """A full disk (a file-size limit here): matplotlib's bare "[Errno 28] No space left on device"."""
+    import resource
+
+    import plot_diagnostics
+
+    file = tmp_path / "span_diagnostics.jsonl"
+    file.write_text(json.dumps(DIAGNOSTIC) + "\n")
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))  # Python ignores SIGXFSZ: writes past it fail
+    try:
+        with pytest.raises(SystemExit) as err:
+            plot_diagnostics.main([str(file)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value) == (f"-o {tmp_path / 'span_diagnostics.png'}: cannot be written (File too large); make "
+                              "room there, or give another -o")
 
 
 def test_plot_diagnostics_draws_the_records_of_a_run_stopped_while_writing(tmp_path, capsys):

@@ -168,7 +168,7 @@ def write_whole(path: str, write: Callable[[TextIO], Any]) -> None:
     except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(partial)
-        if isinstance(err, OSError) and err.filename == partial:  # name the file saved, not the partial one
+        if isinstance(err, OSError) and err.filename in (partial, None):  # the file saved, not the partial one
             when = "" if err.filename2 else f" when writing {partial} beside it first"  # else when replacing it
             raise type(err)(err.errno, f"{path}: cannot be saved ({err.strerror}{when})") from None
         raise

@@ -78,9 +78,21 @@ def install() -> None:
             # earlier adapter, the mark says the new settings may sit beside its weights until PEFT's save is done
             for folder in folders:
                 if is_adapter_folder(folder):
-                    open(os.path.join(folder, SAVE_UNFINISHED), "w").close()
+                    try:
+                        open(os.path.join(folder, SAVE_UNFINISHED), "w").close()
+                    except OSError as err:  # a folder that takes no files: named, not the mark
+                        raise type(err)(err.errno, f"{folder}: the adapter cannot be saved there ({err.strerror})") \
+                            from None
                 settings.save_pretrained(folder)
-        result = save(self, *args, **kwargs)
+        try:
+            result = save(self, *args, **kwargs)
+        except OSError as err:
+            if err.filename is not None or not folders:
+                raise
+            # PEFT's error names no file (a full disk, the file-size limit); the mark stays, so that load_pretrained
+            # refuses settings that may be this save's beside weights that may be an earlier one's
+            raise type(err)(err.errno, f"{directory}: the adapter's save did not finish ({err.strerror}); save it "
+                                       "again once there is room") from err
         for folder in folders:
             if os.path.isfile(os.path.join(folder, SAVE_UNFINISHED)):
                 os.remove(os.path.join(folder, SAVE_UNFINISHED))

@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 # the diagnostics locks this process holds: real path -> (thread id, callback) of the run that took it
 _held: dict[str, tuple[int, weakref.ref]] = {}
 _held_guard = threading.Lock()
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, the file-size limit
 _PATH_MAX = 4096  # Linux's limit on a path, in bytes (macOS's is 1024)
 _SAVED = ("last_step",)  # the attributes `state` writes into trainer_state.json
 # what the Trainer writes into its output dir (save_model, save_state, save_metrics, create_model_card), over a
@@ -307,9 +308,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             self._pending.update({f"{prefix}{k}": summary[k] for k in ("cos_q", "cos_k", "rank_k", "rank_v")})
         self._recorders = {}
         if records and state.is_world_process_zero:
-            os.makedirs(os.path.dirname(self._path), exist_ok=True)
-            with open(self._path, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
+            _append(self._path, "".join(json.dumps(r) + "\n" for r in records))
         control.should_log = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -485,6 +484,23 @@ def _inside(output_dir: str, path: str) -> str:
     return full
 
 
+def _append(path: str, text: str) -> None:
+    """`text` appended to the diagnostics file `path`, whole or not at all: a write that fails (a full disk) leaves the
+    file as it was and names it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "ab", buffering=0) as f:  # unbuffered: nothing left to fail again on close
+        end, data = f.seek(0, os.SEEK_END), memoryview(text.encode())
+        try:
+            while data:
+                data = data[f.write(data):]
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                f.truncate(end)
+            room = "make room there, or " if err.errno in _NO_ROOM else ""
+            raise OSError(err.errno, f"SpanAttentionCallback: {path}: cannot write the diagnostics ({err.strerror}); "
+                                     f"{room}name another diagnostics_file (diagnostics_every=0 writes none)") from None
+
+
 def _start_records(path: str, step: int, log_history: list) -> None:
     """Where training starts at `step`, so that no step is written twice and nothing else is lost. A fresh run
     (step 0) moves an earlier run's records aside, to <file>.replaced-<n>; so does a resumed run whose records up
@@ -560,7 +576,13 @@ def _take_lock_file(path: str, lock: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(lock)  # gone, or a lock left by a process that is
             with open(lock, "x") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+                try:
+                    json.dump({"pid": os.getpid(), "host": socket.gethostname(),
+                               "process_start": process_start(os.getpid())}, f)
+                    f.flush()
+                except OSError:  # a full disk: an empty lock left would hold the file as "a process starting now"
+                    os.remove(lock)
+                    raise
             return
         except FileExistsError:
             continue  # another run took it meanwhile: see who
@@ -570,8 +592,9 @@ def _take_lock_file(path: str, lock: str) -> None:
                               f"({err.strerror}); {path} is written without it, so a second run writing into it at "
                               "the same time would not be stopped", stacklevel=4)
                 return
+            room = "make room there, or " if err.errno in _NO_ROOM else ""
             raise OSError(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
-                          f"({type(err).__name__}: {err.strerror}); name another diagnostics_file") from None
+                          f"({type(err).__name__}: {err.strerror}); {room}name another diagnostics_file") from None
     raise ValueError(f"SpanAttentionCallback: {lock}: could not take the lock of the diagnostics file")
 
 
@@ -593,7 +616,7 @@ def _lock_holder(lock: str) -> str | None:
         if not (b'{"pid": '.startswith(text[:8]) and len(text) < 1024 and b"\n" not in text):
             raise not_a_lock from None
         with contextlib.suppress(FileNotFoundError):
-            if time.time() - os.path.getmtime(lock) < 10:
+            if abs(time.time() - os.path.getmtime(lock)) < 10:  # a time in the future (a clock set back) is not now
                 return "a process starting now"
         return None
     pid, host = (info.get("pid"), info.get("host")) if isinstance(info, dict) else (None, None)
@@ -609,7 +632,21 @@ def _lock_holder(lock: str) -> str | None:
             return None
         except PermissionError:  # alive, another user's
             pass
+        if info.get("process_start") is not None and process_start(pid) not in (None, info["process_start"]):
+            return None  # the id was given to another process since
     return f"process {pid} on {host[:100]}"
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: the boot and the clock ticks since it), telling it from a later process given
+    the same id; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = f.read().rsplit(")", 1)[1].split()[19]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{ticks}"
+    except (OSError, IndexError):
+        return None
 
 
 def _is_a_pipe(path: str) -> bool:
