@@ -15,6 +15,14 @@ from hf_spanattn.ops import blocks, tile_engine, tiles  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(autouse=True)
+def backward_parts_at_any_size(monkeypatch):
+    """The backward pass in parts also at the tests' small batches, where it takes them whole
+    (`tile_engine._MIN_PART`), so that its parts and their joining show there; `monkeypatch.undo()` in a
+    test gives back the package's value."""
+    monkeypatch.setattr(tile_engine, "_MIN_PART", 1)
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Query-row tiles of 4 rows, so that the tiling shows at the tests' short sequences, and

@@ -432,6 +432,23 @@ def test_the_backward_pass_takes_a_part_of_the_batch_at_a_time(label, recompute,
             assert rel(g, r) < 1e-9
 
 
+def test_the_backward_pass_takes_no_part_of_fewer_than_min_part_elements(monkeypatch):
+    """A small batch is taken whole, a larger one in parts of at least _MIN_PART elements of Q: smaller parts
+    cost more time (their spans, a call per product) than they save memory."""
+    monkeypatch.undo()  # the package's _MIN_PART (2**16), not the tests' 1
+    real, chunks = tile_engine._backward, []
+    monkeypatch.setattr(tile_engine, "_backward", lambda batch, *args: chunks.append(1) or real(batch, *args))
+    config = SpanAttentionConfig.from_label("score:1111")
+    for b, t, parts in [(2, 64, 1), (8, 64, 1), (8, 128, 2), (8, 256, 4)]:  # Q holds b·2·t·64 elements
+        chunks.clear()
+        (q, k, v), d_out = make(b=b, h_q=2, h_kv=1, t=t, d=64)
+        out, grads = run((q, k, v), d_out, config, is_causal=True)
+        assert len(chunks) == parts, (b, t)
+        ref_out, ref_grads = reference(q, k, v, d_out, config, is_causal=True)
+        for g, r in zip(grads, ref_grads):
+            assert rel(g, r) < 1e-9
+
+
 @pytest.mark.parametrize(("label", "t", "is_causal", "kept_rows", "parts"), [
     ("score:1111", 24, True, None, 4),  # one tile of 24² = 576 probabilities per head ≤ 5·T·d = 600
     ("score:1111", 28, True, None, 8),  # 784 > 700

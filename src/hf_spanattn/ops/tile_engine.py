@@ -42,8 +42,10 @@ if TYPE_CHECKING:
 # temporaries to that share of the batch's; in half as many where the kept probabilities are few
 # beside them (at most _FEW_KEPT·T·d per query head: T ≤ 512 under a causal mask at d = 64, whose
 # tiles hold 4.5·T·d, and T ≤ 320 without) and the rule is not per-block, whose stacks are larger:
-# fewer, larger products run faster on a few cores.
-_BACKWARD_CHUNKS, _FEW_KEPT = 8, 5
+# fewer, larger products run faster on a few cores. No part holds fewer than _MIN_PART elements of Q
+# (256 KiB in float32): below that a part's own work (its spans, a call per product) costs more time
+# than its share saves memory (a few MiB at most).
+_BACKWARD_CHUNKS, _FEW_KEPT, _MIN_PART = 8, 5, 2**16
 # The forward pass keeps for the backward pass at most as many probabilities per query head as
 # min(_KEPT_ROWS, _KEPT_PER_ROW·T) rows of Q hold numbers (less twice the per-block rule's stacks): all
 # of them up to 1024 keys under a causal mask at d = 64 (9·T·d there), where keeping them is faster,
@@ -271,7 +273,8 @@ def _backward_parts(shape: torch.Size, probs: Tiled, per_block: bool) -> int:
     probabilities (all kept, or partly recomputed; see _BACKWARD_CHUNKS)."""
     few = (not per_block and not isinstance(probs.parts, Recomputed)
            and sum(p.shape[-2] * p.shape[-1] for p in probs.parts) <= _FEW_KEPT * shape[-2] * shape[-1])
-    return _BACKWARD_CHUNKS // 2 if few else _BACKWARD_CHUNKS
+    parts = _BACKWARD_CHUNKS // 2 if few else _BACKWARD_CHUNKS
+    return max(1, min(parts, math.prod(shape) // _MIN_PART))
 
 
 def _backward_chunks(shape: torch.Size, parts: int) -> list[Rows]:
