@@ -87,3 +87,24 @@ def test_benchmark_options_out_of_range_are_named_before_anything_runs(module, a
     with pytest.raises(SystemExit) as err:
         main(argv) if "argv" in inspect.signature(main).parameters else main()
     assert err.value.code == 2 and message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
+
+
+def test_versions_compares_copies_of_the_package_in_one_process(tmp_path, capsys):
+    """Two copies of this package's source: a row per (T, method) with the ratio of the second to the first,
+    and this process's own package left in place."""
+    import shutil
+    import sys
+
+    import hf_spanattn
+    from benchmarks import versions
+
+    package = Path(__file__).resolve().parents[1] / "src" / "hf_spanattn"
+    for name in ("old", "new"):
+        shutil.copytree(package, tmp_path / name / "src" / "hf_spanattn")
+    versions.main([str(tmp_path / "old"), str(tmp_path / "new"), "--tokens", "32", "--seq", "8", "16",
+                   "--methods", "score:1000", "standard:QKV101", "--repeats", "2"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [(row[1].strip(), row[2].strip()) for row in rows] == [
+        ("8", "score:1000"), ("8", "standard:QKV101"), ("16", "score:1000"), ("16", "standard:QKV101")]
+    assert all(float(row[4]) > 0 for row in rows)
+    assert sys.modules["hf_spanattn"] is hf_spanattn
