@@ -6,25 +6,37 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 
 def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
                      device: str = "cpu") -> dict[str, float]:
     """Median seconds per call; the candidates take turns so machine noise hits all alike. On CUDA
     each call is timed with CUDA events around it."""
+    samples = time_rounds(steps, repeats, warmup, device)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def time_rounds(steps: dict[Hashable, Callable[[], None]], repeats: int, warmup: int = 1, device: str = "cpu",
+                shuffle: bool = False) -> dict[Hashable, list[float]]:
+    """Seconds per call of each step in each of `repeats` rounds, in which every step runs once (in a new random
+    order with `shuffle`), after `warmup` calls of each."""
     for step in steps.values():
         for _ in range(warmup):
             step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
+    samples: dict[Hashable, list[float]] = {name: [] for name in steps}
+    order = list(steps)
     for _ in range(repeats):
-        for name, step in steps.items():
-            samples[name].append(_seconds(step, device))
-    return {name: statistics.median(s) for name, s in samples.items()}
+        if shuffle:
+            random.shuffle(order)
+        for name in order:
+            samples[name].append(_seconds(steps[name], device))
+    return samples
 
 
 def _seconds(step: Callable[[], None], device: str) -> float:

@@ -15,17 +15,16 @@ under a steady heap (see `rerun_with_steady_heap`).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
-import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import at_least, rerun_with_steady_heap, span_label
+from benchmarks.common import at_least, rerun_with_steady_heap, span_label, time_rounds
 
 HEADS, HEAD_DIM = 4, 64
 
@@ -89,14 +88,9 @@ def run(args: argparse.Namespace, versions: list[Callable[..., torch.Tensor]]) -
         q, k, v = (torch.randn(b, HEADS, t, HEAD_DIM, generator=gen).requires_grad_() for _ in range(3))
         d_out = torch.randn(b, HEADS, t, HEAD_DIM, generator=gen)
 
-        jobs = [(i, label) for i in range(len(versions)) for label in args.methods]
-        for i, label in jobs:  # warm-up
-            _seconds(versions[i], (q, k, v), d_out, args.causal, label)
-        times: dict[tuple[int, str], list[float]] = {job: [] for job in jobs}
-        for _ in range(args.repeats):
-            random.shuffle(jobs)
-            for i, label in jobs:
-                times[i, label].append(_seconds(versions[i], (q, k, v), d_out, args.causal, label))
+        steps = {(i, label): functools.partial(_step, version, (q, k, v), d_out, args.causal, label)
+                 for i, version in enumerate(versions) for label in args.methods}
+        times = time_rounds(steps, args.repeats, shuffle=True)
         for label in args.methods:
             base = times[0, label]
             ratios = [statistics.median(a / b for a, b in zip(times[i, label], base)) for i in range(1, len(versions))]
@@ -105,12 +99,10 @@ def run(args: argparse.Namespace, versions: list[Callable[..., torch.Tensor]]) -
 
 
 
-def _seconds(version: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], d_out: torch.Tensor,
-             causal: bool, label: str) -> float:
-    start = time.perf_counter()
+def _step(version: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], d_out: torch.Tensor, causal: bool,
+          label: str) -> None:
     out = version(*inputs, is_causal=causal, config=label)
     torch.autograd.grad(out, inputs, d_out)
-    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

@@ -54,4 +54,18 @@ def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
     raise ValueError(family)
 
 
+def tiny_llava(patch_size: int = 8, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A vision tower (CLIP, whose attention carries no layer index) of (16 / patch_size)² patches, beside a Llama
+    text model; image token VOCAB."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=patch_size, projection_dim=32)
+    text = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       intermediate_size=64, vocab_size=VOCAB + 1, max_position_embeddings=64)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1)
+    return LlavaForConditionalGeneration(config).to(dtype).train()
+
+
 FAMILIES = ["gpt2", "gpt_neo", "gpt_neox", "llama", "qwen2"]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from models import VOCAB, tiny
+from models import VOCAB, tiny, tiny_llava
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
@@ -2080,18 +2080,6 @@ def test_layers_removed_from_a_model_cannot_be_selected():
     assert patch_model(pruned, "score:1000", layers=[1]).config.span_attention["layers"] == [1]
 
 
-def _tiny_llava() -> torch.nn.Module:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    torch.manual_seed(0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=16, patch_size=8, projection_dim=32)
-    text = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                       intermediate_size=64, vocab_size=VOCAB + 1, max_position_embeddings=64)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1)
-    return LlavaForConditionalGeneration(config).double().train()
-
-
 def _llava_grads_match(expected_model: torch.nn.Module, model: torch.nn.Module) -> None:
     """The gradients of every parameter on one image and text equal the stock model's (the settings give them)."""
     ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
@@ -2116,8 +2104,8 @@ def test_a_composite_model_s_towers_train_with_the_settings_it_was_patched_with(
 
     from hf_spanattn.integration.registry import settings_for
 
-    patched = patch_model(_tiny_llava(), "score:1111")
-    _llava_grads_match(_tiny_llava(), patched)
+    patched = patch_model(tiny_llava(dtype=torch.float64), "score:1111")
+    _llava_grads_match(tiny_llava(dtype=torch.float64), patched)
     attention = [m for m in patched.modules() if type(m).__name__ in ("LlamaAttention", "CLIPAttention")]
     patch_model(patched, "simple:10")
     assert [settings_for(m).label for m in attention] == ["simple:10"] * 4
@@ -2137,7 +2125,7 @@ def test_a_composite_model_loaded_with_span_attention_trains_with_its_saved_sett
     gradients."""
     from transformers import LlavaForConditionalGeneration
 
-    stock = _tiny_llava()
+    stock = tiny_llava(dtype=torch.float64)
     patch_model(copy.deepcopy(stock), "score:1111").save_pretrained(tmp_path)
     loaded = LlavaForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="span_attention",
                                                            dtype=torch.float64)

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from models import VOCAB, tiny
+from models import VOCAB, tiny, tiny_llava
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_spanattn import SpanAttentionConfig, patch_model, span_attention
@@ -503,19 +503,6 @@ def test_the_alphas_of_towers_patched_otherwise_are_logged_per_tower(tmp_path):
                                                         "decoder.bert.encoder.layer": "score:1000"}
 
 
-def _tiny_llava():
-    """A vision tower (CLIP, whose attention carries no layer index) of 16 patches, beside a Llama text model."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    torch.manual_seed(0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=16, patch_size=4, projection_dim=32)
-    text = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                       intermediate_size=64, vocab_size=VOCAB + 1, max_position_embeddings=64)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1)
-    return LlavaForConditionalGeneration(config)
-
-
 class Pictures(torch.utils.data.Dataset):
     def __len__(self):
         return 2
@@ -532,7 +519,7 @@ def test_a_schedule_of_labels_reaches_a_vision_tower_whose_attention_carries_no_
     patched by hand with the label, its diagnostics are recorded per tower, and a layer table says what it leaves."""
     recorder = GradRecorder()
     schedule = [Keyframe(0, "score:1000")]
-    trainer = Trainer(model=patch_model(_tiny_llava(), "score:1100"), train_dataset=Pictures(),
+    trainer = Trainer(model=patch_model(tiny_llava(patch_size=4), "score:1100"), train_dataset=Pictures(),
                       callbacks=[SpanAttentionCallback(schedule, diagnostics_every=1), recorder],
                       args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
                                              learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
@@ -540,7 +527,7 @@ def test_a_schedule_of_labels_reaches_a_vision_tower_whose_attention_carries_no_
     trainer.train()
 
     def by_hand(label):
-        model = patch_model(_tiny_llava(), label).train()
+        model = patch_model(tiny_llava(patch_size=4), label).train()
         rows = [Pictures()[i] for i in range(2)]
         model(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}).loss.backward()
         return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "vision_tower" in n}
@@ -554,7 +541,7 @@ def test_a_schedule_of_labels_reaches_a_vision_tower_whose_attention_carries_no_
         for layer in (0, 1)]
     with pytest.warns(UserWarning, match=r"2 attention modules of the model \(CLIPAttention\) carry no layer index, "
                                          "so a layer table cannot name them; they keep the model's settings"):
-        train(patch_model(_tiny_llava(), "score:1100"), tmp_path / "table", max_steps=1,
+        train(patch_model(tiny_llava(patch_size=4), "score:1100"), tmp_path / "table", max_steps=1,
               callbacks=[SpanAttentionCallback([Keyframe(0, {"*": "score:1000"})])])
 
 
