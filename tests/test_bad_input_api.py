@@ -2170,3 +2170,57 @@ def test_a_schedule_s_layer_table_naming_only_layers_without_attention_is_refuse
     with pytest.raises(ValueError, match=r"layers 1: LlamaForCausalLM has no attention module of layer 1; its "
                                          r"attention modules carry the layer indices 0$"):
         trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, {1: "score:1100"})]), model=llama).train()
+
+
+def test_settings_put_on_a_composite_model_s_text_config_are_said_not_to_be_read(tmp_path):
+    """Settings set by hand on a vision-language model's text_config (on the object, or in config.json) are not
+    read: the model's own field holds them. It trained with the default score:1000 without a word; now a warning
+    names the field (and the file) and the default taken."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = tiny_llava()
+    model.config.text_config.span_attention = SpanAttentionConfig.from_label("score:1100").to_dict()
+    with pytest.warns(UserWarning, match="not given, but text_config.span_attention is, which is not read"):
+        patch_model(model)
+    patch_model(tiny_llava(), "score:1100").save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["text_config"]["span_attention"] = saved.pop("span_attention")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.warns(UserWarning, match=f"{tmp_path / 'config.json'}, field 'span_attention': not given, but "
+                                         "text_config.span_attention"):
+        load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration)
+
+
+@pytest.mark.parametrize("last", ["model", "adapter"])
+def test_a_model_and_an_adapter_saved_into_one_folder_load_as_transformers_loads_them(last, tmp_path):
+    """A model saved into a folder that holds an adapter (or an adapter saved into a model's folder): Transformers'
+    from_pretrained loads the model saved there with the adapter on top, but load_pretrained loaded the adapter's
+    base model (other weights) with the adapter and the adapter's settings, leaving the saved model and its settings
+    out. Now it loads what from_pretrained loads, with the model's settings (the adapter's where the model has none),
+    says so where the two differ, and the adapter is trainable (is_trainable=True)."""
+    from peft import LoraConfig, get_peft_model
+
+    tiny("gpt2", seed=0).save_pretrained(tmp_path / "base")
+    model = patch_model(tiny("gpt2", seed=1), "score:1100", layers=[1])
+    lora = get_peft_model(patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), "simple:10"),
+                          LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False))
+    if last == "model":
+        lora.save_pretrained(tmp_path / "both")
+        model.save_pretrained(tmp_path / "both")
+        with pytest.warns(UserWarning, match=r"span_attention_config.json holds span attention settings \(simple:10\)"
+                                             r".* it trains with score:1100 on layers \[1\]"):
+            loaded = load_pretrained(tmp_path / "both")
+        expected = patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "both"), "score:1100", layers=[1])
+    else:
+        unpatch_model(model).save_pretrained(tmp_path / "both")
+        lora.save_pretrained(tmp_path / "both")
+        loaded = load_pretrained(tmp_path / "both")
+        expected = patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "both"), "simple:10")
+    assert isinstance(loaded, type(model)) and loaded.peft_config
+    trained = {name for name, weight in loaded.named_parameters() if weight.requires_grad}
+    assert trained == {name for name in loaded.state_dict() if "lora" in name}
+    expected.requires_grad_(True)  # from_pretrained adds the adapter frozen; load_pretrained's is trainable
+    loaded.requires_grad_(True)
+    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    for one, other in zip(gradients_of(loaded, ids), gradients_of(expected, ids), strict=True):
+        assert (one is None) == (other is None) and (one is None or torch.equal(one, other))

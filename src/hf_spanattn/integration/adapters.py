@@ -147,6 +147,32 @@ def _saved_settings(folder: str | os.PathLike) -> tuple[SpanAttentionConfig | No
     return saved, f"span attention settings ({_described(saved)})"
 
 
+def train_adapters(model: torch.nn.Module) -> None:
+    """Makes the active adapters that Transformers' from_pretrained added to `model` (frozen) trainable."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.set_adapter(module.active_adapters)
+
+
+def settings_beside_model(folder: str | os.PathLike, model_config: Any) -> SpanAttentionConfig | None:
+    """The settings for a model saved in `folder` beside an adapter: those of its config.json, else those saved with
+    the adapter; where both are there and differ, a warning names both files and says the model's win."""
+    ours = config_of(model_config)
+    if not os.path.lexists(os.path.join(folder, CONFIG_NAME)):
+        return ours
+    saved, described = _saved_settings(folder)
+    if ours is None:
+        return saved
+    if saved != ours:
+        warnings.warn(f"{os.path.join(folder, CONFIG_NAME)} holds {described}, other than those of the model saved "
+                      f"beside it ({os.path.join(folder, 'config.json')}: {_described(ours)}), whose weights load with "
+                      f"the adapter on top: the model's settings win, it trains with {_described(ours)}. Remove the "
+                      "file if it is left from an earlier save.", stacklevel=3)
+    return ours
+
+
 def is_patched(base: torch.nn.Module) -> bool:
     """Whether span_attention is in force: the registry's implementation, or GPT-Neo's adapter."""
     return base.config._attn_implementation == ATTN_IMPLEMENTATION or any(

@@ -235,6 +235,12 @@ def _default_settings(model_config: Any) -> SpanAttentionConfig:
         warnings.warn(f"{stored_source(model_config)}: null, which gives no settings; patching with the default "
                       f"{SpanAttentionConfig().label}", stacklevel=4)
         return SpanAttentionConfig()
+    for key in getattr(model_config, "sub_configs", None) or {}:  # a composite model's text_config, by hand
+        if getattr(getattr(model_config, key, None), CONFIG_KEY, None) is not None:
+            warnings.warn(f"{stored_source(model_config)}: not given, but {key}.{CONFIG_KEY} is, which is not read: "
+                          f"the settings of {type(model_config).__name__} are those of its own {CONFIG_KEY!r} field, "
+                          f"for all its towers; patching with the default {SpanAttentionConfig().label} (move them "
+                          "there, or pass them to patch_model)", stacklevel=4)
     names = [name for name in vars(model_config) if isinstance(name, str)]
     for name in difflib.get_close_matches(CONFIG_KEY, names, n=1, cutoff=0.8):
         warnings.warn(f"{stored_source(model_config)}: not given, but a field {name!r} is, which is not read; "
@@ -387,11 +393,19 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     if isinstance(subfolder, str) and subfolder and adapters.is_adapter_folder(os.path.join(name_or_path, subfolder)):
         name_or_path = os.path.join(name_or_path, subfolder)  # the adapter's, not its base model's
         del kwargs["subfolder"]
-    if adapters.is_adapter_folder(name_or_path):
+    folder = os.path.join(name_or_path, subfolder) if subfolder else name_or_path
+    # a model saved into a folder that holds an adapter (or the reverse) loads as Transformers loads it: the model
+    # saved there, with the adapter added on top
+    if adapters.is_adapter_folder(name_or_path) and not os.path.isfile(os.path.join(folder, "config.json")):
         return adapters.load_adapter(name_or_path, config, model_class, is_trainable, layers, **kwargs)
     if adapters.holds_settings_alone(name_or_path) and not subfolder:  # Transformers: "Unrecognized model"
         raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
     model = model_class.from_pretrained(name_or_path, **kwargs)
+    if adapters.is_adapter_folder(folder):  # Transformers added the adapter, frozen
+        if is_trainable:
+            adapters.train_adapters(model)
+        if config is None:
+            config = adapters.settings_beside_model(folder, base_model(model, "load_pretrained").config)
     return patch_model(model, config, layers)
