@@ -2042,7 +2042,8 @@ def test_a_model_built_from_the_config_of_a_patched_one_says_it_trains_with_span
     with pytest.warns(UserWarning, match=r"LlamaAttention belongs to a model that hf_spanattn.patch_model was not "
                                          r"given, but its config object \(LlamaConfig\) is that of a model it was"):
         other.train()(input_ids=ids, labels=ids).loss.backward()
-    patch_model(other, "simple:10")
+    with pytest.warns(UserWarning, match="so its settings change with it, from score:1000 to simple:10"):
+        patch_model(other, "simple:10")
     with pytest.warns(UserWarning, match=r"unpatch_model: another model that patch_model was given shares the config "
                                          r"object of LlamaForCausalLM \(both built from one config\), and is"):
         unpatch_model(other)
@@ -2224,3 +2225,21 @@ def test_a_model_and_an_adapter_saved_into_one_folder_load_as_transformers_loads
     ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     for one, other in zip(gradients_of(loaded, ids), gradients_of(expected, ids), strict=True):
         assert (one is None) == (other is None) and (one is None or torch.equal(one, other))
+
+
+def test_patching_a_model_otherwise_than_another_built_from_one_config_says_both_change():
+    """Two models built from one config object, patched with two settings: the first took the second's settings
+    (its layers read the shared config) without a word. Now the second patch_model says so, naming both settings."""
+    config = tiny("gpt2").config
+    first, second = (type(tiny("gpt2"))(config) for _ in range(2))
+    patch_model(first, "score:1000")
+    with pytest.warns(UserWarning, match=r"patch_model: another model that patch_model was given shares the config "
+                                         r"object of GPT2LMHeadModel .* from score:1000 to score:1100 on layers \[1\]"):
+        patch_model(second, "score:1100", layers=[1])
+    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = patch_model(copy.deepcopy(tiny("gpt2")), "score:1100", layers=[1])
+    expected.load_state_dict(first.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(gradients_of(first, ids), gradients_of(expected, ids), strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(second, "score:1100", layers=[1])  # the same settings again: nothing changes for the first

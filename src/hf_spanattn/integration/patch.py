@@ -171,6 +171,13 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             module.__dict__[SETTINGS_FROM_ATTR] = base.config
         else:
             module.__dict__.pop(SETTINGS_FROM_ATTR, None)
+    other = _another_sharing(base)
+    if other is not None and is_patched(other) and config_of(base.config) not in (None, config):
+        warnings.warn(f"patch_model: another model that patch_model was given shares the config object of "
+                      f"{type(base).__name__} (both built from one config), so its settings change with it, from "
+                      f"{adapters._described(config_of(base.config))} to {adapters._described(config)}: its layers "
+                      "read the same settings. Build each model from its own config (copy.deepcopy(config)) to patch "
+                      "them otherwise.", stacklevel=2)
     if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
         setattr(base.config, CONFIG_KEY, config.to_dict())
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
@@ -260,10 +267,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
-    inside = {m for part in sharing if any(m is base for m in part.modules()) for m in part.modules()}  # and around
-    # another model (a module taken out of this one, kept by the user, is none)
-    if any(isinstance(m, PreTrainedModel) and m not in inside and m.config is base.config
-           for m in list(registry.PATCHED_MODULES)):
+    if _another_sharing(base) is not None:
         warnings.warn(f"unpatch_model: another model that patch_model was given shares the config object of "
                       f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
                       "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
@@ -287,6 +291,14 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for part in sharing:
         part.__dict__.pop(_ORIGINAL, None)
     return model
+
+
+def _another_sharing(base: PreTrainedModel) -> PreTrainedModel | None:
+    """A model that patch_model was given, neither inside `base` nor around it, that shares its config object (a
+    module taken out of `base`, kept by the user, is none)."""
+    inside = {m for part in _sharing_config(base) if any(m is base for m in part.modules()) for m in part.modules()}
+    return next((m for m in list(registry.PATCHED_MODULES) if isinstance(m, PreTrainedModel) and m not in inside
+                 and m.config is base.config), None)
 
 
 def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
