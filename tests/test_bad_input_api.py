@@ -2243,3 +2243,20 @@ def test_patching_a_model_otherwise_than_another_built_from_one_config_says_both
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch_model(second, "score:1100", layers=[1])  # the same settings again: nothing changes for the first
+
+
+@pytest.mark.parametrize("what", ["model", "adapter"])
+def test_load_pretrained_with_output_loading_info_gives_the_model_and_the_info(what, tmp_path):
+    """from_pretrained(..., output_loading_info=True) returns (model, loading info); load_pretrained passed the pair
+    to patch_model, which failed saying it got a tuple. Now it gives the pair, the model patched with the saved
+    settings (an adapter's: the info of its base model)."""
+    folder = saved_model(tmp_path, alphas=[1, 1, 0, 0], layers=[1]) if what == "model" else adapter(tmp_path)
+    model, info = load_pretrained(folder, output_loading_info=True)
+    base = model.get_base_model() if what == "adapter" else model
+    assert config_of(base.config) == SpanAttentionConfig.from_label("score:1100").replace(
+        layers=[1] if what == "model" else None)
+    stock, stock_info = AutoModelForCausalLM.from_pretrained(tmp_path / "model", output_loading_info=True)
+    assert info == stock_info
+    weights = {name.replace("base_model.model.", "").replace(".base_layer", ""): weight
+               for name, weight in model.state_dict().items() if "lora_" not in name}
+    assert all(torch.equal(weights[name], weight) for name, weight in stock.state_dict().items())

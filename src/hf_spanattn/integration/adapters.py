@@ -221,7 +221,7 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
     if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:  # torch names only the module
         raise ValueError(f"load_pretrained: adapter_name={shown(adapter_name)}: expected the name to give the adapter, "
                          "a non-empty string without '.' (by default 'default')")
-    base = model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs)
+    base, info = loaded(model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs), kwargs)
     saved = os.path.join(folder, CONFIG_NAME)
     from_file = config is None and os.path.lexists(saved)  # a settings "file" that is not one is refused
     if from_file:
@@ -234,4 +234,13 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
         raise ValueError(f"{saved}: {err}") from None
     with warnings.catch_warnings():  # settings given here over those saved beside the adapter: the caller's choice
         warnings.filterwarnings("ignore", message=".* other than those the model it was loaded into is patched with")
-        return PeftModel.from_pretrained(base, folder, adapter_name=adapter_name, is_trainable=is_trainable)
+        model = PeftModel.from_pretrained(base, folder, adapter_name=adapter_name, is_trainable=is_trainable)
+    return model if info is None else (model, info)
+
+
+def loaded(result: Any, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """The model that `from_pretrained(**kwargs)` returned, and its loading info where `output_loading_info` asked for
+    it (else None): from_pretrained then returns both."""
+    if kwargs.get("output_loading_info") and isinstance(result, tuple):
+        return result
+    return result, None

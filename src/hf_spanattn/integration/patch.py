@@ -380,10 +380,10 @@ def _neo_attn(self, query, key, value, attention_mask=None):
 
 def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig | str | None = None,
                     model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
-                    layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module:
+                    layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module | tuple[torch.nn.Module, Any]:
     """Load a model and patch it: with `config` if given, else with the settings saved in its config;
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
-    and the field.
+    and the field. With `output_loading_info=True`, (model, loading info), as from_pretrained gives them.
 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
     loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter (named `adapter_name=`, by
@@ -414,10 +414,11 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
-    model = model_class.from_pretrained(name_or_path, **kwargs)
+    model, info = adapters.loaded(model_class.from_pretrained(name_or_path, **kwargs), kwargs)
     if adapters.is_adapter_folder(folder):  # Transformers added the adapter, frozen
         if is_trainable:
             adapters.train_adapters(model)
         if config is None:
             config = adapters.settings_beside_model(folder, base_model(model, "load_pretrained").config)
-    return patch_model(model, config, layers)
+    model = patch_model(model, config, layers)
+    return model if info is None else (model, info)  # as from_pretrained with output_loading_info=True
