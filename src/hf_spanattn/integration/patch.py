@@ -405,6 +405,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     if isinstance(subfolder, str) and subfolder and adapters.is_adapter_folder(os.path.join(name_or_path, subfolder)):
         name_or_path = os.path.join(name_or_path, subfolder)  # the adapter's, not its base model's
         del kwargs["subfolder"]
+        subfolder = None
     folder = os.path.join(name_or_path, subfolder) if subfolder else name_or_path
     # a model saved into a folder that holds an adapter (or the reverse) loads as Transformers loads it: the model
     # saved there, with the adapter added on top
