@@ -1830,6 +1830,34 @@ def test_a_patched_model_saved_whole_trains_in_a_process_that_did_not_import_the
         assert all(torch.equal(a, b) for a, b in zip(loaded, expected[family], strict=True)), family
 
 
+def test_a_model_loaded_with_span_attention_and_saved_whole_trains_in_a_process_that_did_not_import_the_package(
+        tmp_path):
+    """from_pretrained(attn_implementation="span_attention") (no patch_model), a training step, torch.save; torch.load
+    in a fresh process that does not import hf_spanattn: its training forward raised KeyError ('span_attention' is not
+    registered in the AttentionInterface). Now it trains with the gradients it had."""
+    import subprocess
+
+    patch_model(tiny("llama", seed=1), "score:1100", layers=[1]).save_pretrained(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="span_attention")
+    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = gradients_of(model, ids)
+    torch.save(model, tmp_path / "model.pt")
+    script = """if True:
+        import sys, torch
+        folder = sys.argv[1]
+        ids = torch.load(f"{folder}/ids.pt")
+        assert "hf_spanattn" not in sys.modules
+        model = torch.load(f"{folder}/model.pt", weights_only=False).train()
+        model(ids, labels=ids).loss.backward()
+        torch.save([p.grad for p in model.parameters()], f"{folder}/loaded.pt")
+    """
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded = torch.load(tmp_path / "loaded.pt")
+    assert all(torch.equal(a, b) for a, b in zip(loaded, expected, strict=True))
+
+
 def gradients_of(model, ids) -> list:
     model.train()
     model(ids, labels=ids).loss.backward()

@@ -28,6 +28,7 @@ from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
     OWNER_ATTR,
     PROBE_ATTR,
+    REGISTERS_ATTR,
     SETTINGS_FROM_ATTR,
     attention_modules,
     call_settings,
@@ -263,7 +264,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     original = _original(base)
     sharing = _sharing_config(base)
     for module in base.modules():
-        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR, CROSS_ATTR):
+        for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR, CROSS_ATTR, REGISTERS_ATTR):
             module.__dict__.pop(name, None)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)

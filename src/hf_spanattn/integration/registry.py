@@ -40,6 +40,9 @@ SETTINGS_FROM_ATTR = "span_attention_settings_from"
 # Q-Former attention, which serves as both: patch_model reads it from where the module sits, under "crossattention",
 # "cross_attn" or "encoder_attn")
 CROSS_ATTR = "span_attention_cross"
+# module attribute: set at the module's first call, so that a model set to span_attention without patch_model
+# (from_pretrained(attn_implementation="span_attention")) and saved whole registers it where it is loaded
+REGISTERS_ATTR = "span_attention_registers"
 logger = logging.get_logger("hf_spanattn")
 
 
@@ -51,6 +54,19 @@ def register() -> None:
         AttentionInterface.register(ATTN_IMPLEMENTATION, span_attention_forward)
     if ATTN_IMPLEMENTATION not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+class _Registers:
+    """Unpickled (torch.load of a model saved whole, in a process that has not imported hf_spanattn), registers
+    span_attention in Transformers' attention registry: the model trains as it did."""
+
+    def __reduce__(self) -> tuple:
+        return _registered, ()
+
+
+def _registered() -> _Registers:
+    register()
+    return _Registers()
 
 
 # The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
@@ -399,6 +415,8 @@ def span_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The registry's call: (B, H, T, D) in, (B, T, H, D) out. Without autograd (and dropout), or in a
     layer that keeps stock gradients, this is Transformers' SDPA attention itself."""
+    if not torch.compiler.is_compiling() and REGISTERS_ATTR not in module.__dict__:
+        module.__dict__[REGISTERS_ATTR] = _Registers()
     if kwargs.get("s_aux") is not None:  # SDPA would drop the sinks silently
         raise NotImplementedError(f"span_attention does not support attention sinks ('s_aux', attention of "
                                   f"{type(module).__name__}); its forward pass is SDPA's, which has none")
