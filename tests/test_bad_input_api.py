@@ -2246,6 +2246,9 @@ def test_a_model_and_an_adapter_saved_into_one_folder_load_as_transformers_loads
         loaded = load_pretrained(tmp_path / "both")
         expected = patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "both"), "simple:10")
     assert isinstance(loaded, type(model)) and loaded.peft_config
+    (tmp_path / "both" / ".span_attention_save_unfinished").touch()  # an adapter save stopped midway: refused
+    with pytest.raises(OSError, match="the last save into .* did not finish"):
+        load_pretrained(tmp_path / "both")
     trained = {name for name, weight in loaded.named_parameters() if weight.requires_grad}
     assert trained == {name for name in loaded.state_dict() if "lora" in name}
     expected.requires_grad_(True)  # from_pretrained adds the adapter frozen; load_pretrained's is trainable

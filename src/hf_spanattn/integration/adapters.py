@@ -208,10 +208,7 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
 
     from hf_spanattn.integration.patch import patch_model
 
-    if os.path.isfile(os.path.join(folder, SAVE_UNFINISHED)):
-        raise OSError(f"load_pretrained: the last save into {folder} did not finish ({SAVE_UNFINISHED} is there): "
-                      f"its {CONFIG_NAME} may be that save's and the adapter's weights an earlier one's. Save the "
-                      "adapter again, or delete that file if they are known to belong together")
+    refuse_unfinished(folder)
     try:
         peft_config = PeftConfig.from_pretrained(folder)
     except (ValueError, TypeError, KeyError, AttributeError) as err:  # PEFT names neither the file nor the cause
@@ -236,6 +233,14 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
         warnings.filterwarnings("ignore", message=".* other than those the model it was loaded into is patched with")
         model = PeftModel.from_pretrained(base, folder, adapter_name=adapter_name, is_trainable=is_trainable)
     return model if info is None else (model, info)
+
+
+def refuse_unfinished(folder: str | os.PathLike) -> None:
+    """Refuses an adapter folder whose last save did not finish (its mark file is there)."""
+    if os.path.isfile(os.path.join(folder, SAVE_UNFINISHED)):
+        raise OSError(f"load_pretrained: the last save into {folder} did not finish ({SAVE_UNFINISHED} is there): "
+                      f"its {CONFIG_NAME} may be that save's and the adapter's weights an earlier one's. Save the "
+                      "adapter again, or delete that file if they are known to belong together")
 
 
 def loaded(result: Any, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:

@@ -416,6 +416,8 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
+    if adapters.is_adapter_folder(folder):
+        adapters.refuse_unfinished(folder)
     model, info = adapters.loaded(model_class.from_pretrained(name_or_path, **kwargs), kwargs)
     if adapters.is_adapter_folder(folder):  # Transformers added the adapter, frozen
         if is_trainable:
