@@ -361,7 +361,8 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if keeps_sdpa(config, q_len, k_len):
         return _stock_neo_attn(self, query, key, value, attention_mask)
     # as the stock code: the window's mask value float32's minimum, the padding mask added in its own dtype (float64's
-    # minimum stays finite), scores in float32 for half precision and in float64 for a float64 model
+    # minimum stays finite), scores in float32 for half precision; in float64 for a float64 model (where the stock code
+    # rounds Q and K to float32 first: within float32's rounding of it)
     dtype = torch.promote_types(value.dtype, torch.float32)
     window = self.bias[:, :, k_len - q_len : k_len, :k_len]
     mask = torch.zeros(window.shape, dtype=dtype, device=query.device).masked_fill_(~window,
