@@ -390,7 +390,9 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
     loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter (named `adapter_name=`, by
     default "default"), trainable unless `is_trainable=False`, patched with the settings saved beside the adapter
-    (else those of the base model's config)."""
+    (else those of the base model's config). A folder that holds a saved model (config.json) as well loads as
+    from_pretrained loads it: that model with the adapter on top, patched with the model's settings (else the
+    adapter's)."""
     name_or_path = _path_argument(name_or_path, "load_pretrained", "name_or_path",
                                   "a saved model's folder, a PEFT adapter's folder or a Hub repository id")
     if _looks_local(name_or_path) and not os.path.isdir(name_or_path):  # else Transformers takes it for a Hub id
