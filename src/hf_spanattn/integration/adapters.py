@@ -162,9 +162,9 @@ def settings_beside_model(folder: str | os.PathLike, model_config: Any) -> SpanA
     ours = config_of(model_config)
     if not os.path.lexists(os.path.join(folder, CONFIG_NAME)):
         return ours
+    if ours is None:  # a bad file fails here, named, as beside an adapter alone
+        return SpanAttentionConfig.from_pretrained(folder)
     saved, described = _saved_settings(folder)
-    if ours is None:
-        return saved
     if saved != ours:
         warnings.warn(f"{os.path.join(folder, CONFIG_NAME)} holds {described}, other than those of the model saved "
                       f"beside it ({os.path.join(folder, 'config.json')}: {_described(ours)}), whose weights load with "
