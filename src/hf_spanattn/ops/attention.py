@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from hf_spanattn.ops import backward
@@ -69,7 +70,8 @@ def span_attention(
     masks: the same then as with it, for a reentrant checkpoint's recomputation), with the standard
     gradient (`standard:QKV111`; under other α_Q, α_K, α_V its gradients times them), or with nothing
     to take spans of (an empty dimension, the meta device), this is SDPA itself; so it is for nested
-    (ragged) tensors, whose span gradients need them padded and masked. Bad input gets a
+    (ragged) tensors, whose span gradients need them padded and masked. Forward-mode AD (dual tensors)
+    meets a rule only under autograd, which it refuses: a rule has no forward-mode derivative. Bad input gets a
     ValueError or TypeError that names the argument; NaN or inf in the input gives NaN
     gradients for the (batch, head) it reaches, as in SDPA.
 
@@ -140,6 +142,12 @@ def span_attention(
                            "gradient or of inputs that need one, jacrev, …); take them with torch.autograd "
                            "(loss.backward(), torch.autograd.grad), or use config='standard:QKV111', which is SDPA "
                            "itself")
+    if any(_has_tangent(x) for x in (query, key, value)):  # our autograd Functions have no jvp
+        raise RuntimeError("span_attention: forward-mode AD (torch.autograd.forward_ad dual tensors) does not run "
+                           "through span gradients: a rule changes the backward pass only and has no forward-mode "
+                           "derivative; for the forward pass's own (SDPA's) derivative run it under torch.no_grad(), "
+                           "unpatch the model (hf_spanattn.unpatch_model) or use config='standard:QKV111', which is "
+                           "SDPA itself")
     if torch.jit.is_tracing():  # a Python autograd.Function: the tiles' fails to trace, the others' fail its check
         raise RuntimeError("span_attention: torch.jit.trace does not record span gradients; trace under "
                            "torch.no_grad() for inference (SDPA itself), train with torch.compile, or use "
@@ -170,6 +178,11 @@ def _requires_grad(x: object) -> bool:
             return True
         x = functorch.get_unwrapped(x)
     return x.requires_grad
+
+
+def _has_tangent(x: torch.Tensor) -> bool:
+    """Whether x is a dual tensor of the current forward-mode AD level (`torch.autograd.forward_ad`)."""
+    return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
 
 
 def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:

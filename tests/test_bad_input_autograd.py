@@ -1,0 +1,45 @@
+"""Autograd around a patched model and span_attention: forward-mode AD, gradients of some inputs only,
+hooks, saved-tensor hooks, grad modes and hand-written training loops. Each case gives the stock
+model's (SDPA's) result, the float64 reference's gradients, or a clear error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from models import VOCAB, tiny
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hf_spanattn import patch_model
+
+IDS = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+
+
+def patched_and_stock(family: str, label: str, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny float64 model patched with `label`, and an unpatched copy with the same weights."""
+    model = tiny(family).double()
+    stock = copy.deepcopy(model)
+    return patch_model(model, label, **kwargs), stock
+
+
+@pytest.mark.parametrize("label", ["score:1000", "standard:QKV101", "standard:QKV111"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_forward_mode_ad_gives_sdpas_derivative_or_says_span_rules_have_none(label, grad):
+    """Dual tensors (torch.autograd.forward_ad) through a model whose parameters need gradients: under a span
+    rule or α an error naming span_attention and what to use instead; under the plain standard rule, and under
+    torch.no_grad (SDPA itself), the stock model's tangent."""
+    model, stock = patched_and_stock("gpt2", label)
+    embeds = model.get_input_embeddings()(IDS).detach()
+    tangent = torch.randn_like(embeds)
+
+    def tangent_of(m: torch.nn.Module) -> torch.Tensor:
+        with fwAD.dual_level(), sdpa_kernel(SDPBackend.MATH), torch.set_grad_enabled(grad):
+            return fwAD.unpack_dual(m(inputs_embeds=fwAD.make_dual(embeds, tangent)).logits).tangent
+
+    if grad and label != "standard:QKV111":
+        with pytest.raises(RuntimeError, match=r"span_attention: forward-mode AD .* torch\.no_grad\(\)"):
+            tangent_of(model)
+    else:
+        torch.testing.assert_close(tangent_of(model), tangent_of(stock), rtol=1e-10, atol=1e-12)
