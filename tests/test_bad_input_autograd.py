@@ -43,3 +43,20 @@ def test_forward_mode_ad_gives_sdpas_derivative_or_says_span_rules_have_none(lab
             tangent_of(model)
     else:
         torch.testing.assert_close(tangent_of(model), tangent_of(stock), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["jvp", "hvp", "vhp"])
+def test_autograd_functional_double_backward_tricks_name_themselves(name):
+    """torch.autograd.functional's jvp, hvp and vhp differentiate a gradient (the double-backward trick): under a
+    span rule the error names them, as the user wrote no create_graph; under standard:QKV111 the stock result."""
+    import torch.autograd.functional as AF
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        embeds = m.get_input_embeddings()(IDS[:1, :4]).detach()
+        with sdpa_kernel(SDPBackend.MATH):
+            return getattr(AF, name)(lambda x: m(inputs_embeds=x).logits.square().sum(), embeds,
+                                     torch.ones_like(embeds))[1]
+
+    with pytest.raises(RuntimeError, match=r"span_attention: a second derivative .*functional's jvp, hvp, vhp"):
+        run(patched_and_stock("gpt2", "score:1000")[0])
+    torch.testing.assert_close(*map(run, patched_and_stock("gpt2", "standard:QKV111")), rtol=1e-10, atol=1e-12)
