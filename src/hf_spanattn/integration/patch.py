@@ -143,6 +143,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         refuse_layers_without_attention(base, config.layers, f"{where}layers={shown(list(config.layers))}")
 
+    _refuse_modules_of_other_models(base, config)
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
         switched_off = original["reorder_and_upcast_attn"] if original else None  # by a patch_model before
@@ -184,6 +185,35 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
+
+
+def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig) -> None:
+    """Refuses to patch `base` where one of its attention modules is also a module of another patched model (one
+    module put into two models) that runs it under other settings: a module reads one model's settings, so the
+    other model would train under this one's without a word. A model inside `base` or around it (a composite's
+    tower, patched apart) is none."""
+    inside = {id(m.config) for m in base.modules() if isinstance(m, PreTrainedModel)}
+    for path, module in base.named_modules():
+        other = module.__dict__.get(SETTINGS_FROM_ATTR) or getattr(module, "config", None)
+        if id(other) in inside or registry.PATCHED_CONFIGS.get(id(other)) is not other or \
+                not calls_the_registry(module) or config_of(other) is None:
+            continue
+        around = any(isinstance(m, PreTrainedModel) and m.config is other and any(x is base for x in m.modules())
+                     for m in list(registry.PATCHED_MODULES))
+        theirs = config_of(other)
+        if not around and _runs(theirs, module) != _runs(config, module):
+            raise ValueError(f"patch_model: {path} ({type(module).__name__}) is also a module of another patched "
+                             f"model, which runs it under {theirs.label}; a module reads one model's settings, so "
+                             f"patching this one with {config.label} would change that model's gradients. Patch both "
+                             "models alike, unpatch the other first (hf_spanattn.unpatch_model), or give this model "
+                             "its own copy of the module (copy.deepcopy)")
+
+
+def _runs(config: SpanAttentionConfig, module: torch.nn.Module) -> SpanAttentionConfig | None:
+    """The settings `module` runs under `config`: None where its layers leave it stock gradients."""
+    if config.layers is not None and registry.layer_index(module) not in config.layers:
+        return None
+    return config.replace(layers=None)
 
 
 def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: str, every: bool = True) -> None:
