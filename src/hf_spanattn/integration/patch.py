@@ -184,7 +184,24 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        _warn_modules_left_stock(base)
     return model
+
+
+def _warn_modules_left_stock(base: PreTrainedModel) -> None:
+    """Warn where an attention module of `base` reads the attention implementation from a config that is not the
+    model's (a layer taken from another model keeps that model's config): it keeps its stock attention and
+    gradients, and setting that config would change the other model."""
+    left = {path: module.config for path, module in base.named_modules() if calls_the_registry(module) and
+            getattr(getattr(module, "config", None), "_attn_implementation", None) not in (None, ATTN_IMPLEMENTATION)}
+    if left:
+        path, other = next(iter(left.items()))
+        warnings.warn(f"patch_model: {', '.join(left)} of {type(base).__name__} read their attention implementation "
+                      f"from a config that is not the model's ({type(other).__name__} with attn_implementation="
+                      f"{other._attn_implementation!r}: a layer taken from another model), so they keep stock "
+                      "gradients. Give the model its own copy of the layer pointing to its config (layer = "
+                      f"copy.deepcopy(layer), then set its attention module's .config to the model's) and patch again",
+                      stacklevel=3)
 
 
 def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig) -> None:
