@@ -83,3 +83,42 @@ def test_a_module_put_into_two_models_patched_otherwise_is_refused(first):
         model(input_ids=IDS, labels=IDS).loss.backward()
     for p, q in zip(a.parameters(), alone.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_layer_taken_from_a_stock_model_says_it_keeps_stock_gradients():
+    """A decoder layer taken from another (stock) model reads that model's config, whose attn_implementation is
+    'sdpa': patched, the layer kept stock gradients while the model's settings said score:1000 for every layer.
+    patch_model warns, naming the module; the other model stays stock."""
+    model, donor = tiny("llama").double(), tiny("llama", seed=1).double()
+    model.model.layers[0] = donor.model.layers[0]
+    with pytest.warns(UserWarning, match=r"patch_model: model\.layers\.0\.self_attn of LlamaForCausalLM read their "
+                                         r"attention implementation from a config that is not the model's .*'sdpa'"):
+        patch_model(model, "score:1000")
+    assert donor.config._attn_implementation == "sdpa"
+    own = copy.deepcopy(model.model.layers[0])
+    own.self_attn.config = model.config
+    model.model.layers[0] = own
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(model, "score:1000")
+
+
+def test_forward_mode_ad_without_autograd_under_attention_dropout_is_sdpas():
+    """Dual tensors under torch.no_grad in a model training with attention dropout: SDPA itself, with the stock
+    model's dropout mask and tangent (the no_grad route the forward-mode error names), not that error."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB,
+                                         attention_dropout=0.3)).double().train()
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    embeds = stock.get_input_embeddings()(IDS).detach()
+
+    def tangent_of(m: torch.nn.Module) -> torch.Tensor:
+        torch.manual_seed(5)
+        with fwAD.dual_level(), sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+            return fwAD.unpack_dual(m(inputs_embeds=fwAD.make_dual(embeds, torch.ones_like(embeds))).logits).tangent
+
+    torch.testing.assert_close(tangent_of(model), tangent_of(stock), rtol=1e-10, atol=1e-12)

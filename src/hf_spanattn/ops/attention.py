@@ -122,8 +122,10 @@ def span_attention(
     shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d, value.shape[-1])
     # the tiles and the Triton kernels draw their own dropout masks: a pass without autograd (a reentrant checkpoint's
     # first, whose output the loss sees) runs them too, so that their recomputation with autograd draws the same mask
+    # (not for forward-mode AD without autograd: no gradient to recompute, and SDPA's has a forward-mode derivative)
+    tangent = any(_has_tangent(x) for x in (query, key, value))
     own_dropout = dropout_p > 0 and not standard and backend != "fused" and t == s and dtype in SPAN_DTYPES \
-        and torch._C._functorch.peek_interpreter_stack() is None
+        and torch._C._functorch.peek_interpreter_stack() is None and not (tangent and not needs_grad)
 
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -142,7 +144,7 @@ def span_attention(
                            "gradient or of inputs that need one, jacrev, …); take them with torch.autograd "
                            "(loss.backward(), torch.autograd.grad), or use config='standard:QKV111', which is SDPA "
                            "itself")
-    if any(_has_tangent(x) for x in (query, key, value)):  # our autograd Functions have no jvp
+    if tangent:  # our autograd Functions have no jvp
         raise RuntimeError("span_attention: forward-mode AD (torch.autograd.forward_ad dual tensors) does not run "
                            "through span gradients: a rule changes the backward pass only and has no forward-mode "
                            "derivative; for the forward pass's own (SDPA's) derivative run it under torch.no_grad(), "
