@@ -62,20 +62,25 @@ def test_autograd_functional_double_backward_tricks_name_themselves(name):
     torch.testing.assert_close(*map(run, patched_and_stock("gpt2", "standard:QKV111")), rtol=1e-10, atol=1e-12)
 
 
+LAYERS = {"llama": (lambda m: m.model.layers, r"model\.layers\.0\.self_attn \(LlamaAttention\)"),
+          "gpt_neo": (lambda m: m.transformer.h, r"transformer\.h\.0\.attn\.attention \(GPTNeoSelfAttention\)")}
+
+
+@pytest.mark.parametrize("family", LAYERS)
 @pytest.mark.parametrize("first", ["a", "b"])
-def test_a_module_put_into_two_models_patched_otherwise_is_refused(first):
+def test_a_module_put_into_two_models_patched_otherwise_is_refused(first, family):
     """One attention module in two models (a layer shared): patching the second model with other settings would
     change the first one's gradients without a word (the module reads one model's settings), so it is refused,
     naming the module and both settings; with the same settings each model's gradients are its own alone."""
-    a, b = tiny("llama").double(), tiny("llama", seed=1).double()
-    b.model.layers[0] = a.model.layers[0]
+    layers, module = LAYERS[family]
+    a, b = tiny(family).double(), tiny(family, seed=1).double()
+    layers(b)[0] = layers(a)[0]
     alone = patch_model(copy.deepcopy(a), "score:1000")
     labels = {"a": "score:1000", "b": "score:1111"}
     second = "b" if first == "a" else "a"
     patch_model({"a": a, "b": b}[first], labels[first])
-    with pytest.raises(ValueError, match=rf"patch_model: model\.layers\.0\.self_attn \(LlamaAttention\) is also a "
-                                         rf"module of another patched model, which runs it under {labels[first]}.*"
-                                         rf"{labels[second]}.*unpatch_model"):
+    with pytest.raises(ValueError, match=rf"patch_model: {module} is also a module of another patched model, which "
+                                         rf"runs it under {labels[first]}.*{labels[second]}.*unpatch_model"):
         patch_model({"a": a, "b": b}[second], labels[second])
     patch_model(b, "score:1000")
     patch_model(a, "score:1000")

@@ -143,7 +143,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         refuse_layers_without_attention(base, config.layers, f"{where}layers={shown(list(config.layers))}")
 
-    _refuse_modules_of_other_models(base, config)
+    _refuse_modules_of_other_models(base, config, neo)
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
         switched_off = original["reorder_and_upcast_attn"] if original else None  # by a patch_model before
@@ -204,7 +204,8 @@ def _warn_modules_left_stock(base: PreTrainedModel) -> None:
                       stacklevel=3)
 
 
-def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig) -> None:
+def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
+                                    neo: list[torch.nn.Module]) -> None:
     """Refuses to patch `base` where one of its attention modules is also a module of another patched model (one
     module put into two models) that runs it under other settings: a module reads one model's settings, so the
     other model would train under this one's without a word. A model inside `base` or around it (a composite's
@@ -213,7 +214,7 @@ def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttention
     for path, module in base.named_modules():
         other = module.__dict__.get(SETTINGS_FROM_ATTR) or getattr(module, "config", None)
         if id(other) in inside or registry.PATCHED_CONFIGS.get(id(other)) is not other or \
-                not calls_the_registry(module) or config_of(other) is None:
+                not (calls_the_registry(module) or module in neo) or config_of(other) is None:
             continue
         around = any(isinstance(m, PreTrainedModel) and m.config is other and any(x is base for x in m.modules())
                      for m in list(registry.PATCHED_MODULES))
