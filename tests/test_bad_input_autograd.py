@@ -127,3 +127,21 @@ def test_forward_mode_ad_without_autograd_under_attention_dropout_is_sdpas():
             return fwAD.unpack_dual(m(inputs_embeds=fwAD.make_dual(embeds, torch.ones_like(embeds))).logits).tangent
 
     torch.testing.assert_close(tangent_of(model), tangent_of(stock), rtol=1e-10, atol=1e-12)
+
+
+def test_a_gpt_neo_layer_taken_from_another_model_says_that_model_trains_it_with_span_gradients():
+    """GPT-Neo's adapter patches the attention module itself: a layer taken from a stock model then trained with
+    span gradients in that model too, without a word. patch_model warns, naming the module; with the layer's own
+    copy pointing to the model's config, no warning and the donor stays stock."""
+    model, donor = tiny("gpt_neo").double(), tiny("gpt_neo", seed=1).double()
+    model.transformer.h[0] = donor.transformer.h[0]
+    with pytest.warns(UserWarning, match=r"patch_model: transformer\.h\.0\.attn\.attention of GPTNeoForCausalLM hold "
+                                         r"another model's config .*span gradients too"):
+        patch_model(model, "score:1000")
+    own = copy.deepcopy(donor.transformer.h[0])
+    own.attn.attention.config = model.config
+    model.transformer.h[0] = own
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(model, "score:1000")

@@ -182,6 +182,14 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _NEO_CONFIGS[id(base.config)] = base.config
         for module in neo:
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
+        inside = {id(m.config) for m in base.modules() if isinstance(m, PreTrainedModel)}
+        foreign = [path for path, module in base.named_modules() if module in neo and id(module.config) not in inside]
+        if foreign:
+            warnings.warn(f"patch_model: {', '.join(foreign)} of {type(base).__name__} hold another model's config "
+                          "(a layer taken from it), so that model trains them with span gradients too, patched or "
+                          "not; give this model its own copy of the layer pointing to its config (layer = "
+                          "copy.deepcopy(layer), then set its attention module's .config to the model's)",
+                          stacklevel=2)
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
         _warn_modules_left_stock(base)
