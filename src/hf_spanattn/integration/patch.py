@@ -108,7 +108,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
     `push_to_hub` carry them, and the model's tags name them for the Hub page (`card.py`).
     Patching again replaces them, and a setting that a schedule left on a layer (`SpanAttentionCallback`, in a
-    training run stopped midway). Returns `model`.
+    training run stopped midway). A module reads one model's settings: an attention module that is also
+    another patched model's (a layer shared) is refused under other settings, and one that reads another
+    model's config (a layer taken from it) is named in a warning. Returns `model`.
     """
     register()
     adapters.install()
