@@ -205,12 +205,12 @@ def _warn_modules_left_stock(base: PreTrainedModel) -> None:
     left = {path: module.config for path, module in base.named_modules() if calls_the_registry(module) and
             getattr(getattr(module, "config", None), "_attn_implementation", None) not in (None, ATTN_IMPLEMENTATION)}
     if left:
-        path, other = next(iter(left.items()))
+        other = next(iter(left.values()))
         warnings.warn(f"patch_model: {', '.join(left)} of {type(base).__name__} read their attention implementation "
                       f"from a config that is not the model's ({type(other).__name__} with attn_implementation="
                       f"{other._attn_implementation!r}: a layer taken from another model), so they keep stock "
                       "gradients. Give the model its own copy of the layer pointing to its config (layer = "
-                      f"copy.deepcopy(layer), then set its attention module's .config to the model's) and patch again",
+                      "copy.deepcopy(layer), then set its attention module's .config to the model's) and patch again",
                       stacklevel=3)
 
 
