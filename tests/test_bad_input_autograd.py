@@ -145,3 +145,16 @@ def test_a_gpt_neo_layer_taken_from_another_model_says_that_model_trains_it_with
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch_model(model, "score:1000")
+
+
+def test_forward_mode_ad_through_the_mask_alone_is_refused_under_a_span_rule():
+    """A dual float mask (its tangent the only one) while q, k, v need gradients: the output came back without a
+    tangent, the mask's derivative dropped without a word; now the forward-mode error, as for dual q, k, v."""
+    from hf_spanattn import span_attention
+
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(6, 6, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(mask, torch.randn_like(mask))
+        with pytest.raises(RuntimeError, match=r"span_attention: forward-mode AD"):
+            span_attention(q, k, v, attn_mask=dual, config="score:1000")

@@ -123,7 +123,7 @@ def span_attention(
     # the tiles and the Triton kernels draw their own dropout masks: a pass without autograd (a reentrant checkpoint's
     # first, whose output the loss sees) runs them too, so that their recomputation with autograd draws the same mask
     # (not for forward-mode AD without autograd: no gradient to recompute, and SDPA's has a forward-mode derivative)
-    tangent = any(_has_tangent(x) for x in (query, key, value))
+    tangent = any(_has_tangent(x) for x in (query, key, value, attn_mask) if x is not None)
     own_dropout = dropout_p > 0 and not standard and backend != "fused" and t == s and dtype in SPAN_DTYPES \
         and torch._C._functorch.peek_interpreter_stack() is None and not (tangent and not needs_grad)
 
