@@ -158,3 +158,23 @@ def test_forward_mode_ad_through_the_mask_alone_is_refused_under_a_span_rule():
         dual = fwAD.make_dual(mask, torch.randn_like(mask))
         with pytest.raises(RuntimeError, match=r"span_attention: forward-mode AD"):
             span_attention(q, k, v, attn_mask=dual, config="score:1000")
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's vmap of SDPA's CPU kernel
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_backward_through_a_vmapped_model_says_span_gradients_need_autograd(family):
+    """torch.func.vmap over a patched model's forward, then loss.backward() outside it: the registry read vmap's
+    wrappers (which say they need no gradient) and ran stock SDPA, so the parameters got the standard gradient in
+    place of the rule's without a word. Now span_attention's torch.func error; under torch.no_grad, the stock output."""
+    import torch.func as tf
+
+    model, stock = patched_and_stock(family, "score:1000")
+    embeds = model.get_input_embeddings()(IDS).detach()
+
+    def forward(m: torch.nn.Module) -> torch.Tensor:
+        return tf.vmap(lambda x: m(inputs_embeds=x[None]).logits[0])(embeds)
+
+    with pytest.raises(RuntimeError, match=r"span_attention: span gradients do not run under torch\.func.*no_grad"):
+        forward(model).square().mean().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(forward(model), forward(stock), rtol=0, atol=0)

@@ -94,7 +94,7 @@ def span_attention(
     if probe is not None and (not callable(probe) or isinstance(probe, type)):
         got = f"the class {probe.__name__} (pass an instance)" if isinstance(probe, type) else type(probe).__name__
         raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, got {got}")
-    needs_grad = torch.is_grad_enabled() and any(_requires_grad(t) for t in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and any(requires_grad(t) for t in (query, key, value))
     standard = config.method == "standard" and probe is None  # SDPA's gradients, times α_Q, α_K, α_V
     plain = standard and config.qkv_alphas == (1.0, 1.0, 1.0)
     if any(getattr(x, "is_nested", False) for x in (query, key, value)):  # SDPA's ragged batches
@@ -143,7 +143,8 @@ def span_attention(
         raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
                            "gradient or of inputs that need one, jacrev, …); take them with torch.autograd "
                            "(loss.backward(), torch.autograd.grad), or use config='standard:QKV111', which is SDPA "
-                           "itself")
+                           "itself; for a forward pass alone (vmap of a model whose parameters need gradients), run it "
+                           "under torch.no_grad()")
     if tangent:  # our autograd Functions have no jvp
         raise RuntimeError("span_attention: forward-mode AD (torch.autograd.forward_ad dual tensors) does not run "
                            "through span gradients: a rule changes the backward pass only and has no forward-mode "
@@ -169,7 +170,7 @@ def span_attention(
     return out.reshape(layout.out_shape)
 
 
-def _requires_grad(x: object) -> bool:
+def requires_grad(x: object) -> bool:
     """Whether x needs a gradient, also where a torch.func transform (vmap) wraps it: the wrapper says no while
     the tensor inside it is tracked by autograd outside the transform."""
     if not isinstance(x, torch.Tensor):
