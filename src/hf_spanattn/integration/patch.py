@@ -109,7 +109,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     The settings are written to `model.config.span_attention`, so `save_pretrained` and
     `push_to_hub` carry them, and the model's tags name them for the Hub page (`card.py`).
     Patching again replaces them, and a setting that a schedule left on a layer (`SpanAttentionCallback`, in a
-    training run stopped midway). Returns `model`.
+    training run stopped midway). A module reads one model's settings: an attention module that is also
+    another patched model's (a layer shared) is refused under other settings, and one that reads another
+    model's config (a layer taken from it) is named in a warning. Returns `model`.
     """
     register()
     adapters.install()
@@ -144,6 +146,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
         refuse_layers_without_attention(base, config.layers, f"{where}layers={shown(list(config.layers))}")
 
+    _refuse_modules_of_other_models(base, config, neo)
     original = _original(base)
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
         switched_off = original["reorder_and_upcast_attn"] if original else None  # by a patch_model before
@@ -189,9 +192,64 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _NEO_CONFIGS[id(base.config)] = base.config
         for module in neo:
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
+        inside = {id(m.config) for m in base.modules() if isinstance(m, PreTrainedModel)}
+        foreign = [path for path, module in base.named_modules() if module in neo and id(module.config) not in inside]
+        if foreign:
+            warnings.warn(f"patch_model: {', '.join(foreign)} of {type(base).__name__} hold another model's config "
+                          "(a layer taken from it), so that model trains them with span gradients too, patched or "
+                          "not; give this model its own copy of the layer pointing to its config (layer = "
+                          "copy.deepcopy(layer), then set its attention module's .config to the model's)",
+                          stacklevel=2)
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        _warn_modules_left_stock(base)
     return model
+
+
+def _warn_modules_left_stock(base: PreTrainedModel) -> None:
+    """Warn where an attention module of `base` reads the attention implementation from a config that is not the
+    model's (a layer taken from another model keeps that model's config): it keeps its stock attention and
+    gradients, and setting that config would change the other model."""
+    left = {path: module.config for path, module in base.named_modules() if calls_the_registry(module) and
+            getattr(getattr(module, "config", None), "_attn_implementation", None) not in (None, ATTN_IMPLEMENTATION)}
+    if left:
+        other = next(iter(left.values()))
+        warnings.warn(f"patch_model: {', '.join(left)} of {type(base).__name__} read their attention implementation "
+                      f"from a config that is not the model's ({type(other).__name__} with attn_implementation="
+                      f"{other._attn_implementation!r}: a layer taken from another model), so they keep stock "
+                      "gradients. Give the model its own copy of the layer pointing to its config (layer = "
+                      "copy.deepcopy(layer), then set its attention module's .config to the model's) and patch again",
+                      stacklevel=3)
+
+
+def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
+                                    neo: list[torch.nn.Module]) -> None:
+    """Refuses to patch `base` where one of its attention modules is also a module of another patched model (one
+    module put into two models) that runs it under other settings: a module reads one model's settings, so the
+    other model would train under this one's without a word. A model inside `base` or around it (a composite's
+    tower, patched apart) is none."""
+    inside = {id(m.config) for m in base.modules() if isinstance(m, PreTrainedModel)}
+    for path, module in base.named_modules():
+        other = module.__dict__.get(SETTINGS_FROM_ATTR) or getattr(module, "config", None)
+        if id(other) in inside or registry.PATCHED_CONFIGS.get(id(other)) is not other or \
+                not (calls_the_registry(module) or module in neo) or config_of(other) is None:
+            continue
+        around = any(isinstance(m, PreTrainedModel) and m.config is other and any(x is base for x in m.modules())
+                     for m in list(registry.PATCHED_MODULES))
+        theirs = config_of(other)
+        if not around and _runs(theirs, module) != _runs(config, module):
+            raise ValueError(f"patch_model: {path} ({type(module).__name__}) is also a module of another patched "
+                             f"model, which runs it under {theirs.label}; a module reads one model's settings, so "
+                             f"patching this one with {config.label} would change that model's gradients. Patch both "
+                             "models alike, unpatch the other first (hf_spanattn.unpatch_model), or give this model "
+                             "its own copy of the module (copy.deepcopy)")
+
+
+def _runs(config: SpanAttentionConfig, module: torch.nn.Module) -> SpanAttentionConfig | None:
+    """The settings `module` runs under `config`: None where its layers leave it stock gradients."""
+    if config.layers is not None and registry.layer_index(module) not in config.layers:
+        return None
+    return config.replace(layers=None)
 
 
 def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: str, every: bool = True) -> None:

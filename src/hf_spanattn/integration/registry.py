@@ -24,7 +24,7 @@ from transformers.utils import CONFIG_NAME, logging
 
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration import packing
-from hf_spanattn.ops.attention import span_attention
+from hf_spanattn.ops.attention import requires_grad, span_attention
 from hf_spanattn.ops.inputs import attended, shown
 
 ATTN_IMPLEMENTATION = "span_attention"
@@ -396,7 +396,7 @@ def call_settings(module: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
     evaluation and generation (no autograd). Under dropout without autograd (the first pass of a reentrant
     checkpoint, whose output the loss sees) it is span_attention too: its kernels draw their own dropout masks,
     and the pass that recomputes it with autograd must draw the same."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(map(requires_grad, tensors)):  # also under vmap, whose wrappers say no
         return settings_for(module)
     check_once(settings_config(module))
     return settings_for(module) if dropout > 0 else None

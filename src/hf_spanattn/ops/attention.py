@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from hf_spanattn.ops import backward
@@ -69,7 +70,8 @@ def span_attention(
     masks: the same then as with it, for a reentrant checkpoint's recomputation), with the standard
     gradient (`standard:QKV111`; under other α_Q, α_K, α_V its gradients times them), or with nothing
     to take spans of (an empty dimension, the meta device), this is SDPA itself; so it is for nested
-    (ragged) tensors, whose span gradients need them padded and masked. Bad input gets a
+    (ragged) tensors, whose span gradients need them padded and masked. Forward-mode AD (dual tensors)
+    meets a rule only under autograd, which it refuses: a rule has no forward-mode derivative. Bad input gets a
     ValueError or TypeError that names the argument; NaN or inf in the input gives NaN
     gradients for the (batch, head) it reaches, as in SDPA.
 
@@ -92,7 +94,7 @@ def span_attention(
     if probe is not None and (not callable(probe) or isinstance(probe, type)):
         got = f"the class {probe.__name__} (pass an instance)" if isinstance(probe, type) else type(probe).__name__
         raise TypeError(f"span_attention: probe must be callable (an OrderRecorder) or None, got {got}")
-    needs_grad = torch.is_grad_enabled() and any(_requires_grad(t) for t in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and any(requires_grad(t) for t in (query, key, value))
     standard = config.method == "standard" and probe is None  # SDPA's gradients, times α_Q, α_K, α_V
     plain = standard and config.qkv_alphas == (1.0, 1.0, 1.0)
     if any(getattr(x, "is_nested", False) for x in (query, key, value)):  # SDPA's ragged batches
@@ -120,8 +122,10 @@ def span_attention(
     shape_only = query.device.type == "meta" or 0 in (b, h_q, t, s, d, value.shape[-1])
     # the tiles and the Triton kernels draw their own dropout masks: a pass without autograd (a reentrant checkpoint's
     # first, whose output the loss sees) runs them too, so that their recomputation with autograd draws the same mask
+    # (not for forward-mode AD without autograd: no gradient to recompute, and SDPA's has a forward-mode derivative)
+    tangent = any(_has_tangent(x) for x in (query, key, value, attn_mask) if x is not None)
     own_dropout = dropout_p > 0 and not standard and backend != "fused" and t == s and dtype in SPAN_DTYPES \
-        and torch._C._functorch.peek_interpreter_stack() is None
+        and torch._C._functorch.peek_interpreter_stack() is None and not (tangent and not needs_grad)
 
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -139,7 +143,14 @@ def span_attention(
         raise RuntimeError("span_attention: span gradients do not run under torch.func transforms (grad, vmap of a "
                            "gradient or of inputs that need one, jacrev, …); take them with torch.autograd "
                            "(loss.backward(), torch.autograd.grad), or use config='standard:QKV111', which is SDPA "
-                           "itself")
+                           "itself; for a forward pass alone (vmap of a model whose parameters need gradients), run it "
+                           "under torch.no_grad()")
+    if tangent:  # our autograd Functions have no jvp
+        raise RuntimeError("span_attention: forward-mode AD (torch.autograd.forward_ad dual tensors) does not run "
+                           "through span gradients: a rule changes the backward pass only and has no forward-mode "
+                           "derivative; for the forward pass's own (SDPA's) derivative run it under torch.no_grad(), "
+                           "unpatch the model (hf_spanattn.unpatch_model) or use config='standard:QKV111', which is "
+                           "SDPA itself")
     if torch.jit.is_tracing():  # a Python autograd.Function: the tiles' fails to trace, the others' fail its check
         raise RuntimeError("span_attention: torch.jit.trace does not record span gradients; trace under "
                            "torch.no_grad() for inference (SDPA itself), train with torch.compile, or use "
@@ -159,7 +170,7 @@ def span_attention(
     return out.reshape(layout.out_shape)
 
 
-def _requires_grad(x: object) -> bool:
+def requires_grad(x: object) -> bool:
     """Whether x needs a gradient, also where a torch.func transform (vmap) wraps it: the wrapper says no while
     the tensor inside it is tracked by autograd outside the transform."""
     if not isinstance(x, torch.Tensor):
@@ -170,6 +181,11 @@ def _requires_grad(x: object) -> bool:
             return True
         x = functorch.get_unwrapped(x)
     return x.requires_grad
+
+
+def _has_tangent(x: torch.Tensor) -> bool:
+    """Whether x is a dual tensor of the current forward-mode AD level (`torch.autograd.forward_ad`)."""
+    return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
 
 
 def _config(config: SpanAttentionConfig | str | None) -> SpanAttentionConfig:

@@ -136,7 +136,8 @@ def scaled(grads: Sequence[torch.Tensor], qkv_alphas: Sequence[float]) -> list[t
 
 
 DOUBLE_BACKWARD = (
-    "span_attention: a second derivative (create_graph=True through its gradients) is not supported: a "
+    "span_attention: a second derivative (create_graph=True through its gradients, as torch.autograd.functional's "
+    "jvp, hvp, vhp and hessian take them) is not supported: a "
     "span rule's gradient is not the derivative of a function, so it has no derivative of its own. For "
     "gradient penalties and other second derivatives use attention that has one: config standard:QKV111 "
     "(SDPA itself) or F.scaled_dot_product_attention, under torch.nn.attention.sdpa_kernel(SDPBackend.MATH) "
