@@ -37,6 +37,7 @@ from hf_spanattn.integration.registry import (
     keeps_sdpa,
     layer_count,
     register,
+    splits_documents,
     stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
@@ -339,7 +340,9 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if config is None:
         return _stock_neo_attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
-    if keeps_sdpa(config, q_len, k_len):
+    probe = getattr(self, PROBE_ATTR, None) if q_len == k_len else None
+    plain = config.method == "standard" and config.qkv_alphas == (1, 1, 1) and probe is None
+    if keeps_sdpa(config, q_len, k_len) or plain:  # the standard gradient: the stock code's, bit for bit
         return _stock_neo_attn(self, query, key, value, attention_mask)
     # as the stock code: the window's mask value float32's minimum, the padding mask added in its own dtype (float64's
     # minimum stays finite), scores in float32 for half precision and in float64 for a float64 model
@@ -350,8 +353,8 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if attention_mask is not None:
         mask = mask + attention_mask.to(dtype)
     run = functools.partial(span_attention, scale=1.0, dropout_p=self.attn_dropout.p if self.training else 0.0,
-                            config=config, probe=getattr(self, PROBE_ATTR, None) if q_len == k_len else None)
-    packed = attention_mask is not None and q_len == k_len  # packing comes with a mask
+                            config=config, probe=probe)
+    packed = attention_mask is not None and splits_documents(config, probe, q_len, k_len)  # packing comes with a mask
     docs = documents_of(query, mask, True, {}) if packed else None
     if docs is not None:
         out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)

@@ -1,0 +1,60 @@
+"""Random numbers and reproducibility: under dropout and the same seed, the patched model draws the random
+numbers the stock model draws, and `standard:QKV111` is the stock model bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import VOCAB, tiny
+from transformers import DataCollatorWithFlattening
+
+from hf_spanattn import patch_model
+
+
+def with_dropout(family: str, p: float = 0.3, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny model in train mode with attention (and every other) dropout at p."""
+    model = tiny(family).to(dtype).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = p
+    return model
+
+
+def step(model: torch.nn.Module, **batch: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Loss, gradients and the random state after one forward and backward pass under seed 0."""
+    torch.manual_seed(0)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None], torch.get_rng_state()
+
+
+def assert_bit_equal(got, expected) -> None:
+    (loss, grads, state), (loss_0, grads_0, state_0) = got, expected
+    assert torch.equal(loss, loss_0)
+    assert all(torch.equal(g, g_0) for g, g_0 in zip(grads, grads_0, strict=True))
+    assert torch.equal(state, state_0)  # later dropout masks, sampling and data order as stock's
+
+
+def test_gpt_neo_in_float64_under_the_standard_rule_is_the_stock_model_bit_for_bit():
+    """GPT-Neo's stock attention takes its scores in float32, also in a float64 model; its adapter took them in
+    float64 for standard:QKV111 too, so logits and gradients were off the stock model's by 5e-10."""
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    stock = with_dropout("gpt_neo", dtype=torch.float64)
+    patched = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    assert_bit_equal(step(patched, input_ids=ids, labels=ids), step(stock, input_ids=ids, labels=ids))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neo"])
+def test_packed_rows_under_the_standard_rule_and_dropout_are_the_stock_model_bit_for_bit(family):
+    """Padding-free packing under attention dropout: standard:QKV111 split the row into its documents as the span
+    rules do, so SDPA drew the dropout mask over the padded documents, not the row: another loss and gradients
+    than the stock model's, and another random state after (every later mask and draw changed)."""
+    documents = [list(range(1, 8)), list(range(10, 15)), list(range(20, 29))]
+    batch = DataCollatorWithFlattening()([{"input_ids": doc} for doc in documents])
+    stock = with_dropout(family)
+    patched = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    assert_bit_equal(step(patched, **batch, use_cache=False), step(stock, **batch, use_cache=False))
