@@ -58,3 +58,19 @@ def test_packed_rows_under_the_standard_rule_and_dropout_are_the_stock_model_bit
     stock = with_dropout(family)
     patched = patch_model(copy.deepcopy(stock), "standard:QKV111")
     assert_bit_equal(step(patched, **batch, use_cache=False), step(stock, **batch, use_cache=False))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neo"])
+def test_packed_rows_under_span_rules_and_dropout_draw_the_stock_models_dropout_mask(family):
+    """Padding-free packing under attention dropout: the documents ran apart on the tiles, which drew the dropout
+    mask over their padded batch, not SDPA's over the rows: score:1111 (the standard gradient as a span rule) gave
+    another loss and gradients than the stock model's (off by 0.2), and another random state after."""
+    documents = [list(range(1, 8)), list(range(10, 15)), list(range(20, 29))]
+    batch = DataCollatorWithFlattening()([{"input_ids": doc} for doc in documents])
+    stock = with_dropout(family)
+    loss_0, grads_0, state_0 = step(stock, **batch, use_cache=False)
+    loss, grads, state = step(patch_model(copy.deepcopy(stock), "score:1111"), **batch, use_cache=False)
+    torch.testing.assert_close(loss, loss_0, rtol=1e-6, atol=0)  # float32 rounding (GPT-Neo: float32 scores)
+    for g, g_0 in zip(grads, grads_0, strict=True):
+        torch.testing.assert_close(g, g_0, rtol=1e-4, atol=1e-6)
+    assert torch.equal(state, state_0)

@@ -357,7 +357,8 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     packed = attention_mask is not None and splits_documents(config, probe, q_len, k_len)  # packing comes with a mask
     docs = documents_of(query, mask, True, {}) if packed else None
     if docs is not None:
-        out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
+        with packing.rows_dropout(query, docs, run.keywords["dropout_p"]):
+            out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
         return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
     out = run(query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask)
     return out.to(value.dtype), None

@@ -427,8 +427,9 @@ def span_attention_forward(
     docs = documents_of(query, attention_mask, is_causal, kwargs) if splits_documents(config, probe, q_length,
                                                                                       k_length) else None
     if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
-        out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
-                             dropout_p=dropout, scale=scaling, config=config, probe=probe)
+        with packing.rows_dropout(query, docs, dropout):
+            out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
+                                 dropout_p=dropout, scale=scaling, config=config, probe=probe)
         return packing.repack(out, docs, query.shape[0], q_length), None
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
     if attention_mask is not None and attention_mask.dim() == 4:
