@@ -10,7 +10,7 @@ import torch
 from models import VOCAB, tiny
 from transformers import DataCollatorWithFlattening
 
-from hf_spanattn import patch_model
+from hf_spanattn import patch_model, span_attention
 
 
 def with_dropout(family: str, p: float = 0.3, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -74,3 +74,17 @@ def test_packed_rows_under_span_rules_and_dropout_draw_the_stock_models_dropout_
     for g, g_0 in zip(grads, grads_0, strict=True):
         torch.testing.assert_close(g, g_0, rtol=1e-4, atol=1e-6)
     assert torch.equal(state, state_0)
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_dropout_of_one_draws_no_random_numbers(backend):
+    """dropout_p = 1 keeps no weight, and SDPA draws nothing for it; the tiles drew a mask of zeros all the same,
+    so every later random number (dropout masks, sampling, data order) differed from the stock model's."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=gen, requires_grad=True) for _ in range(3))
+    torch.manual_seed(0)
+    expected = torch.get_rng_state()
+    out = span_attention(q, k, v, dropout_p=1.0, is_causal=True, config="score:1000", backend=backend)
+    out.sum().backward()
+    assert torch.equal(torch.get_rng_state(), expected)
+    assert torch.equal(out, torch.zeros_like(out))

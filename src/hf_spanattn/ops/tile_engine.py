@@ -252,12 +252,14 @@ class SpanAttentionFunction(torch.autograd.Function):
         else:  # each tile formed once, for the output, and kept if marked
             kept = [None] * len(kept_tiles)
             probs = _probs(q, k, mask, scale, kept, kept_tiles)
-        keep, draw = None, _KEEP_DRAW.get()
-        if dropout_p > 0 and draw is not None:
-            keep = draw().view(*q.shape[:-1], k.shape[-2])
+        keep, draw, shape = None, _KEEP_DRAW.get(), (*q.shape[:-1], k.shape[-2])
+        if dropout_p == 1:  # nothing kept, nothing drawn (as SDPA)
+            keep = q.new_zeros(shape, dtype=torch.bool)
+        elif dropout_p > 0 and draw is not None:
+            keep = draw().view(shape)
         elif dropout_p > 0:
             # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed: SDPA's on the CPU.
-            keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
+            keep = q.new_empty(shape).bernoulli_(1 - dropout_p).bool()
         out = _dropped(probs, keep, dropout_p) @ v
         learnable = attn_mask if ctx.needs_input_grad[3] else None
         ctx.save_for_backward(q, k, v, keep, learnable, *kept)
