@@ -60,13 +60,22 @@ def test_packed_rows_under_the_standard_rule_and_dropout_are_the_stock_model_bit
     assert_bit_equal(step(patched, **batch, use_cache=False), step(stock, **batch, use_cache=False))
 
 
+def packed(*rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Rows of documents packed as DataCollatorWithFlattening packs them, rows of equal length."""
+    batches = [DataCollatorWithFlattening()([{"input_ids": doc} for doc in row]) for row in rows]
+    return {key: torch.cat([b[key] for b in batches]) for key in ("input_ids", "position_ids", "labels")}
+
+
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("family", ["llama", "gpt_neo"])
-def test_packed_rows_under_span_rules_and_dropout_draw_the_stock_models_dropout_mask(family):
+def test_packed_rows_under_span_rules_and_dropout_draw_the_stock_models_dropout_mask(family, rows):
     """Padding-free packing under attention dropout: the documents ran apart on the tiles, which drew the dropout
     mask over their padded batch, not SDPA's over the rows: score:1111 (the standard gradient as a span rule) gave
     another loss and gradients than the stock model's (off by 0.2), and another random state after."""
-    documents = [list(range(1, 8)), list(range(10, 15)), list(range(20, 29))]
-    batch = DataCollatorWithFlattening()([{"input_ids": doc} for doc in documents])
+    documents = [[list(range(1, 8)), list(range(10, 15)), list(range(20, 29))]]
+    if rows == 2:
+        documents = [[list(range(1, 8)), list(range(10, 15))], [list(range(20, 26)), list(range(30, 36))]]
+    batch = packed(*documents)
     stock = with_dropout(family)
     loss_0, grads_0, state_0 = step(stock, **batch, use_cache=False)
     loss, grads, state = step(patch_model(copy.deepcopy(stock), "score:1111"), **batch, use_cache=False)
