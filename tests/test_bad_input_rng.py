@@ -41,11 +41,16 @@ def assert_bit_equal(got, expected) -> None:
 
 def test_gpt_neo_in_float64_under_the_standard_rule_is_the_stock_model_bit_for_bit():
     """GPT-Neo's stock attention takes its scores in float32, also in a float64 model; its adapter took them in
-    float64 for standard:QKV111 too, so logits and gradients were off the stock model's by 5e-10."""
+    float64 for the standard rule too, so logits and gradients were off the stock model's by 5e-10."""
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     stock = with_dropout("gpt_neo", dtype=torch.float64)
     patched = patch_model(copy.deepcopy(stock), "standard:QKV111")
     assert_bit_equal(step(patched, input_ids=ids, labels=ids), step(stock, input_ids=ids, labels=ids))
+    scaled = patch_model(copy.deepcopy(stock), "standard:QKV221")  # the forward pass is the stock one too
+    torch.manual_seed(0)
+    logits = scaled(input_ids=ids).logits
+    torch.manual_seed(0)
+    assert torch.equal(logits, stock(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neo"])

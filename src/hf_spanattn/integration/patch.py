@@ -41,6 +41,7 @@ from hf_spanattn.integration.registry import (
     stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
+from hf_spanattn.ops.backward import with_scaled_grads
 from hf_spanattn.ops.inputs import shown
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
@@ -341,9 +342,10 @@ def _neo_attn(self, query, key, value, attention_mask=None):
         return _stock_neo_attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
     probe = getattr(self, PROBE_ATTR, None) if q_len == k_len else None
-    plain = config.method == "standard" and config.qkv_alphas == (1, 1, 1) and probe is None
-    if keeps_sdpa(config, q_len, k_len) or plain:  # the standard gradient: the stock code's, bit for bit
+    if keeps_sdpa(config, q_len, k_len):
         return _stock_neo_attn(self, query, key, value, attention_mask)
+    if config.method == "standard" and probe is None:  # the stock code bit for bit, each gradient times its α
+        return _stock_neo_attn(self, *with_scaled_grads((query, key, value), config.qkv_alphas), attention_mask)
     # as the stock code: the window's mask value float32's minimum, the padding mask added in its own dtype (float64's
     # minimum stays finite), scores in float32 for half precision and in float64 for a float64 model
     dtype = torch.promote_types(value.dtype, torch.float32)
