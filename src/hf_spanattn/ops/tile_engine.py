@@ -64,6 +64,8 @@ def drawn_by(draw: Callable[[], torch.Tensor]) -> Iterator[None]:
         yield
     finally:
         _KEEP_DRAW.reset(token)
+
+
 # The forward pass keeps for the backward pass at most as many probabilities per query head as
 # min(_KEPT_ROWS, _KEPT_PER_ROW·T) rows of Q hold numbers (less twice the per-block rule's stacks): all
 # of them up to 1024 keys under a causal mask at d = 64 (9·T·d there), where keeping them is faster,
@@ -256,7 +258,7 @@ class SpanAttentionFunction(torch.autograd.Function):
         if dropout_p == 1:  # nothing kept, nothing drawn (as SDPA)
             keep = q.new_zeros(shape, dtype=torch.bool)
         elif dropout_p > 0 and draw is not None:
-            keep = draw().view(shape)
+            keep = draw().reshape(shape)
         elif dropout_p > 0:
             # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed: SDPA's on the CPU.
             keep = q.new_empty(shape).bernoulli_(1 - dropout_p).bool()
