@@ -26,12 +26,14 @@ mask, `repack` gathers the output back; autograd carries the gradients through b
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hf_spanattn.ops import tile_engine
 from hf_spanattn.ops.inputs import LastMaskRead, as_int, attended, capturing, shown
 
 
@@ -62,6 +64,24 @@ def repack(out: torch.Tensor, docs: Documents, b: int, t: int) -> torch.Tensor:
     n, h, length, d = out.shape
     slots = torch.cat([out.transpose(1, 2).reshape(n * length, h, d), out.new_zeros(1, h, d)])
     return slots.index_select(0, docs.target).view(b, t, h, d)
+
+
+def rows_dropout(query: torch.Tensor, docs: Documents, dropout_p: float) -> contextlib.AbstractContextManager:
+    """Under dropout, the documents' attention on the tiles takes the dropout mask SDPA draws over the packed rows
+    of `query` (B, H_q, T, D): bernoulli(1 − p) over (B, H_q, T, T), each document given the part on its own tokens.
+    The stock model's forward pass and the random numbers drawn after it are then the patched model's."""
+    if not dropout_p > 0:
+        return contextlib.nullcontext()
+
+    def draw() -> torch.Tensor:
+        b, h, t, _ = query.shape
+        keep = query.new_empty(b, h, t, t).bernoulli_(1 - dropout_p).bool()
+        rows = torch.cat([keep.transpose(1, 2).reshape(b * t, h, t), keep.new_zeros(1, h, t)])  # (query token, H, key)
+        rows = rows.index_select(0, docs.source).view(docs.count, docs.length, h, t)
+        keys = (docs.source % t).view(docs.count, 1, 1, docs.length).expand(-1, docs.length, h, -1)
+        return rows.gather(-1, keys).transpose(1, 2)  # (N, H_q, L, L); an empty slot's entries are masked anyway
+
+    return tile_engine.drawn_by(draw)
 
 
 def _documents(doc: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, count: int,

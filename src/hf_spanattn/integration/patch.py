@@ -38,9 +38,11 @@ from hf_spanattn.integration.registry import (
     keeps_sdpa,
     layer_count,
     register,
+    splits_documents,
     stored_source,
 )
 from hf_spanattn.ops.attention import span_attention
+from hf_spanattn.ops.backward import with_scaled_grads
 from hf_spanattn.ops.inputs import shown
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
@@ -416,8 +418,11 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if config is None:
         return _stock_neo_attn(self, query, key, value, attention_mask)
     q_len, k_len = query.shape[-2], key.shape[-2]
+    probe = getattr(self, PROBE_ATTR, None) if q_len == k_len else None
     if keeps_sdpa(config, q_len, k_len):
         return _stock_neo_attn(self, query, key, value, attention_mask)
+    if config.method == "standard" and probe is None:  # the stock code bit for bit, each gradient times its α
+        return _stock_neo_attn(self, *with_scaled_grads((query, key, value), config.qkv_alphas), attention_mask)
     # as the stock code: the window's mask value float32's minimum, the padding mask added in its own dtype (float64's
     # minimum stays finite), scores in float32 for half precision; in float64 for a float64 model (where the stock code
     # rounds Q and K to float32 first: within float32's rounding of it)
@@ -428,11 +433,12 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if attention_mask is not None:
         mask = mask + attention_mask.to(dtype)
     run = functools.partial(span_attention, scale=1.0, dropout_p=self.attn_dropout.p if self.training else 0.0,
-                            config=config, probe=getattr(self, PROBE_ATTR, None) if q_len == k_len else None)
-    packed = attention_mask is not None and q_len == k_len  # packing comes with a mask
+                            config=config, probe=probe)
+    packed = attention_mask is not None and splits_documents(config, probe, q_len, k_len)  # packing comes with a mask
     docs = documents_of(query, mask, True, {}) if packed else None
     if docs is not None:
-        out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
+        with packing.rows_dropout(query, docs, run.keywords["dropout_p"]):
+            out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
         return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
     out = run(query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask)
     return out.to(value.dtype), None

@@ -441,11 +441,13 @@ def span_attention_forward(
     if keeps_sdpa(config, q_length, k_length, is_cross_attention(module)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    docs = documents_of(query, attention_mask, is_causal, kwargs) if q_length == k_length else None
     probe = getattr(module, PROBE_ATTR, None) if q_length == k_length else None  # diagnostics: self-attention
+    docs = documents_of(query, attention_mask, is_causal, kwargs) if splits_documents(config, probe, q_length,
+                                                                                      k_length) else None
     if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
-        out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
-                             dropout_p=dropout, scale=scaling, config=config, probe=probe)
+        with packing.rows_dropout(query, docs, dropout):
+            out = span_attention(*(packing.unpack(x, docs) for x in (query, key, value)), attn_mask=docs.mask,
+                                 dropout_p=dropout, scale=scaling, config=config, probe=probe)
         return packing.repack(out, docs, query.shape[0], q_length), None
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -453,6 +455,12 @@ def span_attention_forward(
     out = span_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
                          scale=scaling, config=config, probe=probe)
     return out.transpose(1, 2).contiguous(), None
+
+
+def splits_documents(config: SpanAttentionConfig, probe: Any, q_length: int, k_length: int) -> bool:
+    """Whether a packed row's documents are attended apart: spans are per document, while a standard rule without
+    diagnostics is SDPA on the packed row itself, drawing the dropout mask SDPA draws there."""
+    return q_length == k_length and (config.method != "standard" or probe is not None)
 
 
 def unfilled_slots_only(attention_mask: torch.Tensor | None, q_length: int, is_causal: bool) -> bool:

@@ -11,8 +11,11 @@ answers the rules' `Operands` and `Blocks` from them (the contract in `backward.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -46,6 +49,23 @@ if TYPE_CHECKING:
 # (256 KiB in float32): below that a part's own work (its spans, a call per product) costs more time
 # than its share saves memory (a few MiB at most).
 _BACKWARD_CHUNKS, _FEW_KEPT, _MIN_PART = 8, 5, 2**16
+
+# Who draws the dropout mask of the calls made under `drawn_by` (packed rows: SDPA's draw over the rows, not one over
+# the padded batch of documents that runs here); None: the engine itself.
+_KEEP_DRAW: contextvars.ContextVar[Callable[[], torch.Tensor] | None] = contextvars.ContextVar("keep", default=None)
+
+
+@contextlib.contextmanager
+def drawn_by(draw: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """Calls in this context take their dropout mask (the kept weights, (B, H_q, T, S) bool) from `draw()`, called
+    once per call in its forward pass, instead of drawing it themselves."""
+    token = _KEEP_DRAW.set(draw)
+    try:
+        yield
+    finally:
+        _KEEP_DRAW.reset(token)
+
+
 # The forward pass keeps for the backward pass at most as many probabilities per query head as
 # min(_KEPT_ROWS, _KEPT_PER_ROW·T) rows of Q hold numbers (less twice the per-block rule's stacks): all
 # of them up to 1024 keys under a causal mask at d = 64 (9·T·d there), where keeping them is faster,
@@ -234,10 +254,14 @@ class SpanAttentionFunction(torch.autograd.Function):
         else:  # each tile formed once, for the output, and kept if marked
             kept = [None] * len(kept_tiles)
             probs = _probs(q, k, mask, scale, kept, kept_tiles)
-        keep = None
-        if dropout_p > 0:
-            # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed.
-            keep = q.new_empty(*q.shape[:-1], k.shape[-2]).bernoulli_(1 - dropout_p).bool()
+        keep, draw, shape = None, _KEEP_DRAW.get(), (*q.shape[:-1], k.shape[-2])
+        if dropout_p == 1:  # nothing kept, nothing drawn (as SDPA)
+            keep = q.new_zeros(shape, dtype=torch.bool)
+        elif dropout_p > 0 and draw is not None:
+            keep = draw().reshape(shape)
+        elif dropout_p > 0:
+            # The draw is torch.empty(B, H_kv, g, T, S).bernoulli_(1 - p), reproducible under a seed: SDPA's on the CPU.
+            keep = q.new_empty(shape).bernoulli_(1 - dropout_p).bool()
         out = _dropped(probs, keep, dropout_p) @ v
         learnable = attn_mask if ctx.needs_input_grad[3] else None
         ctx.save_for_backward(q, k, v, keep, learnable, *kept)
