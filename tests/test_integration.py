@@ -605,3 +605,27 @@ def test_layers_selects_a_layer_of_an_encoder_deeper_than_its_decoder():
                         for i in range(3)} | {f"decoder.bert.encoder.layer.{i}.attention.self": None for i in range(2)}
     with pytest.raises(ValueError, match=r"layers=\[3\]: EncoderDecoderModel has layers 0..2"):
         patch_model(transformers.EncoderDecoderModel(config), "score:1000", layers=[3])
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neo"])
+def test_torch_export_with_gradients_on_records_the_stock_forward(family, strict):
+    """torch.export.export of a patched model in evaluation, gradients on (its default), with a padding mask: the
+    exported program is the stock model's forward, as exported from the stock model."""
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    stock = tiny(family).eval()
+    patched = patch_model(copy.deepcopy(stock), "score:1000")
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    exported = torch.export.export(Logits(patched), (ids, mask), strict=strict)
+    with torch.no_grad():
+        assert torch.equal(exported.module()(ids, mask), stock(input_ids=ids, attention_mask=mask).logits)
