@@ -629,3 +629,31 @@ def test_torch_export_with_gradients_on_records_the_stock_forward(family, strict
     exported = torch.export.export(Logits(patched), (ids, mask), strict=strict)
     with torch.no_grad():
         assert torch.equal(exported.module()(ids, mask), stock(input_ids=ids, attention_mask=mask).logits)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_legacy_onnx_export_with_gradients_on_records_the_stock_graph():
+    """torch.onnx.export (the TorchScript exporter) of a patched model with gradients on: the stock model's graph."""
+    onnx = pytest.importorskip("onnx")
+    import io
+
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    stock = tiny("gpt2").eval()
+    patched = patch_model(copy.deepcopy(stock), "score:1000")
+    graphs = []
+    for model in (stock, patched):
+        file = io.BytesIO()
+        torch.onnx.export(Logits(model), (ids, mask), file, dynamo=False)
+        graphs.append([node.op_type for node in onnx.load_from_string(file.getvalue()).graph.node])
+    assert graphs[0] == graphs[1]

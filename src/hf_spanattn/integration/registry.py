@@ -397,10 +397,11 @@ def call_settings(module: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
     checkpoint, whose output the loss sees) it is span_attention too: its kernels draw their own dropout masks,
     and the pass that recomputes it with autograd must draw the same."""
     if torch.is_grad_enabled() and any(map(requires_grad, tensors)):  # also under vmap, whose wrappers say no
-        if not torch.compiler.is_exporting():
+        if not (torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()):
             return settings_for(module)
-        logger.warning_once("span_attention: torch.export records the forward pass, which is SDPA's; the exported "
-                            "program carries no span gradients (train the model itself, or compiled)")
+        logger.warning_once("span_attention: torch.export and torch.onnx.export record the forward pass, which is "
+                            "SDPA's; the exported program carries no span gradients (train the model itself, or "
+                            "compiled)")
     check_once(settings_config(module))
     return settings_for(module) if dropout > 0 else None
 
