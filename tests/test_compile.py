@@ -52,6 +52,18 @@ def test_fullgraph_training_on_the_fused_kernels(monkeypatch):
         assert ((compiled[name] - grad).norm() / grad.norm()).item() < 1e-5, name
 
 
+
+def test_fullgraph_with_gradients_on_the_tiles_names_the_break(monkeypatch):
+    """fullgraph=True under autograd (a model in eval mode outside torch.no_grad) on the tiles, which Dynamo cannot
+    trace: the error names span_attention and what compiles without a break, not a Dynamo internal."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "tiles")
+    torch._dynamo.reset()
+    model = hf_spanattn.patch_model(tiny("gpt2"), "score:1000").eval()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="span_attention: the tiles backend.*torch.no_grad"):
+        torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tiles", "fused"])
 def test_inductor_training_gives_the_same_gradients(backend, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
@@ -483,10 +484,20 @@ def _named(product: torch.Tensor, operands: dict[str, torch.Tensor]) -> dict[str
     return dict(zip(operands, product.split([x.shape[-1] for x in operands.values()], dim=-1)))
 
 
+_BREAK = {"msg": "span_attention: the tiles backend (the default on the CPU) takes span gradients outside the "
+                 "compiled graph, which breaks it here (fullgraph=True fails): for evaluation, run under "
+                 "torch.no_grad() (SDPA itself); to train without a break, use the fused kernels "
+                 "(HF_SPANATTN_BACKEND=fused)"}
+if "msg" not in inspect.signature(torch._dynamo.graph_break).parameters:  # torch before 2.7 says no more than the break
+    _BREAK = {}
+
+
 def tile_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                    dropout_p: float, is_causal: bool, scale: float, config: SpanAttentionConfig,
                    probe: Probe | None = None) -> torch.Tensor:
     """`span_attention` on the tiles; (B, H, T, D) inputs as checked and broadcast by it."""
+    if torch.compiler.is_compiling():  # Dynamo cannot trace the autograd.Function below: it breaks there anyway
+        torch._dynamo.graph_break(**_BREAK)
     if query.dtype == torch.float16 and abs(scale) > 1:
         # the backward forms G = scale·∂L/∂S in float16, where a scale past 1 can take it out of range
         # (scale ≥ 65504 always): fold √|scale| into Q and K as SDPA's math kernel does; autograd takes it to dQ, dK
