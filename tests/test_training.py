@@ -184,6 +184,20 @@ def test_fsdp2_in_two_processes_gives_the_gradients_and_diagnostics_of_one(tmp_p
                                        msg=lambda m, layer=layer, key=key: f"layer {layer}, {key}: {m}")
 
 
+@pytest.mark.slow
+def test_ddp_patched_after_wrapping_in_two_processes_gives_the_gradients_of_one(tmp_path):
+    """2 gloo processes patch their DistributedDataParallel wrapper, as one patches what `accelerator.prepare`
+    returns: the gradients of the model patched in one process over the same 4 rows (float64)."""
+    from gloo_workers import BATCH, LABELS, ddp_patched_after_wrapping, spawn
+
+    spawn(ddp_patched_after_wrapping, 2, str(tmp_path))
+    wrapped = torch.load(tmp_path / "ddp.pt")
+    model = patch_model(tiny("gpt2").double(), "score:1100")
+    model(BATCH, labels=LABELS).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(wrapped[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplog):
     """`TrainingArguments(torch_compile=True)` traces the patched model with Dynamo: no warning is raised in
     the package or names one of its files (as Dynamo's warning about an `lru_cache` call site does),
