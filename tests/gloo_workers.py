@@ -148,3 +148,20 @@ def _recorded(heads: int, orders: int) -> OrderRecorder:
     recorder({"dq": part, "dk": part, "dq_orders": [part] * orders, "dk_orders": [part] * orders, "dq_standard": part,
               "dk_standard": part, "rank_k": torch.ones(1, heads), "rank_v": torch.ones(1, heads)})
     return recorder
+
+
+def ddp_patched_after_wrapping(output_dir: str) -> None:
+    """Rank r of 2 wraps a float64 tiny GPT-2 in DistributedDataParallel, patches the wrapper (as after
+    `accelerator.prepare`) and trains rows 2r, 2r+1 of BATCH once; rank 0 saves the parameter gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = tiny("gpt2").double()
+    wrapper = patch_model(DistributedDataParallel(model), "score:1100")
+    wrapper(BATCH[2 * rank:2 * rank + 2], labels=LABELS[2 * rank:2 * rank + 2]).loss.backward()
+    if rank == 0:
+        torch.save({name: p.grad for name, p in model.named_parameters()}, Path(output_dir) / "ddp.pt")
+    dist.barrier()
+    del wrapper  # before the process group: its reducer holds the group
+    dist.destroy_process_group()

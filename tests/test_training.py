@@ -14,7 +14,7 @@ import torch
 from models import VOCAB, tiny
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model
+from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, unpatch_model
 from hf_spanattn.integration.registry import config_of
 
 
@@ -184,6 +184,20 @@ def test_fsdp2_in_two_processes_gives_the_gradients_and_diagnostics_of_one(tmp_p
                                        msg=lambda m, layer=layer, key=key: f"layer {layer}, {key}: {m}")
 
 
+@pytest.mark.slow
+def test_ddp_patched_after_wrapping_in_two_processes_gives_the_gradients_of_one(tmp_path):
+    """2 gloo processes patch their DistributedDataParallel wrapper, as one patches what `accelerator.prepare`
+    returns: the gradients of the model patched in one process over the same 4 rows (float64)."""
+    from gloo_workers import BATCH, LABELS, ddp_patched_after_wrapping, spawn
+
+    spawn(ddp_patched_after_wrapping, 2, str(tmp_path))
+    wrapped = torch.load(tmp_path / "ddp.pt")
+    model = patch_model(tiny("gpt2").double(), "score:1100")
+    model(BATCH, labels=LABELS).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(wrapped[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplog):
     """`TrainingArguments(torch_compile=True)` traces the patched model with Dynamo: no warning is raised in
     the package or names one of its files (as Dynamo's warning about an `lru_cache` call site does),
@@ -226,3 +240,29 @@ def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_pat
             got["lock held"][1]
         assert got["layouts"][0] == "RuntimeError" and "different layers, heads or orders" in got["layouts"][1]
         assert got["twice"][0] == "ValueError" and "already holds the sums over the ranks" in got["twice"][1]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "data_parallel"])
+def test_a_model_wrapped_for_data_parallelism_is_patched_through_the_wrapper(wrap):
+    """patch_model and unpatch_model on DistributedDataParallel (as `accelerator.prepare` returns it; here over a
+    one-process gloo group) or DataParallel reach the model inside: the wrapper's gradients are those of the model
+    patched before wrapping."""
+    import torch.distributed as dist
+
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = patch_model(tiny("gpt2").double(), "score:1100")
+    expected(ids, labels=ids).loss.backward()
+    model = tiny("gpt2").double()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapper = torch.nn.DataParallel(model) if wrap == "data_parallel" else \
+            torch.nn.parallel.DistributedDataParallel(model)
+        assert patch_model(wrapper, "score:1100") is wrapper
+        assert config_of(model.config).label == "score:1100"
+        wrapper(ids, labels=ids).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        unpatch_model(wrapper)
+        assert config_of(model.config) is None
+    finally:
+        dist.destroy_process_group()
