@@ -4,6 +4,7 @@ environment variables of hf_spanattn. Each case gets stock Transformers' result 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 
 import torch
@@ -54,7 +55,7 @@ def test_a_config_made_before_a_reload_of_the_config_module_is_taken():
 def test_register_after_a_reload_runs_the_attention_imported_now():
     """After a reload of the registry, the attention function of the earlier import stayed registered, so models ran
     the code of before the reload (and met the reloaded config class in it); register() now puts in the current one.
-    A function of another name registered by the user under span_attention is kept."""
+    A function the user registered under span_attention is kept, also one that wraps ours."""
     earlier = another_import("hf_spanattn.integration.registry").span_attention_forward
     try:
         AttentionInterface.register("span_attention", earlier)
@@ -64,8 +65,10 @@ def test_register_after_a_reload_runs_the_attention_imported_now():
         def own(*args, **kwargs):
             return registry.span_attention_forward(*args, **kwargs)
 
-        AttentionInterface.register("span_attention", own)
-        registry.register()
-        assert ALL_ATTENTION_FUNCTIONS["span_attention"] is own
+        wrapper = functools.wraps(earlier)(lambda *args, **kwargs: earlier(*args, **kwargs))
+        for kept in (own, wrapper):
+            AttentionInterface.register("span_attention", kept)
+            registry.register()
+            assert ALL_ATTENTION_FUNCTIONS["span_attention"] is kept
     finally:
         AttentionInterface.register("span_attention", registry.span_attention_forward)
