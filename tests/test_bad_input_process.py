@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import sys
+import threading
 
 import torch
 from models import VOCAB, tiny
@@ -72,3 +74,35 @@ def test_register_after_a_reload_runs_the_attention_imported_now():
             assert ALL_ATTENTION_FUNCTIONS["span_attention"] is kept
     finally:
         AttentionInterface.register("span_attention", registry.span_attention_forward)
+
+
+def test_threads_building_causal_masks_of_several_lengths():
+    """Threads training on sequences of several lengths (no padding mask: causal) shared the tiles' cache of causal
+    masks; one evicted what another was returning (KeyError) or iterated it while it changed (RuntimeError)."""
+    from hf_spanattn.ops import tile_engine
+
+    errors, interval = [], sys.getswitchinterval()
+
+    def work(i: int) -> None:
+        try:
+            for n in range(1500):
+                t = 2 + (i * 5 + n) % 9
+                assert tile_engine._causal_mask(t, t, torch.float32, torch.device("cpu"), None, 0).tiles
+        except Exception as err:  # any error of a thread is the failure
+            errors.append(repr(err))
+
+    sys.setswitchinterval(1e-7)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)  # the cached masks still give the gradients
+    want = torch.autograd.grad(hf_spanattn.span_attention(q, q, q, attn_mask=torch.ones(6, 6, dtype=torch.bool).tril(),
+                                                          config="score:1100").sum(), q)
+    torch.testing.assert_close(torch.autograd.grad(hf_spanattn.span_attention(q, q, q, is_causal=True,
+                                                                              config="score:1100").sum(), q), want)
