@@ -440,6 +440,27 @@ def test_every_scale_sdpa_takes_gives_sdpas_result(name, is_causal, backend):
         torch.testing.assert_close(torch.where(keep, got, 0), torch.where(keep, want, 0), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("value", ["", " ", "TILES", " tiles\n", "Auto"])
+def test_backend_variable_as_a_shell_leaves_it(monkeypatch, value):
+    """HF_SPANATTN_BACKEND empty (`HF_SPANATTN_BACKEND= python ...`), in capitals or with spaces means what it says, as
+    HF_SPANATTN_TRITON_TUNE does: the gradients of the tiles (it was refused as an unknown backend)."""
+    q, k, v = (t.requires_grad_() for t in qkv().values())
+    monkeypatch.delenv("HF_SPANATTN_BACKEND", raising=False)
+    want = torch.autograd.grad(span_attention(q, k, v, config="score:1100").sum(), (q, k, v))
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", value)
+    got = torch.autograd.grad(span_attention(q, k, v, config="score:1100").sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_unknown_backend_variable_names_the_variable(monkeypatch):
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "cuda")
+    q, k, v = (t.requires_grad_() for t in qkv().values())
+    with pytest.raises(ValueError, match=r"environment variable HF_SPANATTN_BACKEND='cuda': allowed values are auto, "
+                                         "tiles, fused, triton"):
+        span_attention(q, k, v).sum().backward()
+
+
 def test_fused_for_float64_set_by_the_environment_names_the_variable(monkeypatch):
     """HF_SPANATTN_BACKEND=fused and float64 inputs, no backend argument: the error says where 'fused' came from (it
     spoke of a backend='fused' the caller never passed)."""

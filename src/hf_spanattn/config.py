@@ -116,6 +116,8 @@ def as_config(config: Any, caller: str, none: str) -> SpanAttentionConfig | None
         return config
     if isinstance(config, str):
         return SpanAttentionConfig.from_label(config)
+    if type(config).__qualname__ == SpanAttentionConfig.__qualname__ and type(config).__module__ == __name__:
+        return SpanAttentionConfig.from_dict(config.to_dict())  # made by an earlier import of this module (reloaded)
     hint = " (for a dict of fields: SpanAttentionConfig.from_dict(...))" if isinstance(config, Mapping) else ""
     raise TypeError(f"{caller}: config={shown(config)} ({type(config).__name__}): expected a SpanAttentionConfig, a "
                     f"label string such as 'score:1000', or None ({none}){hint}")

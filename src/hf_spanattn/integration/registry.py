@@ -49,8 +49,12 @@ logger = logging.get_logger("hf_spanattn")
 def register() -> None:
     """Register the attention function and its mask function (SDPA's masks: bool, or None when
     pure causal). Without the mask registration a padded batch would get no padding mask.
-    Idempotent: an entry already registered under the name is kept."""
-    if ATTN_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
+    Idempotent: an entry already registered under the name is kept, unless it is this function as an
+    earlier import of this module defined it (importlib.reload): models then run the code imported now."""
+    registered = ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION)
+    earlier = getattr(registered, "__module__", None) == __name__ and not hasattr(registered, "__wrapped__") and \
+        getattr(registered, "__qualname__", None) == span_attention_forward.__qualname__  # not a user's wrapper of it
+    if registered is None or earlier and registered is not span_attention_forward:
         AttentionInterface.register(ATTN_IMPLEMENTATION, span_attention_forward)
     if ATTN_IMPLEMENTATION not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

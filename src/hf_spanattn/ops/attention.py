@@ -88,7 +88,7 @@ def span_attention(
     products of G each rule asks for; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; causal and
     key-padding masks, dropout, head dims up to 128; anything else runs on fused, or tiles for float64,
     with a warning naming the reason), `"auto"` (default): the environment variable HF_SPANATTN_BACKEND
-    if set, else fused on accelerators and tiles on the CPU or for float64.
+    if set (any case; empty counts as unset), else fused on accelerators and tiles on the CPU or for float64.
     """
     config = _config(config)
     if probe is not None and (not callable(probe) or isinstance(probe, type)):
@@ -220,11 +220,14 @@ def _backend(name: str, dtype: torch.dtype, device: str, probe: Probe | None) ->
     """The backend that runs a call in `dtype` on `device`: see `span_attention`."""
     given = ""
     if name == "auto":
-        name = os.environ.get("HF_SPANATTN_BACKEND", "auto")
+        value = os.environ.get("HF_SPANATTN_BACKEND", "")
+        name = value.strip().lower() or "auto"  # as a shell leaves it: any case, spaces around, empty for unset
         given = " (set by the environment variable HF_SPANATTN_BACKEND)"
+        if name != "auto" and name not in BACKENDS:
+            raise ValueError(f"the environment variable HF_SPANATTN_BACKEND={shown(value)}: allowed values are auto, "
+                             f"{', '.join(BACKENDS)} (any case), or empty for auto")
     if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
-        raise ValueError(f"backend={shown(name)}: allowed values are auto, {', '.join(BACKENDS)} "
-                         "(also for the environment variable HF_SPANATTN_BACKEND)")
+        raise ValueError(f"backend={shown(name)}: allowed values are auto, {', '.join(BACKENDS)}")
     if name == "fused" and dtype == torch.float64:
         raise ValueError(f"backend='fused'{given} runs float32 and half inputs; float64 runs on backend='tiles'")
     if probe is not None:

@@ -162,7 +162,8 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows:
     numbers rather than T·S); nothing reads them but to add them."""
     # under a Python dispatch mode (FakeTensorMode's) the tensors made here are that mode's, not for later calls
     key = (t, s, dtype, device, rows, merged) if _get_current_dispatch_mode() is None else None
-    if key is None or key not in _CAUSAL_MASKS:
+    mask = None if key is None else _CAUSAL_MASKS.get(key)
+    if mask is None:
         tiles = reach_tiles([min(i + 1, s) for i in range(t)], rows, merged)
         first_masked, additive = [], []
         for start, end, cols in tiles:
@@ -173,12 +174,11 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows:
                             .view(1, 1, 1, *above.shape) if lo < cols else None)
         key_valid = (torch.arange(s, device=device) < t).view(1, 1, 1, s, 1) if s > t else None  # keys no row reaches
         mask = _Mask(tiles, first_masked, additive, key_valid, None)
-        if key is None:
-            return mask
-        if len(_CAUSAL_MASKS) >= 4:
-            del _CAUSAL_MASKS[next(iter(_CAUSAL_MASKS))]
-        _CAUSAL_MASKS[key] = mask
-    return _CAUSAL_MASKS[key]
+        if key is not None:  # list() and pop(·, None): threads building other shapes may evict the same entries
+            for old in list(_CAUSAL_MASKS)[:-3]:
+                _CAUSAL_MASKS.pop(old, None)
+            _CAUSAL_MASKS[key] = mask
+    return mask
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,

@@ -1,0 +1,108 @@
+"""The process around the package: interpreter flags, warnings filters, logging, threads, re-imports and the
+environment variables of hf_spanattn. Each case gets stock Transformers' result or a clear message."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import sys
+import threading
+
+import torch
+from models import VOCAB, tiny
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import hf_spanattn
+from hf_spanattn import SpanAttentionConfig, patch_model
+from hf_spanattn.integration import registry
+
+
+def another_import(name: str):
+    """The module `name` imported afresh beside the one in sys.modules, as `importlib.reload` or a notebook's
+    autoreload leaves objects made by the earlier import."""
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def grads(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    return torch.autograd.grad(loss, list(model.parameters()))
+
+
+def batch(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_config_made_before_a_reload_of_the_config_module_is_taken():
+    """A SpanAttentionConfig made by an earlier import of hf_spanattn.config (a notebook that reloaded it): refused
+    as "expected a SpanAttentionConfig, got SpanAttentionConfig"; it gives the gradients of the same label."""
+    old = another_import("hf_spanattn.config").SpanAttentionConfig.from_label("score:1100")
+    assert not isinstance(old, SpanAttentionConfig)
+    model = tiny("llama").double().train()
+    want = grads(patch_model(copy.deepcopy(model), "score:1100"), batch())
+    got = grads(patch_model(model, old), batch())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(torch.autograd.grad(hf_spanattn.span_attention(q, q, q, config=old).sum(), q),
+                               torch.autograd.grad(hf_spanattn.span_attention(q, q, q, config="score:1100").sum(), q))
+
+
+def test_register_after_a_reload_runs_the_attention_imported_now():
+    """After a reload of the registry, the attention function of the earlier import stayed registered, so models ran
+    the code of before the reload (and met the reloaded config class in it); register() now puts in the current one.
+    A function the user registered under span_attention is kept, also one that wraps ours."""
+    earlier = another_import("hf_spanattn.integration.registry").span_attention_forward
+    try:
+        AttentionInterface.register("span_attention", earlier)
+        registry.register()
+        assert ALL_ATTENTION_FUNCTIONS["span_attention"] is registry.span_attention_forward
+
+        def own(*args, **kwargs):
+            return registry.span_attention_forward(*args, **kwargs)
+
+        wrapper = functools.wraps(earlier)(lambda *args, **kwargs: earlier(*args, **kwargs))
+        for kept in (own, wrapper):
+            AttentionInterface.register("span_attention", kept)
+            registry.register()
+            assert ALL_ATTENTION_FUNCTIONS["span_attention"] is kept
+    finally:
+        AttentionInterface.register("span_attention", registry.span_attention_forward)
+
+
+def test_threads_building_causal_masks_of_several_lengths():
+    """Threads training on sequences of several lengths (no padding mask: causal) shared the tiles' cache of causal
+    masks; one evicted what another was returning (KeyError) or iterated it while it changed (RuntimeError)."""
+    from hf_spanattn.ops import tile_engine
+
+    errors, interval = [], sys.getswitchinterval()
+
+    def work(i: int) -> None:
+        try:
+            for n in range(1500):
+                t = 2 + (i * 5 + n) % 9
+                assert tile_engine._causal_mask(t, t, torch.float32, torch.device("cpu"), None, 0).tiles
+        except Exception as err:  # any error of a thread is the failure
+            errors.append(repr(err))
+
+    sys.setswitchinterval(1e-7)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)  # the cached masks still give the gradients
+    want = torch.autograd.grad(hf_spanattn.span_attention(q, q, q, attn_mask=torch.ones(6, 6, dtype=torch.bool).tril(),
+                                                          config="score:1100").sum(), q)
+    torch.testing.assert_close(torch.autograd.grad(hf_spanattn.span_attention(q, q, q, is_causal=True,
+                                                                              config="score:1100").sum(), q), want)
