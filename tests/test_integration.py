@@ -607,26 +607,35 @@ def test_layers_selects_a_layer_of_an_encoder_deeper_than_its_decoder():
         patch_model(transformers.EncoderDecoderModel(config), "score:1000", layers=[3])
 
 
+class _Logits(torch.nn.Module):
+    """A model's logits for (input ids, attention mask): what the export tests export."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def _padded_tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokens()` and an attention mask that pads out the first row's first three: (ids, mask)."""
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return ids, mask
+
+
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neo"])
 def test_torch_export_with_gradients_on_records_the_stock_forward(family, strict):
     """torch.export.export of a patched model in evaluation, gradients on (its default), with a padding mask: the
     exported program is the stock model's forward, as exported from the stock model."""
-    ids = tokens()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    ids, mask = _padded_tokens()
     stock = tiny(family).eval()
     patched = patch_model(copy.deepcopy(stock), "score:1000")
 
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids, mask):
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    exported = torch.export.export(Logits(patched), (ids, mask), strict=strict)
+    exported = torch.export.export(_Logits(patched), (ids, mask), strict=strict)
     with torch.no_grad():
         assert torch.equal(exported.module()(ids, mask), stock(input_ids=ids, attention_mask=mask).logits)
 
@@ -637,23 +646,13 @@ def test_legacy_onnx_export_with_gradients_on_records_the_stock_graph():
     onnx = pytest.importorskip("onnx")
     import io
 
-    ids = tokens()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids, mask):
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    ids, mask = _padded_tokens()
 
     stock = tiny("gpt2").eval()
     patched = patch_model(copy.deepcopy(stock), "score:1000")
     graphs = []
     for model in (stock, patched):
         file = io.BytesIO()
-        torch.onnx.export(Logits(model), (ids, mask), file, dynamo=False)
+        torch.onnx.export(_Logits(model), (ids, mask), file, dynamo=False)
         graphs.append([node.op_type for node in onnx.load_from_string(file.getvalue()).graph.node])
     assert graphs[0] == graphs[1]
