@@ -196,7 +196,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _NEO_CONFIGS[id(base.config)] = base.config
         for module in neo:
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
-        inside = {id(m.config) for m in base.modules() if isinstance(m, PreTrainedModel)}
+        inside = _own_configs(base)
         foreign = [path for path, module in base.named_modules() if module in neo and id(module.config) not in inside]
         if foreign:
             warnings.warn(f"patch_model: {', '.join(foreign)} of {type(base).__name__} hold another model's config "
@@ -232,7 +232,7 @@ def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttention
     module put into two models) that runs it under other settings: a module reads one model's settings, so the
     other model would train under this one's without a word. A model inside `base` or around it (a composite's
     tower, patched apart) is none."""
-    inside = {id(m.config) for m in base.modules() if isinstance(m, PreTrainedModel)}
+    inside = _own_configs(base)
     for path, module in base.named_modules():
         other = module.__dict__.get(SETTINGS_FROM_ATTR) or getattr(module, "config", None)
         if id(other) in inside or registry.PATCHED_CONFIGS.get(id(other)) is not other or \
@@ -247,6 +247,11 @@ def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttention
                              f"patching this one with {config.label} would change that model's gradients. Patch both "
                              "models alike, unpatch the other first (hf_spanattn.unpatch_model), or give this model "
                              "its own copy of the module (copy.deepcopy)")
+
+
+def _own_configs(base: PreTrainedModel) -> set[int]:
+    """The ids of the configs of `base` and the models inside it (a composite's towers)."""
+    return {id(m.config) for m in base.modules() if isinstance(m, PreTrainedModel)}
 
 
 def _runs(config: SpanAttentionConfig, module: torch.nn.Module) -> SpanAttentionConfig | None:
@@ -485,10 +490,11 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
-    if adapters.is_adapter_folder(folder):
+    beside_adapter = adapters.is_adapter_folder(folder)
+    if beside_adapter:
         adapters.refuse_unfinished(folder)
     model, info = adapters.loaded(model_class.from_pretrained(name_or_path, **kwargs), kwargs)
-    if adapters.is_adapter_folder(folder):  # Transformers added the adapter, frozen
+    if beside_adapter:  # Transformers added the adapter, frozen
         if is_trainable:
             adapters.train_adapters(model)
         if config is None:

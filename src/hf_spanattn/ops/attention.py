@@ -218,16 +218,15 @@ def backend_for(device: str | torch.device, dtype: torch.dtype = torch.float32, 
 
 def _backend(name: str, dtype: torch.dtype, device: str, probe: Probe | None) -> str:
     """The backend that runs a call in `dtype` on `device`: see `span_attention`."""
-    given = ""
+    given, source, allowed = "", f"backend={shown(name)}", ""
     if name == "auto":
         value = os.environ.get("HF_SPANATTN_BACKEND", "")
         name = value.strip().lower() or "auto"  # as a shell leaves it: any case, spaces around, empty for unset
         given = " (set by the environment variable HF_SPANATTN_BACKEND)"
-        if name != "auto" and name not in BACKENDS:
-            raise ValueError(f"the environment variable HF_SPANATTN_BACKEND={shown(value)}: allowed values are auto, "
-                             f"{', '.join(BACKENDS)} (any case), or empty for auto")
+        source = f"the environment variable HF_SPANATTN_BACKEND={shown(value)}"
+        allowed = " (any case), or empty for auto"
     if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
-        raise ValueError(f"backend={shown(name)}: allowed values are auto, {', '.join(BACKENDS)}")
+        raise ValueError(f"{source}: allowed values are auto, {', '.join(BACKENDS)}{allowed}")
     if name == "fused" and dtype == torch.float64:
         raise ValueError(f"backend='fused'{given} runs float32 and half inputs; float64 runs on backend='tiles'")
     if probe is not None:
