@@ -604,6 +604,12 @@ CASES = [
     ("schedule settings at a step given as a string",
      lambda t: Schedule.at_step(Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:1100")]).resolve(10, None, 2),
                                 "3"), TypeError, "Schedule.at_step: step='3': expected the optimizer step (a number)"),
+    ("OrderRecorder given a record without the probe's keys",
+     lambda t: OrderRecorder()({"dq": torch.zeros(1, 2, 1, 3, 4)}), TypeError,
+     "lacks dk, dq_orders, dk_orders, dq_standard, dk_standard, rank_k, rank_v: expected the dict that "
+     "span_attention's backward pass gives its probe"),  # was: KeyError: 'dq_orders'
+    ("OrderRecorder given no record", lambda t: OrderRecorder()(None), TypeError,
+     "OrderRecorder: record=None: expected the dict that span_attention's backward pass gives its probe, with keys dq"),
     ("callback asked for the schedule's settings before training",  # gave {}, as without a schedule
      lambda t: SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe("50%", "score:1100")]).settings_at(3),
      ValueError, "SpanAttentionCallback.settings_at: the schedule's steps are known once training starts"),
@@ -2291,3 +2297,49 @@ def test_load_pretrained_with_output_loading_info_gives_the_model_and_the_info(w
     weights = {name.replace("base_model.model.", "").replace(".base_layer", ""): weight
                for name, weight in model.state_dict().items() if "lora_" not in name}
     assert all(torch.equal(weights[name], weight) for name, weight in stock.state_dict().items())
+
+
+def test_replace_with_the_same_method_keeps_the_alphas():
+    """replace(method=...) with the method the settings have changes nothing (it gave the method's default alphas);
+    another method takes its own default alphas."""
+    config = SpanAttentionConfig.from_label("score:1100+QKV101@per_block", layers=[1])
+    assert config.replace(method="score") == config
+    assert config.replace(method=np.str_("score"), layers=[0]) == SpanAttentionConfig.from_label(
+        "score:1100+QKV101@per_block", layers=[0])
+    assert config.replace(method="reductionistic", score_grad="exact").alphas == SpanAttentionConfig(
+        method="reductionistic").alphas
+
+
+def test_a_ramp_starts_from_the_setting_an_earlier_keyframe_left_on_the_layer():
+    """A layer the previous keyframe's table leaves out keeps an earlier keyframe's setting (as at_step has it), so a
+    ramp of that layer starts from it; it was refused as a ramp "from the model setting"."""
+    schedule = Schedule([Keyframe(0, "score:1111"), Keyframe(4, {"0": "standard:QKV111"}),
+                         Keyframe(8, {"1": "score:1000"}, ramp=True)])
+    frames = schedule.resolve(20, None, 2)
+    for step in (4, 5, 7, 8, 12):
+        t = min((step - 4) / (8 - 4), 1.0)
+        settings = Schedule.at_step(frames, step)
+        assert settings[0] == SpanAttentionConfig(method="standard")
+        assert settings[1].alphas == pytest.approx((1, 1 - t, 1 - t, 1 - t), abs=1e-15), step
+    with pytest.raises(ValueError, match="ramps layer 1 from the model setting to score:1000"):  # none before: refused
+        Schedule([Keyframe(0, {"0": "score:1111"}), Keyframe(8, {"1": "score:1000"}, ramp=True)]).resolve(20, None, 2)
+
+
+def test_an_alpha_equal_at_both_ends_of_a_ramp_stays_as_set():
+    frames = Schedule([Keyframe(0, "score:1,0.1,0.3,0.1+QKV0.7,1,1"),
+                       Keyframe(10, "score:1,0.1,0,0.1+QKV0.7,1,1", ramp=True)]).resolve(20, None, 1)
+    for step in range(10):
+        config = Schedule.at_step(frames, step)[0]
+        assert (config.alphas[1], config.alphas[3], config.qkv_alphas[0]) == (0.1, 0.1, 0.7), config.label
+        assert config.alphas[2] == pytest.approx(0.3 * (1 - step / 10), abs=1e-16)
+
+
+@pytest.mark.parametrize("step", [np.int64(5), torch.tensor(5), np.float32(5.0), torch.tensor(5.0)],
+                         ids=["numpy int", "0-d int tensor", "numpy float", "0-d float tensor"])
+def test_settings_at_a_step_given_as_a_numpy_or_tensor_number(step):
+    """A step as a loop over np.arange or a tensor counter gives it: the settings at the same Python number (it was
+    refused as "not a number")."""
+    frames = Schedule([Keyframe(0, "score:1111"), Keyframe(10, "score:1000", ramp=True)]).resolve(20, None, 2)
+    assert Schedule.at_step(frames, step) == Schedule.at_step(frames, 5)
+    with pytest.raises(TypeError, match=r"step=tensor\(True\): expected the optimizer step"):
+        Schedule.at_step(frames, torch.tensor(True))

@@ -284,8 +284,9 @@ class SpanAttentionConfig:
         return cls(**{**fields, **overrides})
 
     def replace(self, **changes: Any) -> SpanAttentionConfig:
-        """A copy with some fields changed (and validated)."""
-        if "method" in changes and "alphas" not in changes:
+        """A copy with some fields changed (and validated). A new method without `alphas` takes its default
+        alphas (those of another method mean other things); the same method keeps them."""
+        if "method" in changes and "alphas" not in changes and changes["method"] != self.method:
             changes["alphas"] = None
         return dataclasses.replace(self, **changes)
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from hf_spanattn.ops.inputs import shown
+
+RECORD_KEYS = ("dq", "dk", "dq_orders", "dk_orders", "dq_standard", "dk_standard", "rank_k", "rank_v")
 
 
 def _per_head(x: torch.Tensor) -> torch.Tensor:
@@ -39,6 +42,11 @@ class OrderRecorder:
         self.sums[name] = self.sums[name] + value if name in self.sums else value
 
     def __call__(self, record: dict) -> None:
+        missing = [k for k in RECORD_KEYS if k not in record] if isinstance(record, Mapping) else None
+        if missing != []:
+            lacks = f" lacks {', '.join(missing)}" if missing else ""
+            raise TypeError(f"OrderRecorder: record={shown(record, 80)}{lacks}: expected the dict that "
+                            f"span_attention's backward pass gives its probe, with keys {', '.join(RECORD_KEYS)}")
         held, got = self._shape(), (record["dq"].shape[1] * record["dq"].shape[2], len(record["dq_orders"]))
         if held is not None and held != got:  # sums of other heads or orders cannot be added up
             raise ValueError(f"OrderRecorder: a recorder gathers one layer's figures under one rule; it holds "

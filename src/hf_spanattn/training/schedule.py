@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.ops.inputs import as_int, shown
+from hf_spanattn.ops.inputs import as_float, as_int, shown
 
 LayerSettings = dict[int, SpanAttentionConfig]
 
@@ -156,17 +156,18 @@ class Schedule:
             if s1 == s0:  # the later one would replace the earlier one unseen
                 raise ValueError(f"schedule: keyframes at={shown(k0.at)} and at={shown(k1.at)} both fall on step "
                                  f"{shown(s0)} (max_steps={max_steps}); give each step one keyframe")
+        in_force: LayerSettings = {}  # a layer the previous keyframe leaves out keeps the setting of an earlier one
         for i, (step, table, ramp) in enumerate(frames):
             if ramp and i == 0:
                 raise ValueError("schedule: the first keyframe cannot ramp (there is nothing to ramp from)")
             if ramp:
-                prev = frames[i - 1][1]
                 for layer, config in table.items():
-                    before = prev.get(layer)
+                    before = in_force.get(layer)
                     if before is None or (before.method, before.score_grad) != (config.method, config.score_grad):
                         raise ValueError(f"schedule: keyframe at step {shown(step)} ramps layer {layer} from "
                                          f"{before.label if before else 'the model setting'} to {config.label}; "
                                          "a ramp needs the same method and score_grad on both ends")
+            in_force = {**in_force, **table}
         return frames
 
     def unreached(self, frames: list[tuple[int, LayerSettings, bool]], max_steps: int) -> list[str]:
@@ -194,8 +195,10 @@ class Schedule:
             raise TypeError(f"Schedule.at_step: frames={shown(frames)}: expected the keyframes that Schedule.resolve "
                             "gives; call Schedule.at_step(schedule.resolve(max_steps, steps_per_epoch, n_layers), "
                             "step)")
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step:
+        number = as_int(step) if as_int(step) is not None else as_float(step)  # NumPy and 0-d tensor numbers too
+        if number is None or number != number:
             raise TypeError(f"Schedule.at_step: step={shown(step)}: expected the optimizer step (a number)")
+        step = number
         current: LayerSettings = {}
         for i, (start, table, ramp) in enumerate(frames):
             if start <= step:
@@ -210,5 +213,5 @@ class Schedule:
 
 def _mix(a: SpanAttentionConfig, b: SpanAttentionConfig, t: float) -> SpanAttentionConfig:
     """Linear interpolation of the alphas (and the QKV multipliers) of two settings of one rule."""
-    lerp = lambda x, y: tuple((1 - t) * u + t * v for u, v in zip(x, y))  # noqa: E731
+    lerp = lambda x, y: tuple(u + t * (v - u) for u, v in zip(x, y))  # noqa: E731  (an α equal on both ends stays)
     return b.replace(alphas=lerp(a.alphas, b.alphas), qkv_alphas=lerp(a.qkv_alphas, b.qkv_alphas))
