@@ -48,8 +48,9 @@ class Keyframe:
         return cls(**data)
 
     def step(self, max_steps: int, steps_per_epoch: int | None) -> int:
-        """The optimizer step at which this keyframe is reached (`steps_per_epoch`: optimizer steps in one
-        pass over the training data, gradient accumulation included; None where the data has no length)."""
+        """The optimizer step at which this keyframe is reached, a share or an epoch rounded to the nearest step (a
+        half up) (`steps_per_epoch`: optimizer steps in one pass over the training data, gradient accumulation
+        included; None where the data has no length)."""
         at = self.at
         epoch = isinstance(at, str) and at.endswith("ep")
         try:
@@ -73,7 +74,7 @@ class Keyframe:
             raise ValueError(f"keyframe at={shown(at)}: must be finite and not negative")
         if isinstance(at, str) and at.endswith("%") and value > max_steps:  # training would end first
             raise ValueError(f"keyframe at={shown(at)}: a share of training is at most '100%'")
-        return round(value)
+        return value if isinstance(value, int) else math.floor(value + 0.5)  # shares equally apart stay so
 
     def settings(self, n_layers: int) -> LayerSettings:
         if isinstance(self.span, str):
