@@ -2343,3 +2343,33 @@ def test_settings_at_a_step_given_as_a_numpy_or_tensor_number(step):
     assert Schedule.at_step(frames, step) == Schedule.at_step(frames, 5)
     with pytest.raises(TypeError, match=r"step=tensor\(True\): expected the optimizer step"):
         Schedule.at_step(frames, torch.tensor(True))
+
+
+def test_shares_and_epochs_equally_apart_fall_on_steps_equally_apart():
+    """A share or an epoch that falls between two steps goes to the nearest, a half up: '15%' and '25%' of 10 steps
+    are steps 2 and 3 (Python's round, a half to even, put both on step 2, refused as one step, and '25%' on 20 %)."""
+    shares = [Keyframe(f"{p}%", "score:1000").step(10, None) for p in (5, 15, 25, 35, 45)]
+    epochs = [Keyframe(f"{e}ep", "score:1000").step(100, 3) for e in (0.5, 1.5, 2.5)]
+    assert shares == [1, 2, 3, 4, 5] and epochs == [2, 5, 8]
+    schedule = Schedule([Keyframe(0, "score:1111"), Keyframe("15%", "score:1100"), Keyframe("25%", "score:1000")])
+    assert [step for step, _, _ in schedule.resolve(10, None, 1)] == [0, 2, 3]
+
+
+def test_an_order_recorder_given_float16_records_sums_their_squares_without_overflow():
+    """A record of float16 gradients past 256 (a loss scale's): the figures of the same record in float64, where
+    the squares taken in float16 overflowed to inf (norms inf, cosines NaN)."""
+    records = []
+    x = [t.detach().requires_grad_(True) for t in qkv(12)]
+    span_attention(*x, config="score:1100", probe=records.append).sum().backward()
+
+    def summary(dtype):
+        recorder = OrderRecorder()
+        for record in records:
+            recorder({k: [p.to(dtype) * 1024 for p in v] if isinstance(v, list) else
+                      v.to(dtype) * (1 if k.startswith("rank") else 1024) for k, v in record.items()})
+        return recorder.summary(per_head=True)
+
+    half, wide = summary(torch.float16), summary(torch.float64)
+    assert half.keys() == wide.keys()
+    for key in wide:
+        assert np.allclose(half[key], wide[key], rtol=1e-3, atol=0), key

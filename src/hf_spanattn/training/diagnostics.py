@@ -56,9 +56,10 @@ class OrderRecorder:
             raise ValueError("OrderRecorder: this recorder holds the sums over the ranks (reduce_over_ranks was called "
                              "on it); give the next step a new recorder")
         for side in ("dq", "dk"):
+            # squared in float64: a float16 gradient under a loss scale (GradScaler's 2^16) squares past 65504
             for order, part in enumerate(record[f"{side}_orders"]):
-                self._add(f"{side}_sq{order}", _per_head(part.pow(2)))
-            applied, standard = record[side], record[f"{side}_standard"]
+                self._add(f"{side}_sq{order}", _per_head(part.double().pow(2)))
+            applied, standard = record[side].double(), record[f"{side}_standard"].double()
             self._add(f"{side}_dot", _per_head(applied * standard))
             self._add(f"{side}_sq", _per_head(applied.pow(2)))
             self._add(f"{side}_std_sq", _per_head(standard.pow(2)))
