@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import decimal
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -2373,3 +2374,19 @@ def test_an_order_recorder_given_float16_records_sums_their_squares_without_over
     assert half.keys() == wide.keys()
     for key in wide:
         assert np.allclose(half[key], wide[key], rtol=1e-3, atol=0), key
+
+
+@pytest.mark.parametrize("label,field,value", [
+    ("score:1000", "alphas", (1, 1, 0, 0)), ("score:1000@per_block", "score_grad", "exact"),
+    ("score:1000+QKV101", "qkv_alphas", [1, 1, 1]), ("score:1000", "method", "reductionistic"),
+])
+def test_a_keyword_of_from_label_that_contradicts_the_label_is_refused(label, field, value):
+    """from_label's keywords set the fields the label leaves out; one the label sets too replaced it silently
+    (`from_label('score:1000', alphas=...)` gave other alphas than the label says). Agreeing, it is taken."""
+    with pytest.raises(ValueError, match=f"label='{re.escape(label)}' sets {field}=.*, and the keyword argument gives "
+                                         f"{field}="):
+        SpanAttentionConfig.from_label(label, **{field: value})
+    written = SpanAttentionConfig.from_label(label)
+    assert SpanAttentionConfig.from_label(label, **{field: getattr(written, field)}) == written
+    assert SpanAttentionConfig.from_label("score:1000", score_grad="per_block", layers=[1]) == SpanAttentionConfig(
+        score_grad="per_block", layers=[1])

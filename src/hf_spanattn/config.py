@@ -263,7 +263,8 @@ class SpanAttentionConfig:
 
     @classmethod
     def from_label(cls, label: str, **overrides: Any) -> SpanAttentionConfig:
-        """Parse a label such as `score:1000`; keyword arguments set the remaining fields."""
+        """Parse a label such as `score:1000`; keyword arguments set the remaining fields (one the label sets too
+        must agree with it)."""
         match = _LABEL.match(label.strip()) if isinstance(label, str) else None
         if match is None:
             raise ValueError(
@@ -281,6 +282,11 @@ class SpanAttentionConfig:
             fields["qkv_alphas"] = _parse_alphas(match["qkv"], label)
         if match["grad"]:
             fields["score_grad"] = match["grad"]
+        for name in sorted(overrides.keys() & fields.keys()):  # a keyword would silently replace the label's value
+            written = cls(**fields)
+            if getattr(written.replace(**{name: overrides[name]}), name) != getattr(written, name):
+                raise ValueError(f"label={shown(label)} sets {name}={shown(getattr(written, name))}, and the keyword "
+                                 f"argument gives {name}={shown(overrides[name])}: give {name} in one of them")
         return cls(**{**fields, **overrides})
 
     def replace(self, **changes: Any) -> SpanAttentionConfig:
