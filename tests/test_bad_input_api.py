@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from models import VOCAB, tiny, tiny_llava
+from reference import reference
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
@@ -317,6 +318,14 @@ CASES = [
      "call has 4 heads and 4 orders"),
     ("one OrderRecorder for two rules", lambda t: record_with_one_recorder((2, "score:1000"), (2, "simple:10")),
      ValueError, "it holds 2 heads and 4 orders, and this call has 2 heads and 2 orders"),
+    # orders of another rule, as many, were added to the sums silently
+    ("one OrderRecorder for two rules of as many orders",
+     lambda t: record_with_one_recorder((2, "score:1000"), (2, "reductionistic:1100")), ValueError,
+     "OrderRecorder: a recorder gathers one layer's figures under one rule; it holds those of score@exact and this "
+     "call is 'reductionistic@exact'"),
+    ("one OrderRecorder for two score readings",
+     lambda t: record_with_one_recorder((2, "standard:QKV111"), (2, "score:1000@per_block")), ValueError,
+     "it holds those of standard@exact and this call is 'score@per_block'"),
     ("load_pretrained of a folder that is not there", lambda t: load_pretrained(t / "no-such-model"),
      FileNotFoundError, "load_pretrained: {tmp}/no-such-model: no such folder; expected a saved model's folder"),
     ("load_pretrained of a model's config.json", lambda t: load_pretrained(saved_model(t) / "config.json"),
@@ -2367,7 +2376,7 @@ def test_an_order_recorder_given_float16_records_sums_their_squares_without_over
         recorder = OrderRecorder()
         for record in records:
             recorder({k: [p.to(dtype) * 1024 for p in v] if isinstance(v, list) else
-                      v.to(dtype) * (1 if k.startswith("rank") else 1024) for k, v in record.items()})
+                      v if k in ("rule", "rank_k", "rank_v") else v.to(dtype) * 1024 for k, v in record.items()})
         return recorder.summary(per_head=True)
 
     half, wide = summary(torch.float16), summary(torch.float64)
@@ -2390,3 +2399,38 @@ def test_a_keyword_of_from_label_that_contradicts_the_label_is_refused(label, fi
     assert SpanAttentionConfig.from_label(label, **{field: getattr(written, field)}) == written
     assert SpanAttentionConfig.from_label("score:1000", score_grad="per_block", layers=[1]) == SpanAttentionConfig(
         score_grad="per_block", layers=[1])
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.0, 1e30, 5e-324, decimal.Decimal("0.1"), np.float16(0.1), torch.tensor(0.5)],
+                         ids=repr)
+@pytest.mark.parametrize("field", ["alpha1", "alpha0 per_block", "simple alpha_perp", "alpha_q"])
+def test_alphas_at_the_edges_give_the_reference_gradients_in_a_patched_model(alpha, field, monkeypatch):
+    """Every α the settings accept (zero of either sign, huge, subnormal, a Decimal, a float16 number, a 0-d tensor)
+    gives, in each attention call of a patched float64 Llama, the dQ, dK, dV of the float64 reference formulas at
+    that α (T = 12 > head_dim = 8, so that every order of span violation is there)."""
+    import hf_spanattn.integration.registry as registry
+
+    config = {"alpha1": SpanAttentionConfig(alphas=(1, alpha, 0, 0)),
+              "alpha0 per_block": SpanAttentionConfig(alphas=(alpha, 1, 0, 0), score_grad="per_block"),
+              "simple alpha_perp": SpanAttentionConfig(method="simple", alphas=(1, alpha)),
+              "alpha_q": SpanAttentionConfig(qkv_alphas=(alpha, 1, 1))}[field]
+    calls = []
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        leaves = [x.detach().requires_grad_(True) for x in (query, key, value)]  # the call's own q, k, v
+        out = span_attention(*leaves, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                             **kwargs)
+        out.retain_grad()
+        calls.append((leaves, out, attn_mask, is_causal, scale, kwargs["config"]))
+        return out
+
+    monkeypatch.setattr(registry, "span_attention", spy)
+    model = patch_model(tiny("llama").double(), config)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    assert len(calls) == 2
+    for leaves, out, mask, causal, scale, used in calls:
+        assert used == config
+        _, expected = reference(*leaves, out.grad, config, attn_mask=mask, is_causal=causal, scale=scale)
+        for name, x, e in zip("qkv", leaves, expected):
+            assert (x.grad - e).norm() <= 1e-12 * e.norm() + 1e-300, name

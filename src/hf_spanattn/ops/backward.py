@@ -126,6 +126,7 @@ def rule_grads(config: SpanAttentionConfig, x: RuleInputs, products: ProductsOf,
             "dq_orders": [alpha_q * o for o, _ in orders], "dk_orders": [alpha_k * o for _, o in orders],
             "dq": alpha_q * dq, "dk": alpha_k * dk, "dq_standard": standard.query["k"],
             "dk_standard": standard.key["q"], "rank_k": _rank(x.k), "rank_v": _rank(x.v),
+            "rule": f"{config.method}@{config.score_grad}",
         })
     return dq, dk
 

@@ -328,7 +328,8 @@ def _whole_batch(records: list[tuple[Rows, dict]], batch: torch.Size) -> dict:
 
     first = records[0][1]
     return {key: [joined(list(p)) for p in zip(*(r[key] for _, r in records))] if isinstance(first[key], list)
-            else joined([r[key] for _, r in records]) for key in first}
+            else joined([r[key] for _, r in records]) if isinstance(first[key], torch.Tensor) else first[key]
+            for key in first}
 
 
 def _mask_free_grads(probs: Tiled, v: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,

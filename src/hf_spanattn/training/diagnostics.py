@@ -37,6 +37,7 @@ class OrderRecorder:
         self.rank_k = self.rank_v = 0.0
         self.rank_count = 0
         self.reduced = False  # holds the sums over the ranks (`reduce_over_ranks`): a second reduction would add them
+        self.rule: str | None = None  # the rule of the records added ('score@exact'), where they name it
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         self.sums[name] = self.sums[name] + value if name in self.sums else value
@@ -52,6 +53,11 @@ class OrderRecorder:
             raise ValueError(f"OrderRecorder: a recorder gathers one layer's figures under one rule; it holds "
                              f"{held[0]} heads and {held[1]} orders, and this call has {got[0]} heads and {got[1]} "
                              "orders: give each attention layer (and rule) a recorder of its own")
+        rule = record.get("rule")
+        if rule is not None and self.rule is not None and rule != self.rule:  # orders of other rules, as many
+            raise ValueError(f"OrderRecorder: a recorder gathers one layer's figures under one rule; it holds those of "
+                             f"{self.rule} and this call is {shown(rule)}: give each attention layer (and rule) a "
+                             "recorder of its own")
         if self.reduced:
             raise ValueError("OrderRecorder: this recorder holds the sums over the ranks (reduce_over_ranks was called "
                              "on it); give the next step a new recorder")
@@ -66,6 +72,7 @@ class OrderRecorder:
         self.rank_k += record["rank_k"].double().sum().item()
         self.rank_v += record["rank_v"].double().sum().item()
         self.rank_count += record["rank_k"].numel()
+        self.rule = self.rule or rule
 
     def _shape(self) -> tuple[int, int] | None:
         """(heads, orders) of the sums held, or None before the first call."""
