@@ -614,6 +614,17 @@ CASES = [
     ("schedule settings at a step given as a string",
      lambda t: Schedule.at_step(Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:1100")]).resolve(10, None, 2),
                                 "3"), TypeError, "Schedule.at_step: step='3': expected the optimizer step (a number)"),
+    # a keyframe asked directly: the counts it is given are checked as resolve checks them
+    ("keyframe step for a negative max_steps", lambda t: Keyframe("50%", "score:1000").step(-4, None), ValueError,
+     "keyframe: max_steps=-4: expected an int ≥ 0"),  # named at='50%'
+    ("keyframe epoch for zero steps per epoch", lambda t: Keyframe("1ep", "score:1000").step(10, 0), ValueError,
+     "keyframe: steps_per_epoch=0: expected an int ≥ 1 or None"),  # gave step 0
+    ("keyframe settings for a negative layer count", lambda t: Keyframe(0, "score:1000").settings(-1), ValueError,
+     "keyframe: n_layers=-1: expected an int ≥ 0"),  # gave {}
+    ("keyframe settings for a float layer count", lambda t: Keyframe(0, "score:1000").settings(2.0), ValueError,
+     "keyframe: n_layers=2.0: expected an int ≥ 0"),  # Python's "'float' object cannot be interpreted as an integer"
+    ("keyframe table entries for a string layer count", lambda t: Keyframe(0, {"0": "score:1000"}).entries("2"),
+     ValueError, "keyframe: n_layers='2': expected an int ≥ 0"),
     ("OrderRecorder given a record without the probe's keys",
      lambda t: OrderRecorder()({"dq": torch.zeros(1, 2, 1, 3, 4)}), TypeError,
      "lacks dk, dq_orders, dk_orders, dq_standard, dk_standard, rank_k, rank_v: expected the dict that "

@@ -51,6 +51,7 @@ class Keyframe:
         """The optimizer step at which this keyframe is reached, a share or an epoch rounded to the nearest step (a
         half up) (`steps_per_epoch`: optimizer steps in one pass over the training data, gradient accumulation
         included; None where the data has no length)."""
+        _check_counts("keyframe", max_steps=max_steps, steps_per_epoch=steps_per_epoch)
         at = self.at
         epoch = isinstance(at, str) and at.endswith("ep")
         try:
@@ -77,6 +78,7 @@ class Keyframe:
         return value if isinstance(value, int) else math.floor(value + 0.5)  # shares equally apart stay so
 
     def settings(self, n_layers: int) -> LayerSettings:
+        _check_counts("keyframe", n_layers=n_layers)
         if isinstance(self.span, str):
             config = self._config(self.span)
             return dict.fromkeys(range(n_layers), config)
@@ -96,6 +98,7 @@ class Keyframe:
 
     def entries(self, n_layers: int) -> dict[Any, list[int]]:
         """The layer indices each key of the layer table names ({} for a label, which sets every layer)."""
+        _check_counts("keyframe", n_layers=n_layers)
         if not isinstance(self.span, dict):
             return {}
         return {layers: _layer_list(str(layers), n_layers) for layers in self.span}
@@ -106,6 +109,15 @@ class Keyframe:
             return SpanAttentionConfig.from_label(label)
         except ValueError as err:
             raise ValueError(f"keyframe at={shown(self.at)} span={shown(self.span)}: {err}") from None
+
+
+def _check_counts(where: str, **counts: Any) -> None:
+    """max_steps and n_layers: ints ≥ 0; steps_per_epoch: an int ≥ 1 or None (NumPy and 0-d tensor ints too)."""
+    for name, value in counts.items():
+        least = 1 if name == "steps_per_epoch" else 0
+        if (value is not None or name != "steps_per_epoch") and (as_int(value) is None or as_int(value) < least):
+            raise ValueError(f"{where}: {name}={shown(value)}: expected an int ≥ {least}"
+                             + (" or None (training data without a length)" if name == "steps_per_epoch" else ""))
 
 
 def _layer_list(spec: str, n_layers: int) -> list[int]:
@@ -144,11 +156,7 @@ class Schedule:
     def resolve(self, max_steps: int, steps_per_epoch: int | None,
                 n_layers: int) -> list[tuple[int, LayerSettings, bool]]:
         """(step, per-layer settings, ramp) per keyframe, validated; raises ValueError with the cause."""
-        for name, value, least in (("max_steps", max_steps, 0), ("steps_per_epoch", steps_per_epoch, 1),
-                                   ("n_layers", n_layers, 0)):
-            if (value is not None or name != "steps_per_epoch") and (as_int(value) is None or as_int(value) < least):
-                raise ValueError(f"schedule: {name}={shown(value)}: expected an int ≥ {least}"
-                                 + (" or None (training data without a length)" if name == "steps_per_epoch" else ""))
+        _check_counts("schedule", max_steps=max_steps, steps_per_epoch=steps_per_epoch, n_layers=n_layers)
         frames = [(k.step(max_steps, steps_per_epoch), k.settings(n_layers), k.ramp) for k in self.keyframes]
         for (s0, _, _), (s1, _, _), k0, k1 in zip(frames, frames[1:], self.keyframes, self.keyframes[1:]):
             if s1 < s0:
