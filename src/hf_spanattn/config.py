@@ -282,8 +282,9 @@ class SpanAttentionConfig:
             fields["qkv_alphas"] = _parse_alphas(match["qkv"], label)
         if match["grad"]:
             fields["score_grad"] = match["grad"]
-        for name in sorted(overrides.keys() & fields.keys()):  # a keyword would silently replace the label's value
-            written = cls(**fields)
+        both = sorted(overrides.keys() & fields.keys())  # a keyword would silently replace the label's value
+        written = cls(**fields) if both else None
+        for name in both:
             if getattr(written.replace(**{name: overrides[name]}), name) != getattr(written, name):
                 raise ValueError(f"label={shown(label)} sets {name}={shown(getattr(written, name))}, and the keyword "
                                  f"argument gives {name}={shown(overrides[name])}: give {name} in one of them")

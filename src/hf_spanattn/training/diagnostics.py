@@ -62,7 +62,8 @@ class OrderRecorder:
             raise ValueError("OrderRecorder: this recorder holds the sums over the ranks (reduce_over_ranks was called "
                              "on it); give the next step a new recorder")
         for side in ("dq", "dk"):
-            # squared in float64: a float16 gradient under a loss scale (GradScaler's 2^16) squares past 65504
+            # squared in float64: a float16 record past 256 (a loss scale's), or a float32 one past 1.8e19 (a huge α),
+            # squares past its dtype's range
             for order, part in enumerate(record[f"{side}_orders"]):
                 self._add(f"{side}_sq{order}", _per_head(part.double().pow(2)))
             applied, standard = record[side].double(), record[f"{side}_standard"].double()

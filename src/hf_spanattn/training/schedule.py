@@ -75,7 +75,8 @@ class Keyframe:
             raise ValueError(f"keyframe at={shown(at)}: must be finite and not negative")
         if isinstance(at, str) and at.endswith("%") and value > max_steps:  # training would end first
             raise ValueError(f"keyframe at={shown(at)}: a share of training is at most '100%'")
-        return value if isinstance(value, int) else math.floor(value + 0.5)  # shares equally apart stay so
+        # a half up: round() takes it to even, which puts '15%' and '25%' of 10 steps both on step 2
+        return value if isinstance(value, int) else math.floor(value + 0.5)
 
     def settings(self, n_layers: int) -> LayerSettings:
         _check_counts("keyframe", n_layers=n_layers)
