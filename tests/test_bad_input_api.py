@@ -225,6 +225,13 @@ def record_with_one_recorder(*calls) -> None:
         span_attention(*leaves, config=label, probe=recorder).sum().backward()
 
 
+def hand_record(**changes) -> dict:
+    """A probe record of one call of 2 heads and 4 orders as span_attention gives it, some entries changed."""
+    part = torch.ones(1, 2, 1, 3, 4)
+    return {"dq": part, "dk": part, "dq_orders": [part] * 4, "dk_orders": [part] * 4, "dq_standard": part,
+            "dk_standard": part, "rank_k": torch.ones(1, 2, 1), "rank_v": torch.ones(1, 2, 1), **changes}
+
+
 RUN = {"model": {"n_embd": 32}, "data": {"block_size": 32}, "span": {"span": "standard:QKV111"},
        "training": {"seed": 0, "learning_rate": 1e-3, "output_dir": "a"}}
 
@@ -629,6 +636,17 @@ CASES = [
      lambda t: OrderRecorder()({"dq": torch.zeros(1, 2, 1, 3, 4)}), TypeError,
      "lacks dk, dq_orders, dk_orders, dq_standard, dk_standard, rank_k, rank_v: expected the dict that "
      "span_attention's backward pass gives its probe"),  # was: KeyError: 'dq_orders'
+    ("OrderRecorder given a record of 4-D tensors", lambda t: OrderRecorder()(hand_record(dq=torch.ones(1, 2, 3, 4))),
+     TypeError, "record['dq'], record['dq_standard'] and each of record['dq_orders'] (a list): expected tensors of one "
+     "shape (B, H_kv, g, T, d) as span_attention's probe gets them, got (1, 2, 3, 4)"),  # was: IndexError
+    ("OrderRecorder given orders of other heads than the gradient",  # were added up silently
+     lambda t: OrderRecorder()(hand_record(dq_orders=[torch.ones(1, 4, 1, 3, 4)] * 4)), TypeError,
+     "and [(1, 4, 1, 3, 4), (1, 4, 1, 3, 4), (1, 4, 1, 3, 4), (1, 4, 1, 3, 4)]"),
+    ("OrderRecorder given orders as one tensor",
+     lambda t: OrderRecorder()(hand_record(dk_orders=torch.ones(1, 2, 1, 3, 4))), TypeError,
+     "record['dk_orders'] (a list): expected tensors of one shape"),  # was: IndexError
+    ("OrderRecorder given ranks as a number", lambda t: OrderRecorder()(hand_record(rank_k=1.0)), TypeError,
+     "OrderRecorder: record['rank_k'], record['rank_v']: expected tensors, got float, Tensor"),
     ("OrderRecorder given no record", lambda t: OrderRecorder()(None), TypeError,
      "OrderRecorder: record=None: expected the dict that span_attention's backward pass gives its probe, with keys dq"),
     ("callback asked for the schedule's settings before training",  # gave {}, as without a schedule

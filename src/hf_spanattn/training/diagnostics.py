@@ -24,6 +24,11 @@ from hf_spanattn.ops.inputs import shown
 RECORD_KEYS = ("dq", "dk", "dq_orders", "dk_orders", "dq_standard", "dk_standard", "rank_k", "rank_v")
 
 
+def _layout(x: object) -> object:
+    """A record entry as an error shows it: a tensor's shape, else its type's name."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def _per_head(x: torch.Tensor) -> torch.Tensor:
     """Σ over batch, positions and features of x (B, H_kv, g, T, d): one value per head."""
     return x.double().sum(dim=(0, 3, 4)).flatten()
@@ -48,6 +53,19 @@ class OrderRecorder:
             lacks = f" lacks {', '.join(missing)}" if missing else ""
             raise TypeError(f"OrderRecorder: record={shown(record, 80)}{lacks}: expected the dict that "
                             f"span_attention's backward pass gives its probe, with keys {', '.join(RECORD_KEYS)}")
+        for side in ("dq", "dk"):
+            whole, standard, orders = record[side], record[f"{side}_standard"], record[f"{side}_orders"]
+            parts = [standard, *orders] if isinstance(orders, (list, tuple)) else None
+            if not (isinstance(whole, torch.Tensor) and whole.dim() == 5 and parts is not None
+                    and all(isinstance(p, torch.Tensor) and p.shape == whole.shape for p in parts)):
+                got = [_layout(p) for p in orders] if parts is not None else _layout(orders)
+                raise TypeError(f"OrderRecorder: record[{side!r}], record['{side}_standard'] and each of "
+                                f"record['{side}_orders'] (a list): expected tensors of one shape (B, H_kv, g, T, d) "
+                                f"as span_attention's probe gets them, got {shown(_layout(whole))}, "
+                                f"{shown(_layout(standard))} and {shown(got)}")
+        if not all(isinstance(record[k], torch.Tensor) for k in ("rank_k", "rank_v")):
+            raise TypeError(f"OrderRecorder: record['rank_k'], record['rank_v']: expected tensors, got "
+                            f"{type(record['rank_k']).__name__}, {type(record['rank_v']).__name__}")
         held, got = self._shape(), (record["dq"].shape[1] * record["dq"].shape[2], len(record["dq_orders"]))
         if held is not None and held != got:  # sums of other heads or orders cannot be added up
             raise ValueError(f"OrderRecorder: a recorder gathers one layer's figures under one rule; it holds "
