@@ -9,6 +9,9 @@ at `import hf_spanattn` where the Trainer is imported already: importing it here
 Under data parallelism (torch.distributed with more than one process: DDP, FSDP, Accelerate) the gradient applied
 is the average of the ranks': where the ranks train with other settings (a rank patched otherwise, or not at all) it
 follows no one rule, so `Trainer.train` refuses to start, naming each rank's settings (`same_on_every_rank`).
+
+A model set to span_attention by `from_pretrained` is tagged as `patch_model` tags it (`tag_model`), so that the
+cards of its training name the method.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
+from hf_spanattn.integration import card
 from hf_spanattn.integration.adapters import _described, is_patched
 from hf_spanattn.integration.registry import CONFIG_KEY, config_of
 from hf_spanattn.ops.inputs import shown
@@ -169,6 +173,21 @@ def settings_not_in_force(trainer: Any) -> None:
                       "them.", stacklevel=3)
 
 
+def tag_model(trainer: Any) -> None:
+    """Tag a model that trains with span_attention without patch_model (`from_pretrained(...,
+    attn_implementation="span_attention")`) as `patch_model` does, so that the cards of its training
+    (`Trainer.push_to_hub`, `create_model_card`, `push_to_hub` after) name the method."""
+    from hf_spanattn.integration.patch import base_model
+
+    try:
+        base = base_model(trainer.model, "Trainer.train")
+        settings = config_of(base.config) or SpanAttentionConfig() if is_patched(base) else None
+    except (TypeError, ValueError):  # not a Transformers model; bad settings, which the forward names
+        return
+    if settings is not None and not any(card.ours(tag) for tag in card._as_list(base.model_tags)):
+        card.set_tags(base, settings)
+
+
 def install() -> None:
     """Wrap `Trainer.train` once, calling it through unchanged after the check."""
     from transformers import Trainer
@@ -186,6 +205,7 @@ def install() -> None:
             resume = None
         same_on_every_rank("span attention settings", _settings_of(self), _STOCK)
         settings_not_in_force(self)
+        tag_model(self)
         if resume is not None and resume is not False:
             check(self, resume)
         return train(self, *args, **kwargs)
