@@ -10,8 +10,6 @@ Under data parallelism (torch.distributed with more than one process: DDP, FSDP,
 is the average of the ranks': where the ranks train with other settings (a rank patched otherwise, or not at all) it
 follows no one rule, so `Trainer.train` refuses to start, naming each rank's settings (`same_on_every_rank`).
 
-A model set to span_attention by `from_pretrained` is tagged as `patch_model` tags it (`tag_model`), so that the
-cards of its training name the method.
 """
 
 from __future__ import annotations
@@ -174,9 +172,9 @@ def settings_not_in_force(trainer: Any) -> None:
 
 
 def tag_model(trainer: Any) -> None:
-    """Tag a model that trains with span_attention without patch_model (`from_pretrained(...,
-    attn_implementation="span_attention")`) as `patch_model` does, so that the cards of its training
-    (`Trainer.push_to_hub`, `create_model_card`, `push_to_hub` after) name the method."""
+    """Tag `trainer`'s model as `patch_model` does where it trains with span_attention but has no hf_spanattn
+    tags (set to it by `from_pretrained`), so that the cards of its training (`create_model_card`,
+    `Trainer.push_to_hub`, `push_to_hub` after) name the method."""
     from hf_spanattn.integration.patch import base_model
 
     try:
@@ -205,7 +203,6 @@ def install() -> None:
             resume = None
         same_on_every_rank("span attention settings", _settings_of(self), _STOCK)
         settings_not_in_force(self)
-        tag_model(self)
         if resume is not None and resume is not False:
             check(self, resume)
         return train(self, *args, **kwargs)
