@@ -337,6 +337,7 @@ def _note_shared(module: torch.nn.Module) -> None:
                   "model from its own config (copy.deepcopy(config)) to keep one of them stock.", stacklevel=4)
 
 
+# id(model config) → the model config whose model `_tag_trainers_model` tagged (held weakly).
 _TAGGED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
@@ -348,10 +349,10 @@ def _tag_trainers_model(model_config: Any) -> None:
         return
     trainer = trainer_on_stack(sys._getframe(2))
     if trainer is not None:
-        from hf_spanattn.integration.train_checks import tag_model
+        from hf_spanattn.integration import card
 
         _TAGGED[id(model_config)] = model_config
-        tag_model(trainer)
+        card.tag_trainers_model(trainer)
 
 
 # id(model config) → the model config `_note_default` spoke of (held weakly: a new config may reuse a freed id).

@@ -9,7 +9,6 @@ at `import hf_spanattn` where the Trainer is imported already: importing it here
 Under data parallelism (torch.distributed with more than one process: DDP, FSDP, Accelerate) the gradient applied
 is the average of the ranks': where the ranks train with other settings (a rank patched otherwise, or not at all) it
 follows no one rule, so `Trainer.train` refuses to start, naming each rank's settings (`same_on_every_rank`).
-
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from typing import Any
 import torch.distributed as dist
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
-from hf_spanattn.integration import card
 from hf_spanattn.integration.adapters import _described, is_patched
 from hf_spanattn.integration.registry import CONFIG_KEY, config_of
 from hf_spanattn.ops.inputs import shown
@@ -169,21 +167,6 @@ def settings_not_in_force(trainer: Any) -> None:
                       "span_attention, so it trains with the standard gradient (and save_pretrained still writes "
                       f"the settings). Call hf_spanattn.patch_model(model) to train with them, or {drop} to drop "
                       "them.", stacklevel=3)
-
-
-def tag_model(trainer: Any) -> None:
-    """Tag `trainer`'s model as `patch_model` does where it trains with span_attention but has no hf_spanattn
-    tags (set to it by `from_pretrained`), so that the cards of its training (`create_model_card`,
-    `Trainer.push_to_hub`, `push_to_hub` after) name the method."""
-    from hf_spanattn.integration.patch import base_model
-
-    try:
-        base = base_model(trainer.model, "Trainer.train")
-        settings = config_of(base.config) or SpanAttentionConfig() if is_patched(base) else None
-    except (TypeError, ValueError):  # not a Transformers model; bad settings, which the forward names
-        return
-    if settings is not None and not any(card.ours(tag) for tag in card._as_list(base.model_tags)):
-        card.set_tags(base, settings)
 
 
 def install() -> None:
