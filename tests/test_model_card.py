@@ -178,3 +178,16 @@ def test_a_card_written_again_after_patching_again_names_only_the_new_settings(t
     trainer.create_model_card(tags=["yours"])
     tags = card_of((tmp_path / "README.md").read_text()).data.tags
     assert "yours" in tags and "mine" in tags and not [tag for tag in tags if "span" in tag]
+
+
+def test_a_model_loaded_with_attn_implementation_span_attention_names_the_method_after_training(hub, tmp_path):
+    """from_pretrained(..., attn_implementation="span_attention") trains with span gradients without patch_model,
+    which tags the model: its cards had no hf_spanattn tags."""
+    hf_spanattn.patch_model(tiny("gpt2"), "score:1100@per_block").save_pretrained(tmp_path / "saved")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="span_attention")
+    trainer = trainer_of(model, tmp_path / "out")
+    trainer.train()
+    trainer.create_model_card()
+    assert EXPECTED_TAGS <= set(card_of((tmp_path / "out" / "README.md").read_text()).data.tags)
+    model.push_to_hub("me/tiny-span")
+    assert EXPECTED_TAGS <= set(card_of(hub.cards[-1]).data.tags)

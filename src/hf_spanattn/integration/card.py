@@ -10,6 +10,9 @@ only from its `tags` argument: `set_tags` wraps it, once, in the Trainer class a
 own, to add the trainer's model's hf_spanattn tags to that argument (a model without them: called as it is), and
 drops those of other settings (or of any, for a model not patched) that Transformers keeps from a README.md
 already there.
+
+A model set to span_attention by `from_pretrained` (no `patch_model`) is tagged by the registry at its first
+forward under a Trainer (`tag_trainers_model`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,23 @@ def _as_list(held: object) -> list:
     if held is None:  # an array of tags has no truth value
         return []
     return list(held) if isinstance(held, Iterable) and not isinstance(held, (str, bytes)) else [held]
+
+
+def tag_trainers_model(trainer: Any) -> None:
+    """Tag `trainer`'s model as `patch_model` does where it trains with span_attention but has no hf_spanattn tags
+    (set to it by `from_pretrained(..., attn_implementation="span_attention")`), so that the cards of its training
+    (`create_model_card`, `Trainer.push_to_hub`, `push_to_hub` after) name the method."""
+    from hf_spanattn.integration.adapters import is_patched
+    from hf_spanattn.integration.patch import base_model
+    from hf_spanattn.integration.registry import config_of
+
+    try:
+        base = base_model(trainer.model, "Trainer.train")
+        settings = (config_of(base.config) or SpanAttentionConfig()) if is_patched(base) else None
+    except (TypeError, ValueError):  # not a Transformers model; bad settings, which the forward names
+        return
+    if settings is not None and not any(ours(tag) for tag in _as_list(base.model_tags)):
+        set_tags(base, settings)
 
 
 def set_tags(model: PreTrainedModel, config: SpanAttentionConfig | None) -> None:

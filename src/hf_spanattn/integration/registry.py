@@ -295,6 +295,8 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
     if not torch.compiler.is_compiling():
         _note_shared(module)
     model_config = settings_config(module)
+    if not torch.compiler.is_compiling():
+        _tag_trainers_model(model_config)
     config = config_of(model_config)
     if config is None:
         _note_default(model_config)
@@ -333,6 +335,24 @@ def _note_shared(module: torch.nn.Module) -> None:
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
                   "(both built from one config), so it trains with that model's span gradients too. Build each "
                   "model from its own config (copy.deepcopy(config)) to keep one of them stock.", stacklevel=4)
+
+
+# id(model config) → the model config whose model `_tag_trainers_model` tagged (held weakly).
+_TAGGED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _tag_trainers_model(model_config: Any) -> None:
+    """A model set to span_attention without patch_model (`from_pretrained(..., attn_implementation=
+    "span_attention")`) carries no hf_spanattn tags: the Trainer that trains it tags it, once per model config, so
+    that the cards of its training name the method."""
+    if PATCHED_CONFIGS.get(id(model_config)) is model_config or _said(_TAGGED, model_config):
+        return
+    trainer = trainer_on_stack(sys._getframe(2))
+    if trainer is not None:
+        from hf_spanattn.integration import card
+
+        _TAGGED[id(model_config)] = model_config
+        card.tag_trainers_model(trainer)
 
 
 # id(model config) → the model config `_note_default` spoke of (held weakly: a new config may reuse a freed id).
