@@ -343,15 +343,15 @@ _TAGGED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 def _tag_trainers_model(model_config: Any) -> None:
     """A model set to span_attention without patch_model (`from_pretrained(..., attn_implementation=
-    "span_attention")`) carries no hf_spanattn tags: the Trainer that trains it tags it, once per model config, so
-    that the cards of its training name the method."""
-    if PATCHED_CONFIGS.get(id(model_config)) is model_config or _said(_TAGGED, model_config):
+    "span_attention")`) carries no hf_spanattn tags: the Trainer that trains it tags it, so that the cards of its
+    training name the method. Looked for at its first call with span gradients only (once per model config): a
+    walk up the stack on every call would cost a loop of the user's own on each layer."""
+    if PATCHED_CONFIGS.get(id(model_config)) is model_config or not _first_time(_TAGGED, model_config):
         return
     trainer = trainer_on_stack(sys._getframe(2))
     if trainer is not None:
         from hf_spanattn.integration import card
 
-        _TAGGED[id(model_config)] = model_config
         card.tag_trainers_model(trainer)
 
 
