@@ -327,6 +327,10 @@ CASES = [
      "unpatch_model needs a transformers PreTrainedModel"),
     ("load_pretrained model_class a string", lambda t: load_pretrained(str(saved_model(t)), model_class="gpt2"),
      TypeError, "load_pretrained: model_class='gpt2': expected a Transformers model class with from_pretrained"),
+    ("load_pretrained of a vision-language model by the default model_class",  # was Transformers' list of classes
+     lambda t: load_pretrained(patch_model(tiny_llava()).save_pretrained(t) or t), ValueError,
+     "holds a saved LlavaForConditionalGeneration, which model_class=AutoModelForCausalLM does not load; pass the "
+     "class it was saved as (model_class=LlavaForConditionalGeneration, from transformers)"),
     ("save_pretrained into a file", lambda t: SpanAttentionConfig().save_pretrained(write(t / "c.json", "{}")),
      FileExistsError, "save_directory='{tmp}/c.json' is a file; expected a folder"),
     ("save_pretrained of ''", lambda t: SpanAttentionConfig().save_pretrained(""), TypeError,
@@ -2109,9 +2113,9 @@ def test_layers_removed_from_a_model_cannot_be_selected():
     assert patch_model(pruned, "score:1000", layers=[1]).config.span_attention["layers"] == [1]
 
 
-def _llava_grads_match(expected_model: torch.nn.Module, model: torch.nn.Module) -> None:
+def _llava_grads_match(expected_model: torch.nn.Module, model: torch.nn.Module, image_tokens: int = 4) -> None:
     """The gradients of every parameter on one image and text equal the stock model's (the settings give them)."""
-    ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
+    ids = torch.cat([torch.full((1, image_tokens), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
     pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     def grads(model):
@@ -2201,23 +2205,77 @@ def test_a_schedule_s_layer_table_naming_only_layers_without_attention_is_refuse
         trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, {1: "score:1100"})]), model=llama).train()
 
 
-def test_settings_put_on_a_composite_model_s_text_config_are_said_not_to_be_read(tmp_path):
-    """Settings set by hand on a vision-language model's text_config (on the object, or in config.json) are not
-    read: the model's own field holds them. It trained with the default score:1000 without a word; now a warning
-    names the field (and the file) and the default taken."""
+def test_settings_put_on_a_composite_model_s_text_config_patch_that_tower(tmp_path):
+    """Settings set by hand on a vision-language model's text_config (on the object, or in config.json), the model's
+    own field not given: every tower trained with the default score:1000 without a word. Now the language model
+    trains with them, the vision tower with stock gradients, and a warning names the field (and the file)."""
     from transformers import LlavaForConditionalGeneration
+
+    from hf_spanattn.integration.registry import settings_for
 
     model = tiny_llava()
     model.config.text_config.span_attention = SpanAttentionConfig.from_label("score:1100").to_dict()
-    with pytest.warns(UserWarning, match="not given, but text_config.span_attention is, which is not read"):
+    with pytest.warns(UserWarning, match="not given, but text_config.span_attention is: patching that tower of "
+                                         "LlavaForConditionalGeneration with its settings, the others keep stock"):
         patch_model(model)
+    assert [getattr(settings_for(m), "label", None) for m in model.modules() if type(m).__name__ == "LlamaAttention"] \
+        == ["score:1100"] * 2
+    assert model.config.vision_config._attn_implementation == "sdpa"
     patch_model(tiny_llava(), "score:1100").save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     saved["text_config"]["span_attention"] = saved.pop("span_attention")
+    del saved["vision_config"]["span_attention"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.warns(UserWarning, match=f"{tmp_path / 'config.json'}, field 'span_attention': not given, but "
-                                         "text_config.span_attention"):
-        load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration)
+                                         "text_config.span_attention is"):
+        loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration)
+    assert loaded.config.vision_config._attn_implementation == "sdpa"
+    assert loaded.config.text_config._attn_implementation == "span_attention"
+
+
+def test_a_tower_saved_alone_keeps_the_settings_of_its_composite_model(tmp_path):
+    """model.language_model.save_pretrained (or the vision tower's) wrote no settings: the composite model's config
+    holds them, so the tower loaded with load_pretrained trained with the default score:1000. Now each tower's config
+    carries them while patched, through a later patch_model with other settings and unpatch_model."""
+    from transformers import AutoModel
+
+    model = patch_model(tiny_llava(), "score:1100")
+    for name, tower in [("text", model.model.language_model), ("vision", model.model.vision_tower)]:
+        tower.save_pretrained(tmp_path / name)
+        assert load_pretrained(tmp_path / name, model_class=AutoModel).config.span_attention == \
+            model.config.span_attention
+    patch_model(model, "simple:10", layers=[1])  # CLIP's attention carries no layer index: its tower stays stock
+    model.model.language_model.save_pretrained(tmp_path / "simple")
+    assert load_pretrained(tmp_path / "simple", model_class=AutoModel).config.span_attention == \
+        model.config.span_attention
+    assert not hasattr(model.config.vision_config, "span_attention")
+    unpatch_model(model)
+    model.model.language_model.save_pretrained(tmp_path / "stock")
+    assert "span_attention" not in json.loads((tmp_path / "stock" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["vision tower alone", "text tower otherwise", "vision tower unpatched"])
+def test_a_composite_model_saved_with_a_tower_patched_apart_loads_as_it_trained(case, tmp_path):
+    """A vision-language model whose vision tower alone was patched, or whose language model was patched again with
+    other settings, or whose vision tower was unpatched, saved whole: load_pretrained patched every tower with the
+    composite model's settings (or the default), dropping what was done to the tower. Now each tower trains as it
+    did before the save."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = tiny_llava(patch_size=4, dtype=torch.float64)  # 16 patches and a class token: more than d = 8
+    if case == "vision tower alone":
+        patch_model(model.model.vision_tower, "score:1100")
+    else:
+        patch_model(model, "score:1000")
+        if case == "text tower otherwise":
+            patch_model(model.model.language_model, "score:1100")
+        else:
+            unpatch_model(model.model.vision_tower)
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the vision tower alone: said by a warning (test above)
+        loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, dtype=torch.float64)
+    _llava_grads_match(model, loaded, image_tokens=16)
 
 
 @pytest.mark.parametrize("last", ["model", "adapter"])

@@ -7,6 +7,7 @@ whose eager attention bypasses the registry, gets a small adapter on its attenti
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import os
@@ -121,6 +122,19 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     adapters.install()
     base = base_model(model)
     config = as_config(config, "patch_model", "keep the model's settings")
+    towers = _towers(base)
+    saved = {key: getattr(tower.config, CONFIG_KEY, None) for key, tower in towers.items()}
+    as_saved = config is None and layers is None and any(section is not None for section in saved.values())
+    if as_saved and getattr(base.config, CONFIG_KEY, None) is None:  # towers patched alone, saved with the model
+        named = [key for key in towers if saved[key] is not None]
+        one = len(named) == 1
+        warnings.warn(f"{stored_source(base.config)}: not given, but {', '.join(f'{k}.{CONFIG_KEY}' for k in named)} "
+                      f"{'is' if one else 'are'}: patching {'that tower' if one else 'those towers'} of "
+                      f"{type(base).__name__} with {'its' if one else 'their'} settings, the others keep stock "
+                      "gradients (pass settings to patch_model to patch every tower)", stacklevel=2)
+        for key in named:
+            patch_model(towers[key])
+        return model
     keep = config is None and layers is None and config_of(base.config) is not None  # the section as it is stored
     if config is None:
         config = config_of(base.config) or _default_settings(base.config)
@@ -188,6 +202,11 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                       "them otherwise.", stacklevel=2)
     if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
         setattr(base.config, CONFIG_KEY, config.to_dict())
+    for tower in towers.values():  # a tower saved alone (model.language_model.save_pretrained) keeps them
+        if config.layers is None or any(registry.layer_index(m) is not None for m in tower.modules()):
+            setattr(tower.config, CONFIG_KEY, copy.deepcopy(getattr(base.config, CONFIG_KEY)))
+        elif hasattr(tower.config, CONFIG_KEY):  # attention without a layer index: `layers` leaves it stock
+            delattr(tower.config, CONFIG_KEY)
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
     train_checks.install()
@@ -207,7 +226,22 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
         _warn_modules_left_stock(base)
+    if as_saved:  # a tower patched otherwise, or unpatched, before the model was saved: as it was
+        for key, tower in towers.items():
+            if saved[key] is None:
+                unpatch_model(tower)
+            elif saved[key] != getattr(base.config, CONFIG_KEY):
+                setattr(tower.config, CONFIG_KEY, saved[key])
+                patch_model(tower)
     return model
+
+
+def _towers(base: PreTrainedModel) -> dict[str, PreTrainedModel]:
+    """The models inside a composite model (a vision-language model's vision tower and language model, an
+    encoder-decoder's encoder and decoder) that read one of its sub-configs, by the sub-config's name."""
+    parts = {id(getattr(base.config, key, None)): key for key in getattr(base.config, "sub_configs", None) or {}}
+    return {parts[id(m.config)]: m for m in base.modules()
+            if isinstance(m, PreTrainedModel) and m is not base and id(m.config) in parts}
 
 
 def _warn_modules_left_stock(base: PreTrainedModel) -> None:
@@ -340,8 +374,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
                       f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
                       "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
                       "alone.", stacklevel=2)
-    if hasattr(base.config, CONFIG_KEY):
-        delattr(base.config, CONFIG_KEY)
+    for model_config in [base.config, *(tower.config for tower in _towers(base).values())]:
+        if hasattr(model_config, CONFIG_KEY):
+            delattr(model_config, CONFIG_KEY)
     for part in sharing:
         card.set_tags(part, None)
     if original and original["reorder_and_upcast_attn"]:  # also where the attention was set otherwise since
@@ -493,7 +528,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)
-    model, info = adapters.loaded(model_class.from_pretrained(name_or_path, **kwargs), kwargs)
+    model, info = adapters.loaded(model_class, name_or_path, kwargs)
     if beside_adapter:  # Transformers added the adapter, frozen
         if is_trainable:
             adapters.train_adapters(model)
