@@ -2254,6 +2254,20 @@ def test_a_tower_saved_alone_keeps_the_settings_of_its_composite_model(tmp_path)
     assert "span_attention" not in json.loads((tmp_path / "stock" / "config.json").read_text())
 
 
+def test_load_pretrained_keeps_the_attention_given_to_a_tower(tmp_path):
+    """load_pretrained(..., attn_implementation={"text_config": "span_attention", "vision_config": "sdpa"}): the vision
+    tower was patched all the same, without a word. Now it keeps the attention given, with stock gradients."""
+    from transformers import LlavaForConditionalGeneration
+
+    stock = tiny_llava(patch_size=4, dtype=torch.float64)
+    patch_model(copy.deepcopy(stock), "score:1100").save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, dtype=torch.float64,
+                             attn_implementation={"text_config": "span_attention", "vision_config": "sdpa"})
+    assert loaded.config.vision_config._attn_implementation == "sdpa"
+    patch_model(stock.model.language_model, "score:1100")
+    _llava_grads_match(stock, loaded, image_tokens=16)
+
+
 @pytest.mark.parametrize("case", ["vision tower alone", "text tower otherwise", "vision tower unpatched"])
 def test_a_composite_model_saved_with_a_tower_patched_apart_loads_as_it_trained(case, tmp_path):
     """A vision-language model whose vision tower alone was patched, or whose language model was patched again with

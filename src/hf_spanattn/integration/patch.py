@@ -535,4 +535,9 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         if config is None:
             config = adapters.settings_beside_model(folder, base_model(model, "load_pretrained").config)
     model = patch_model(model, config, layers)
+    chosen = kwargs.get("attn_implementation")
+    if isinstance(chosen, dict):  # a tower given another attention ({"vision_config": "sdpa"}) keeps it
+        for key, tower in _towers(base_model(model, "load_pretrained")).items():
+            if chosen.get(key, ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION:
+                unpatch_model(tower).set_attn_implementation(chosen[key])
     return model if info is None else (model, info)  # as from_pretrained with output_loading_info=True
