@@ -215,6 +215,18 @@ def paligemma_around_gemma2() -> torch.nn.Module:
     return PaliGemmaForConditionalGeneration._from_config(config, attn_implementation="eager")
 
 
+def mllama_text_and_cross_attention() -> torch.nn.Module:
+    """Mllama: text layer 0 self-attention, layer 1 cross-attention to the image."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    vision = dict(hidden_size=32, attention_heads=4, num_hidden_layers=1, num_global_layers=1, intermediate_size=32,
+                  image_size=8, patch_size=4, max_num_tiles=1, intermediate_layers_indices=[0], vision_output_dim=64,
+                  supported_aspect_ratios=[[1, 1]])
+    text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=32,
+                vocab_size=VOCAB, cross_attention_layers=[1], pad_token_id=0)
+    return MllamaForConditionalGeneration(MllamaConfig(vision_config=vision, text_config=text, image_token_index=1))
+
+
 def record_with_one_recorder(*calls) -> None:
     """Backward passes of span_attention with (heads, label) each, all probed by one OrderRecorder."""
     recorder = OrderRecorder()
@@ -450,6 +462,10 @@ CASES = [
      "GptOssForCausalLM does not support SDPA attention in Transformers (its attention has parts SDPA lacks"),
     ("patch_model of a model holding one without SDPA", lambda t: patch_model(paligemma_around_gemma2()), ValueError,
      "PaliGemmaForConditionalGeneration holds Gemma2Model, which does not support SDPA attention in Transformers"),
+    ("patch_model layers naming a cross-attention layer only",  # was taken: no layer got span gradients
+     lambda t: patch_model(mllama_text_and_cross_attention(), "score:1000", layers=[1]), ValueError,
+     "layers=[1]: layer 1 of MllamaForConditionalGeneration holds cross-attention only, which keeps SDPA's gradient "
+     "(span rules need self-attention); its self-attention modules carry the layer indices 0"),
     ("attention sinks under attn_implementation='span_attention'", lambda t: sinks_forward(), NotImplementedError,
      "span_attention does not support attention sinks ('s_aux', attention of GptOssAttention)"),
     # sweep.py

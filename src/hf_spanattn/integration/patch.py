@@ -183,8 +183,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for path, module in base.named_modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
-        if any("cross" in part.lower() or part == "encoder_attn" for part in path.split(".")) and \
-                calls_the_registry(module):
+        if _under_cross_attention(path) and calls_the_registry(module):
             module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
         # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
         # may hold no config at all: the settings are the model's
@@ -304,10 +303,23 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     neo = _neo_attentions(base)
     attending = {i for i, modules in present.items() if any(m in neo or calls_the_registry(m) for m in modules)}
     attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
-    absent = [i for i in layers if i not in attending]
+    cross = {m for path, m in base.named_modules() if _under_cross_attention(path) or registry.is_cross_attention(m)}
+    crossing = {i for i in attending if all(m in cross for m in present[i] if calls_the_registry(m))}  # SDPA's gradient
+    absent = [i for i in layers if i not in attending or i in crossing]
     if absent if every else len(absent) == len(layers):
+        only_cross = [i for i in absent if i in crossing]
+        if only_cross:
+            raise ValueError(f"{what}: layer {shown(only_cross)[1:-1]} of {type(base).__name__} holds cross-attention "
+                             "only, which keeps SDPA's gradient (span rules need self-attention); its self-attention "
+                             f"modules carry the layer indices {shown(sorted(attending - crossing))[1:-1]}")
         raise ValueError(f"{what}: {type(base).__name__} has no attention module of layer {shown(absent)[1:-1]}; its "
                          f"attention modules carry the layer indices {shown(sorted(attending))[1:-1]}")
+
+
+def _under_cross_attention(path: str) -> bool:
+    """Whether a module's path in its model places it in a cross-attention module (BLIP-2's Q-Former attention,
+    which serves as both, is told by where it sits)."""
+    return any("cross" in part.lower() or part == "encoder_attn" for part in path.split("."))
 
 
 def _declares_backend(base: PreTrainedModel) -> bool:
