@@ -2270,6 +2270,16 @@ def test_a_tower_saved_alone_keeps_the_settings_of_its_composite_model(tmp_path)
     assert "span_attention" not in json.loads((tmp_path / "stock" / "config.json").read_text())
 
 
+def test_unpatch_model_of_a_composite_model_unpatches_a_tower_patched_alone():
+    """patch_model(model.model.vision_tower), then unpatch_model(model): the model itself was never patched, so the
+    vision tower kept training with span gradients. Now every tower is back to stock."""
+    model = tiny_llava(patch_size=4, dtype=torch.float64)
+    patch_model(model.model.vision_tower, "score:1100")
+    unpatch_model(model)
+    assert not hasattr(model.config.vision_config, "span_attention")
+    _llava_grads_match(tiny_llava(patch_size=4, dtype=torch.float64), model, image_tokens=16)
+
+
 def test_load_pretrained_keeps_the_attention_given_to_a_tower(tmp_path):
     """load_pretrained(..., attn_implementation={"text_config": "span_attention", "vision_config": "sdpa"}): the vision
     tower was patched all the same, without a word. Now it keeps the attention given, with stock gradients."""

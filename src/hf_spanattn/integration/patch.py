@@ -379,6 +379,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for module in base.modules():
         for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR, CROSS_ATTR, REGISTERS_ATTR):
             module.__dict__.pop(name, None)
+    for tower in _towers(base).values():  # a tower patched alone, the model around it not
+        if is_patched(tower) and config_of(tower.config) is not None:
+            unpatch_model(tower)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
     if _another_sharing(base) is not None:
