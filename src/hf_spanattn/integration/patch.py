@@ -226,12 +226,19 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
         _warn_modules_left_stock(base)
     if as_saved:  # a tower patched otherwise, or unpatched, before the model was saved: as it was
+        apart = []
         for key, tower in towers.items():
             if saved[key] is None:
                 unpatch_model(tower)
+                apart.append(f"{key} holds none: stock gradients")
             elif saved[key] != getattr(base.config, CONFIG_KEY):
                 setattr(tower.config, CONFIG_KEY, saved[key])
                 patch_model(tower)
+                apart.append(f"{key}.{CONFIG_KEY} differs: {config_of(tower.config).label}")
+        if apart:
+            warnings.warn(f"patch_model: {type(base).__name__} has settings of its own ({config.label}), but "
+                          f"{'; '.join(apart)}: those towers train so, as they did when saved (pass settings to "
+                          "patch_model to patch every tower alike)", stacklevel=2)
     return model
 
 
