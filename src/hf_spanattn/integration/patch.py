@@ -311,7 +311,8 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     attending = {i for i, modules in present.items() if any(m in neo or calls_the_registry(m) for m in modules)}
     attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
     cross = {m for path, m in base.named_modules() if _under_cross_attention(path) or registry.is_cross_attention(m)}
-    crossing = {i for i in attending if all(m in cross for m in present[i] if calls_the_registry(m))}  # SDPA's gradient
+    calling = {i: [m for m in present.get(i, ()) if calls_the_registry(m)] for i in attending}
+    crossing = {i for i in attending if calling[i] and all(m in cross for m in calling[i])}  # SDPA's gradient
     absent = [i for i in layers if i not in attending or i in crossing]
     if absent if every else len(absent) == len(layers):
         only_cross = [i for i in absent if i in crossing]
