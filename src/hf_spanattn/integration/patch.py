@@ -260,10 +260,11 @@ def _warn_modules_left_stock(base: PreTrainedModel) -> None:
         other = next(iter(left.values()))
         warnings.warn(f"patch_model: {', '.join(left)} of {type(base).__name__} read their attention implementation "
                       f"from a config that is not the model's ({type(other).__name__} with attn_implementation="
-                      f"{other._attn_implementation!r}: a layer taken from another model), so they keep stock "
-                      "gradients. Give the model its own copy of the layer pointing to its config (layer = "
-                      "copy.deepcopy(layer), then set its attention module's .config to the model's) and patch again",
-                      stacklevel=3)
+                      f"{other._attn_implementation!r}: a layer taken from another model, or the config a tower was "
+                      "loaded with, which EncoderDecoderModel.from_encoder_decoder_pretrained replaces on the tower "
+                      "but not on its layers), so they keep stock gradients. Set those modules' .config to the "
+                      "config of the model (or tower) that holds them, on a copy of a layer taken from another model "
+                      "(layer = copy.deepcopy(layer)), and patch again", stacklevel=3)
 
 
 def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
