@@ -217,6 +217,18 @@ def paligemma_around_gemma2() -> torch.nn.Module:
     return PaliGemmaForConditionalGeneration._from_config(config, attn_implementation="eager")
 
 
+def mllama_text_and_cross_attention() -> torch.nn.Module:
+    """Mllama: text layer 0 self-attention, layer 1 cross-attention to the image."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    vision = dict(hidden_size=32, attention_heads=4, num_hidden_layers=1, num_global_layers=1, intermediate_size=32,
+                  image_size=8, patch_size=4, max_num_tiles=1, intermediate_layers_indices=[0], vision_output_dim=64,
+                  supported_aspect_ratios=[[1, 1]])
+    text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=32,
+                vocab_size=VOCAB, cross_attention_layers=[1], pad_token_id=0)
+    return MllamaForConditionalGeneration(MllamaConfig(vision_config=vision, text_config=text, image_token_index=1))
+
+
 def record_with_one_recorder(*calls) -> None:
     """Backward passes of span_attention with (heads, label) each, all probed by one OrderRecorder."""
     recorder = OrderRecorder()
@@ -344,6 +356,10 @@ CASES = [
      "unpatch_model needs a transformers PreTrainedModel"),
     ("load_pretrained model_class a string", lambda t: load_pretrained(str(saved_model(t)), model_class="gpt2"),
      TypeError, "load_pretrained: model_class='gpt2': expected a Transformers model class with from_pretrained"),
+    ("load_pretrained of a vision-language model by the default model_class",  # was Transformers' list of classes
+     lambda t: load_pretrained(patch_model(tiny_llava()).save_pretrained(t) or t), ValueError,
+     "holds a saved LlavaForConditionalGeneration, which model_class=AutoModelForCausalLM does not load; pass the "
+     "class it was saved as (model_class=LlavaForConditionalGeneration, from transformers)"),
     ("save_pretrained into a file", lambda t: SpanAttentionConfig().save_pretrained(write(t / "c.json", "{}")),
      FileExistsError, "save_directory='{tmp}/c.json' is a file; expected a folder"),
     ("save_pretrained of ''", lambda t: SpanAttentionConfig().save_pretrained(""), TypeError,
@@ -463,6 +479,10 @@ CASES = [
      "GptOssForCausalLM does not support SDPA attention in Transformers (its attention has parts SDPA lacks"),
     ("patch_model of a model holding one without SDPA", lambda t: patch_model(paligemma_around_gemma2()), ValueError,
      "PaliGemmaForConditionalGeneration holds Gemma2Model, which does not support SDPA attention in Transformers"),
+    ("patch_model layers naming a cross-attention layer only",  # was taken: no layer got span gradients
+     lambda t: patch_model(mllama_text_and_cross_attention(), "score:1000", layers=[1]), ValueError,
+     "layers=[1]: layer 1 of MllamaForConditionalGeneration holds cross-attention only, which keeps SDPA's gradient "
+     "(span rules need self-attention); its self-attention modules carry the layer indices 0"),
     ("attention sinks under attn_implementation='span_attention'", lambda t: sinks_forward(), NotImplementedError,
      "span_attention does not support attention sinks ('s_aux', attention of GptOssAttention)"),
     # sweep.py
@@ -1254,7 +1274,7 @@ def test_layers_on_an_unnumbered_model_set_up_without_patch_model_warn(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
         model.train()(**batch).last_hidden_state.sum().backward()
     assert any("DistilBertSelfAttention carries no layer index, so layers=[1] cannot select it" in r.getMessage()
-               and "hf_spanattn.patch_model(model) numbers the layers" in r.getMessage() for r in caplog.records)
+               and "hf_spanattn.patch_model numbers the layers" in r.getMessage() for r in caplog.records)
 
 
 def test_a_schedule_and_diagnostics_reach_the_layers_of_a_model_whose_attention_carries_no_layer_index(tmp_path):
@@ -2154,9 +2174,9 @@ def test_layers_removed_from_a_model_cannot_be_selected():
     assert patch_model(pruned, "score:1000", layers=[1]).config.span_attention["layers"] == [1]
 
 
-def _llava_grads_match(expected_model: torch.nn.Module, model: torch.nn.Module) -> None:
+def _llava_grads_match(expected_model: torch.nn.Module, model: torch.nn.Module, image_tokens: int = 4) -> None:
     """The gradients of every parameter on one image and text equal the stock model's (the settings give them)."""
-    ids = torch.cat([torch.full((1, 4), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
+    ids = torch.cat([torch.full((1, image_tokens), VOCAB), torch.randint(1, VOCAB, (1, 6))], 1)
     pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     def grads(model):
@@ -2246,23 +2266,103 @@ def test_a_schedule_s_layer_table_naming_only_layers_without_attention_is_refuse
         trainer_with(tmp_path, SpanAttentionCallback([Keyframe(0, {1: "score:1100"})]), model=llama).train()
 
 
-def test_settings_put_on_a_composite_model_s_text_config_are_said_not_to_be_read(tmp_path):
-    """Settings set by hand on a vision-language model's text_config (on the object, or in config.json) are not
-    read: the model's own field holds them. It trained with the default score:1000 without a word; now a warning
-    names the field (and the file) and the default taken."""
+def test_settings_put_on_a_composite_model_s_text_config_patch_that_tower(tmp_path):
+    """Settings set by hand on a vision-language model's text_config (on the object, or in config.json), the model's
+    own field not given: every tower trained with the default score:1000 without a word. Now the language model
+    trains with them, the vision tower with stock gradients, and a warning names the field (and the file)."""
     from transformers import LlavaForConditionalGeneration
+
+    from hf_spanattn.integration.registry import settings_for
 
     model = tiny_llava()
     model.config.text_config.span_attention = SpanAttentionConfig.from_label("score:1100").to_dict()
-    with pytest.warns(UserWarning, match="not given, but text_config.span_attention is, which is not read"):
+    with pytest.warns(UserWarning, match="not given, but text_config.span_attention is: patching that tower of "
+                                         "LlavaForConditionalGeneration with its settings, the others keep stock"):
         patch_model(model)
+    assert [getattr(settings_for(m), "label", None) for m in model.modules() if type(m).__name__ == "LlamaAttention"] \
+        == ["score:1100"] * 2
+    assert model.config.vision_config._attn_implementation == "sdpa"
     patch_model(tiny_llava(), "score:1100").save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     saved["text_config"]["span_attention"] = saved.pop("span_attention")
+    del saved["vision_config"]["span_attention"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.warns(UserWarning, match=f"{tmp_path / 'config.json'}, field 'span_attention': not given, but "
-                                         "text_config.span_attention"):
-        load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration)
+                                         "text_config.span_attention is"):
+        loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration)
+    assert loaded.config.vision_config._attn_implementation == "sdpa"
+    assert loaded.config.text_config._attn_implementation == "span_attention"
+
+
+def test_a_tower_saved_alone_keeps_the_settings_of_its_composite_model(tmp_path):
+    """model.language_model.save_pretrained (or the vision tower's) wrote no settings: the composite model's config
+    holds them, so the tower loaded with load_pretrained trained with the default score:1000. Now each tower's config
+    carries them while patched, through a later patch_model with other settings and unpatch_model."""
+    from transformers import AutoModel
+
+    model = patch_model(tiny_llava(), "score:1100")
+    for name, tower in [("text", model.model.language_model), ("vision", model.model.vision_tower)]:
+        tower.save_pretrained(tmp_path / name)
+        assert load_pretrained(tmp_path / name, model_class=AutoModel).config.span_attention == \
+            model.config.span_attention
+    patch_model(model, "simple:10", layers=[1])  # CLIP's attention carries no layer index: its tower stays stock
+    model.model.language_model.save_pretrained(tmp_path / "simple")
+    assert load_pretrained(tmp_path / "simple", model_class=AutoModel).config.span_attention == \
+        model.config.span_attention
+    assert not hasattr(model.config.vision_config, "span_attention")
+    unpatch_model(model)
+    model.model.language_model.save_pretrained(tmp_path / "stock")
+    assert "span_attention" not in json.loads((tmp_path / "stock" / "config.json").read_text())
+
+
+def test_unpatch_model_of_a_composite_model_unpatches_a_tower_patched_alone():
+    """patch_model(model.model.vision_tower), then unpatch_model(model): the model itself was never patched, so the
+    vision tower kept training with span gradients. Now every tower is back to stock."""
+    model = tiny_llava(patch_size=4, dtype=torch.float64)
+    patch_model(model.model.vision_tower, "score:1100")
+    unpatch_model(model)
+    assert not hasattr(model.config.vision_config, "span_attention")
+    _llava_grads_match(tiny_llava(patch_size=4, dtype=torch.float64), model, image_tokens=16)
+
+
+def test_load_pretrained_keeps_the_attention_given_to_a_tower(tmp_path):
+    """load_pretrained(..., attn_implementation={"text_config": "span_attention", "vision_config": "sdpa"}): the vision
+    tower was patched all the same, without a word. Now it keeps the attention given, with stock gradients."""
+    from transformers import LlavaForConditionalGeneration
+
+    stock = tiny_llava(patch_size=4, dtype=torch.float64)
+    patch_model(copy.deepcopy(stock), "score:1100").save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, dtype=torch.float64,
+                             attn_implementation={"text_config": "span_attention", "vision_config": "sdpa"})
+    assert loaded.config.vision_config._attn_implementation == "sdpa"
+    patch_model(stock.model.language_model, "score:1100")
+    _llava_grads_match(stock, loaded, image_tokens=16)
+
+
+@pytest.mark.parametrize("case", ["vision tower alone", "text tower otherwise", "vision tower unpatched"])
+def test_a_composite_model_saved_with_a_tower_patched_apart_loads_as_it_trained(case, tmp_path):
+    """A vision-language model whose vision tower alone was patched, or whose language model was patched again with
+    other settings, or whose vision tower was unpatched, saved whole: load_pretrained patched every tower with the
+    composite model's settings (or the default), dropping what was done to the tower. Now each tower trains as it
+    did before the save."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = tiny_llava(patch_size=4, dtype=torch.float64)  # 16 patches and a class token: more than d = 8
+    if case == "vision tower alone":
+        patch_model(model.model.vision_tower, "score:1100")
+    else:
+        patch_model(model, "score:1000")
+        if case == "text tower otherwise":
+            patch_model(model.model.language_model, "score:1100")
+        else:
+            unpatch_model(model.model.vision_tower)
+    model.save_pretrained(tmp_path)
+    said = {"vision tower alone": "not given, but vision_config.span_attention is: patching that tower",
+            "text tower otherwise": "but text_config.span_attention differs: score:1100: those towers train so",
+            "vision tower unpatched": "but vision_config holds none: stock gradients: those towers train so"}[case]
+    with pytest.warns(UserWarning, match=said):
+        loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, dtype=torch.float64)
+    _llava_grads_match(model, loaded, image_tokens=16)
 
 
 @pytest.mark.parametrize("last", ["model", "adapter"])

@@ -573,6 +573,34 @@ def test_an_encoder_decoder_wrapper_is_patched_through_its_encoder_and_decoder(k
     assert torch.equal(grads(whole), stock)
 
 
+def test_an_encoder_decoder_built_from_towers_saved_alone_says_how_its_encoder_gets_the_rule(tmp_path):
+    """EncoderDecoderModel.from_encoder_decoder_pretrained gives the encoder the model's sub-config but leaves its
+    attention modules reading the config it was loaded with: they keep stock gradients, and the warning spoke of a
+    layer taken from another model. Now it names this case, and its advice gives the model patched as built whole."""
+    import transformers
+
+    _, model, inputs = _encoder_decoder("text")
+    model.encoder.save_pretrained(tmp_path / "encoder")
+    model.decoder.save_pretrained(tmp_path / "decoder")
+    built = transformers.EncoderDecoderModel.from_encoder_decoder_pretrained(tmp_path / "encoder", tmp_path / "decoder")
+    built.config.decoder_start_token_id, built.config.pad_token_id = 1, 0
+    with pytest.warns(UserWarning, match="which EncoderDecoderModel.from_encoder_decoder_pretrained replaces on the "
+                                         "tower but not on its layers"):
+        patch_model(built, "score:1000")
+    for module in built.encoder.modules():
+        if registry.calls_the_registry(module):
+            module.config = built.encoder.config
+    patch_model(built, "score:1000")
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        model(**inputs).loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    want = grads(patch_model(model, "score:1000"))
+    assert (grads(built) - want).norm() <= 1e-12 * want.norm()
+
+
 def test_an_encoder_decoder_whose_decoder_lacks_the_flag_names_it():
     """BERT encoder, BART decoder: refused, naming the decoder's class (the message named only the wrapper)."""
     import transformers

@@ -26,6 +26,7 @@ import warnings
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local
 from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
@@ -218,7 +219,7 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
     if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:  # torch names only the module
         raise ValueError(f"load_pretrained: adapter_name={shown(adapter_name)}: expected the name to give the adapter, "
                          "a non-empty string without '.' (by default 'default')")
-    base, info = loaded(model_class.from_pretrained(_base_model_of(folder, peft_config), **kwargs), kwargs)
+    base, info = loaded(model_class, _base_model_of(folder, peft_config), kwargs)
     saved = os.path.join(folder, CONFIG_NAME)
     from_file = config is None and os.path.lexists(saved)  # a settings "file" that is not one is refused
     if from_file:
@@ -243,9 +244,21 @@ def refuse_unfinished(folder: str | os.PathLike) -> None:
                       "adapter again, or delete that file if they are known to belong together")
 
 
-def loaded(result: Any, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
-    """The model that `from_pretrained(**kwargs)` returned, and its loading info where `output_loading_info` asked for
-    it (else None): from_pretrained then returns both."""
+def loaded(model_class: Any, name_or_path: str, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """`model_class.from_pretrained(name_or_path, **kwargs)`: the model, and its loading info where
+    `output_loading_info` asked for it (else None). A model that an auto class does not load (a vision-language or
+    encoder-decoder model through the default AutoModelForCausalLM) names `model_class` and the saved class."""
+    try:
+        result = model_class.from_pretrained(name_or_path, **kwargs)
+    except ValueError as err:
+        if not str(err).startswith("Unrecognized configuration class"):
+            raise
+        config = AutoConfig.from_pretrained(name_or_path, **{k: v for k, v in kwargs.items() if k in (
+            "subfolder", "revision", "token", "cache_dir", "local_files_only", "trust_remote_code")})
+        saved = ", ".join(getattr(config, "architectures", None) or []) or type(config).__name__
+        raise ValueError(f"load_pretrained: {name_or_path} holds a saved {saved}, which model_class="
+                         f"{model_class.__name__} does not load; pass the class it was saved as (model_class="
+                         f"{saved.split(', ')[0]}, from transformers)") from err
     if kwargs.get("output_loading_info") and isinstance(result, tuple):
         return result
     return result, None

@@ -7,6 +7,7 @@ whose eager attention bypasses the registry, gets a small adapter on its attenti
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import os
@@ -121,6 +122,19 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     adapters.install()
     base = base_model(model)
     config = as_config(config, "patch_model", "keep the model's settings")
+    towers = _towers(base)
+    saved = {key: getattr(tower.config, CONFIG_KEY, None) for key, tower in towers.items()}
+    as_saved = config is None and layers is None and any(section is not None for section in saved.values())
+    if as_saved and getattr(base.config, CONFIG_KEY, None) is None:  # towers patched alone, saved with the model
+        named = [key for key in towers if saved[key] is not None]
+        one = len(named) == 1
+        warnings.warn(f"{stored_source(base.config)}: not given, but {', '.join(f'{k}.{CONFIG_KEY}' for k in named)} "
+                      f"{'is' if one else 'are'}: patching {'that tower' if one else 'those towers'} of "
+                      f"{type(base).__name__} with {'its' if one else 'their'} settings, the others keep stock "
+                      "gradients (pass settings to patch_model to patch every tower)", stacklevel=2)
+        for key in named:
+            patch_model(towers[key])
+        return model
     keep = config is None and layers is None and config_of(base.config) is not None  # the section as it is stored
     if config is None:
         config = config_of(base.config) or _default_settings(base.config)
@@ -169,8 +183,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     for path, module in base.named_modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
-        if any("cross" in part.lower() or part == "encoder_attn" for part in path.split(".")) and \
-                calls_the_registry(module):
+        if _under_cross_attention(path) and calls_the_registry(module):
             module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
         # a composite model's towers read their sub-config (text_config, vision_config), and a custom model's attention
         # may hold no config at all: the settings are the model's
@@ -188,6 +201,11 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                       "them otherwise.", stacklevel=2)
     if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
         setattr(base.config, CONFIG_KEY, config.to_dict())
+    for tower in towers.values():  # a tower saved alone (model.language_model.save_pretrained) keeps them
+        if config.layers is None or any(registry.layer_index(m) is not None for m in tower.modules()):
+            setattr(tower.config, CONFIG_KEY, copy.deepcopy(getattr(base.config, CONFIG_KEY)))
+        elif hasattr(tower.config, CONFIG_KEY):  # attention without a layer index: `layers` leaves it stock
+            delattr(tower.config, CONFIG_KEY)
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
     card.set_tags(base, config)
     train_checks.install()
@@ -207,7 +225,29 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
         _warn_modules_left_stock(base)
+    if as_saved:  # a tower patched otherwise, or unpatched, before the model was saved: as it was
+        apart = []
+        for key, tower in towers.items():
+            if saved[key] is None:
+                unpatch_model(tower)
+                apart.append(f"{key} holds none: stock gradients")
+            elif saved[key] != getattr(base.config, CONFIG_KEY):
+                setattr(tower.config, CONFIG_KEY, saved[key])
+                patch_model(tower)
+                apart.append(f"{key}.{CONFIG_KEY} differs: {config_of(tower.config).label}")
+        if apart:
+            warnings.warn(f"patch_model: {type(base).__name__} has settings of its own ({config.label}), but "
+                          f"{'; '.join(apart)}: those towers train so, as they did when saved (pass settings to "
+                          "patch_model to patch every tower alike)", stacklevel=2)
     return model
+
+
+def _towers(base: PreTrainedModel) -> dict[str, PreTrainedModel]:
+    """The models inside a composite model (a vision-language model's vision tower and language model, an
+    encoder-decoder's encoder and decoder) that read one of its sub-configs, by the sub-config's name."""
+    parts = {id(getattr(base.config, key, None)): key for key in getattr(base.config, "sub_configs", None) or {}}
+    return {parts[id(m.config)]: m for m in base.modules()
+            if isinstance(m, PreTrainedModel) and m is not base and id(m.config) in parts}
 
 
 def _warn_modules_left_stock(base: PreTrainedModel) -> None:
@@ -220,10 +260,11 @@ def _warn_modules_left_stock(base: PreTrainedModel) -> None:
         other = next(iter(left.values()))
         warnings.warn(f"patch_model: {', '.join(left)} of {type(base).__name__} read their attention implementation "
                       f"from a config that is not the model's ({type(other).__name__} with attn_implementation="
-                      f"{other._attn_implementation!r}: a layer taken from another model), so they keep stock "
-                      "gradients. Give the model its own copy of the layer pointing to its config (layer = "
-                      "copy.deepcopy(layer), then set its attention module's .config to the model's) and patch again",
-                      stacklevel=3)
+                      f"{other._attn_implementation!r}: a layer taken from another model, or the config a tower was "
+                      "loaded with, which EncoderDecoderModel.from_encoder_decoder_pretrained replaces on the tower "
+                      "but not on its layers), so they keep stock gradients. Set those modules' .config to the "
+                      "config of the model (or tower) that holds them, on a copy of a layer taken from another model "
+                      "(layer = copy.deepcopy(layer)), and patch again", stacklevel=3)
 
 
 def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
@@ -270,10 +311,24 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     neo = _neo_attentions(base)
     attending = {i for i, modules in present.items() if any(m in neo or calls_the_registry(m) for m in modules)}
     attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
-    absent = [i for i in layers if i not in attending]
+    cross = {m for path, m in base.named_modules() if _under_cross_attention(path) or registry.is_cross_attention(m)}
+    calling = {i: [m for m in present.get(i, ()) if calls_the_registry(m)] for i in attending}
+    crossing = {i for i in attending if calling[i] and all(m in cross for m in calling[i])}  # SDPA's gradient
+    absent = [i for i in layers if i not in attending or i in crossing]
     if absent if every else len(absent) == len(layers):
+        only_cross = [i for i in absent if i in crossing]
+        if only_cross:
+            raise ValueError(f"{what}: layer {shown(only_cross)[1:-1]} of {type(base).__name__} holds cross-attention "
+                             "only, which keeps SDPA's gradient (span rules need self-attention); its self-attention "
+                             f"modules carry the layer indices {shown(sorted(attending - crossing))[1:-1]}")
         raise ValueError(f"{what}: {type(base).__name__} has no attention module of layer {shown(absent)[1:-1]}; its "
                          f"attention modules carry the layer indices {shown(sorted(attending))[1:-1]}")
+
+
+def _under_cross_attention(path: str) -> bool:
+    """Whether a module's path in its model places it in a cross-attention module (BLIP-2's Q-Former attention,
+    which serves as both, is told by where it sits)."""
+    return any("cross" in part.lower() or part == "encoder_attn" for part in path.split("."))
 
 
 def _declares_backend(base: PreTrainedModel) -> bool:
@@ -333,6 +388,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for module in base.modules():
         for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR, CROSS_ATTR, REGISTERS_ATTR):
             module.__dict__.pop(name, None)
+    for tower in _towers(base).values():  # a tower patched alone, the model around it not
+        if is_patched(tower) and config_of(tower.config) is not None:
+            unpatch_model(tower)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
     if _another_sharing(base) is not None:
@@ -340,8 +398,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
                       f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
                       "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
                       "alone.", stacklevel=2)
-    if hasattr(base.config, CONFIG_KEY):
-        delattr(base.config, CONFIG_KEY)
+    for model_config in [base.config, *(tower.config for tower in _towers(base).values())]:
+        if hasattr(model_config, CONFIG_KEY):
+            delattr(model_config, CONFIG_KEY)
     for part in sharing:
         card.set_tags(part, None)
     if original and original["reorder_and_upcast_attn"]:  # also where the attention was set otherwise since
@@ -493,11 +552,16 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)
-    model, info = adapters.loaded(model_class.from_pretrained(name_or_path, **kwargs), kwargs)
+    model, info = adapters.loaded(model_class, name_or_path, kwargs)
     if beside_adapter:  # Transformers added the adapter, frozen
         if is_trainable:
             adapters.train_adapters(model)
         if config is None:
             config = adapters.settings_beside_model(folder, base_model(model, "load_pretrained").config)
     model = patch_model(model, config, layers)
+    chosen = kwargs.get("attn_implementation")
+    if isinstance(chosen, dict):  # a tower given another attention ({"vision_config": "sdpa"}) keeps it
+        for key, tower in _towers(base_model(model, "load_pretrained")).items():
+            if chosen.get(key, ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION:
+                unpatch_model(tower).set_attn_implementation(chosen[key])
     return model if info is None else (model, info)  # as from_pretrained with output_loading_info=True

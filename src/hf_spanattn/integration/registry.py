@@ -306,7 +306,8 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
             logger.warning_once(
                 f"span_attention: {type(module).__name__} carries no layer index, so "
                 f"layers={shown(list(config.layers))} cannot select it and it keeps stock gradients; "
-                "hf_spanattn.patch_model(model) numbers the layers of models whose attention carries none.")
+                "hf_spanattn.patch_model numbers the layers of a model whose attention modules all carry none, as a "
+                "composite model's tower patched alone (patch_model(model.model.vision_tower, ..., layers=...)).")
         return None
     return config
 
