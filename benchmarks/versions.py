@@ -4,7 +4,7 @@ Each version is a folder that holds `src/hf_spanattn` (a `git archive <commit> |
 clone); the first is the baseline. Each round calls every (version, label) once, in a random order; a cell
 is the median over rounds of the version's time over the baseline's in the same round, so that the
 machine's drift hits both alike. Causal (with --no-causal: no mask), 4 heads, D = 64, float32, the CPU,
-under a steady heap (see `rerun_with_steady_heap`).
+under a steady heap (see `rerun_with_steady_heap`; --default-heap: glibc's defaults, as a user's process has them).
 
     mkdir -p /tmp/v/old /tmp/v/new
     git archive c3b5304 | tar -x -C /tmp/v/old && git archive HEAD | tar -x -C /tmp/v/new
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import at_least, rerun_with_steady_heap, span_label, time_rounds
+from benchmarks.common import STEADY_HEAP, at_least, rerun_with_steady_heap, span_label, time_rounds
 
 HEADS, HEAD_DIM = 4, 64
 
@@ -61,10 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", type=span_label, nargs="+", default=["score:1000", "score:1111"])
     parser.add_argument("--repeats", type=at_least(1), default=11)
     parser.add_argument("--no-causal", dest="causal", action="store_false")
+    parser.add_argument("--default-heap", action="store_true",
+                        help="glibc's default heap, as a user's process has it (large tensors then pay their page "
+                             "faults on every call), instead of the steady heap that times the computation alone")
     args = parser.parse_args(argv)
     if len(args.folders) < 2:
         parser.error("give at least two folders: the baseline and a version to compare with it")
-    if argv is None:
+    if argv is None and not args.default_heap:
         rerun_with_steady_heap("benchmarks.versions")
     ours = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "hf_spanattn"}
     try:
@@ -77,9 +80,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, versions: list[Callable[..., torch.Tensor]]) -> None:
     """The table: a row per (T, method), a column per version after the baseline."""
+    heap = "steady" if all(os.environ.get(key) == value for key, value in STEADY_HEAP.items()) else "default"
     print(f"{'causal' if args.causal else 'no mask'}, {HEADS} heads, D={HEAD_DIM}, B*T={args.tokens}, float32, "
-          f"cpu, {torch.get_num_threads()} CPU threads, torch {torch.__version__}; time × {args.folders[0]}, "
-          f"median of {args.repeats} paired ratios")
+          f"cpu, {torch.get_num_threads()} CPU threads, {heap} heap, torch {torch.__version__}; time × "
+          f"{args.folders[0]}, median of {args.repeats} paired ratios")
     print("| T | method | baseline ms | " + " | ".join(args.folders[1:]) + " |")
     print("|---:|---|---:|" + "---:|" * (len(versions) - 1))
     gen = torch.Generator().manual_seed(0)
