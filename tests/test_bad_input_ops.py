@@ -799,3 +799,23 @@ def test_a_reentrant_checkpoint_under_dropout_recomputes_the_dropout_mask_its_lo
             x.grad = None
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [4, 24])  # T ≤ d (unit rows) and T > d (factorization)
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("label", ["score:1100@per_block", "score:0.5,2,0,1.5@per_block"])
+def test_subnormal_keys_give_the_float64_references_key_gradient_under_per_block(label, backend, t):
+    """Keys at 1e-40 (float32 subnormals): the cross terms' (K⁺)ᵀ ~ 1e40 was formed in float32, past its range, and
+    dK was NaN. Their product is of order one: dK is now the float64 reference's of the same float32 inputs."""
+    from reference import reference
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.randn(1, 2, t, 6, generator=gen) for _ in range(4))
+    k = k * 1e-40
+    config = SpanAttentionConfig.from_label(label)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    dk = torch.autograd.grad(span_attention(*leaves, is_causal=True, config=config, backend=backend), leaves[1],
+                             d_out)[0]
+    want = reference(q, k, v, d_out, config, is_causal=True)[1][1]
+    std = reference(q, k, v, d_out, SpanAttentionConfig(method="standard"), is_causal=True)[1][1]
+    assert ((dk.double() - want).norm() / torch.maximum(want.norm(), std.norm())).item() < 1e-5

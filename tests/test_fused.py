@@ -283,3 +283,24 @@ def test_the_output_is_laid_out_as_sdpas(label):
     assert out.stride() == stock.stride()
     torch.testing.assert_close(out.view(2, -1), stock.view(2, -1))
     out.square().sum().backward()
+
+
+@pytest.mark.parametrize("weak", [1e-3, 1e-4, 1e-5])
+def test_the_share_of_a_weak_direction_each_span_takes_is_the_documented_one(weak):
+    """docs/engine.md: `span_without_sync` (fused) takes a direction of singular value ≥ 1e-3·‖X‖_F whole to 1e-4,
+    a fifth of one at 1e-4·‖X‖_F is left out, all but 2 % at 1e-5·‖X‖_F; `span_of` (tiles) takes each whole."""
+    from hf_spanattn.ops.spans import span_of, span_without_sync
+
+    gen = torch.Generator().manual_seed(0)
+    t, d = 64, 16
+    left, _ = torch.linalg.qr(torch.randn(t, d, generator=gen, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    sigma = torch.ones(d, dtype=torch.float64)
+    sigma[-1] = weak * d ** 0.5  # ‖X‖_F ≈ √d
+    x = ((left * sigma) @ right.T).float()
+    weak_direction = torch.linalg.svd(x.double(), full_matrices=False).U[:, -1]
+    fused, tiles = ((span(x[None]).basis[0].double().T @ weak_direction).square().sum().item()
+                    for span in (span_without_sync, span_of))
+    assert abs(tiles - 1) < 1e-5
+    expected = {1e-3: (1 - 1e-4, 1.0), 1e-4: (0.7, 0.85), 1e-5: (0.0, 0.03)}[weak]
+    assert expected[0] <= fused <= expected[1] + 1e-6

@@ -278,10 +278,9 @@ def score_per_block_finish(products: BlockProducts, q: torch.Tensor, k: torch.Te
     if cross_e[0] is not None or cross_e[1] is not None:
         e_mix = _split(span_v, cross_e[0], cross_e[1], like=q)  # Ẽ
         del cross_e
-        pinv = span_k.pinv_t()  # (K⁺)ᵀ
-        cross = q @ (e_mix.mT @ pinv)
-        cross = span_k.reject(group_sum(cross.add_(e_mix @ (q.mT @ pinv))))
-        del e_mix, pinv
+        cross = span_k.left_pinv_t(q, e_mix)
+        cross = span_k.reject(group_sum(cross.add_(span_k.left_pinv_t(e_mix, q))))
+        del e_mix
     dk = _split(span_v, *products.key, like=k)
     if cross is not None:
         dk = dk.add_(cross.mul_(spans.key_valid) if spans.key_valid is not None else cross)

@@ -36,7 +36,8 @@ _RIDGE = 1e-8  # span_without_sync: ε = _RIDGE·tr(XᵀX), far above float32's 
 @dataclass
 class Span:
     """The span of the columns of X (…, T, d): an orthonormal `basis` U (…, T, d) with a zero column
-    for each direction X lacks, and `coef` C (…, d, d) with (X⁺)ᵀ = U C (None unless asked for)."""
+    for each direction X lacks, and `coef` C (…, d, d) with (X⁺)ᵀ = U C (None unless asked for), in
+    float64: C grows as 1/σ(X), past float32's range for X below ~1e-38 (subnormal)."""
 
     basis: torch.Tensor
     coef: torch.Tensor | None
@@ -51,10 +52,20 @@ class Span:
         return torch.sub(w, projected, out=projected)
 
     def pinv_t(self) -> torch.Tensor:
-        """(X⁺)ᵀ = X (XᵀX)⁺, shape (…, T, d)."""
+        """(X⁺)ᵀ = X (XᵀX)⁺, shape (…, T, d), in U's dtype."""
+        return self.basis @ self._coef().to(self.basis.dtype)
+
+    def left_pinv_t(self, left: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A Wᵀ (X⁺)ᵀ = (A (Wᵀ U)) C for A (…, T, n) and W (…, T, n), in A's dtype. C is applied last and
+        in its own dtype, so the result is finite wherever it is in A's dtype, also where C, Wᵀ (X⁺)ᵀ
+        or A Wᵀ U are not (X at the bottom of A's range: (X⁺)ᵀ is huge where A Wᵀ U is tiny)."""
+        coef = self._coef()
+        return ((left.to(coef.dtype) @ (w.mT @ self.basis).to(coef.dtype)) @ coef).to(left.dtype)
+
+    def _coef(self) -> torch.Tensor:
         if self.coef is None:
             raise ValueError("this span was built without (X⁺)ᵀ: use span_of(x, pinv=True)")
-        return self.basis @ self.coef
+        return self.coef
 
 
 def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
@@ -76,7 +87,7 @@ def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
     else:  # float64: all of it below
         basis, coef = torch.empty_like(flat), flat.new_empty(len(flat), d, d) if pinv else None
         done = torch.zeros(len(flat), dtype=torch.bool, device=x.device)
-    coef = coef if pinv else None  # the Cholesky route gives C for free; kept only when asked for
+    coef = coef.double() if pinv else None  # the Cholesky route gives C for free; kept only when asked for
     if not done.all() and t > d:  # padded short sequences, with at most d non-zero rows
         idx = (~done).nonzero(as_tuple=True)[0]
         idx = idx[(flat[idx] != 0).any(dim=-1).sum(dim=-1) <= d]
@@ -94,7 +105,7 @@ def span_of(x: torch.Tensor, pinv: bool = False) -> Span:
         wide_basis, wide_coef = _newton_schulz(wide_basis, wide_coef)
         basis[idx] = wide_basis.to(x.dtype)
         if coef is not None:
-            coef[idx] = wide_coef.to(x.dtype)
+            coef[idx] = wide_coef
     if not finite.all():
         basis[~finite] = torch.nan
         if coef is not None:
@@ -155,7 +166,7 @@ def _unit_rows(x: torch.Tensor, cutoff: float, pinv: bool,
     if not pinv:
         return basis, None, holds
     pinv_t = chol_inv.mT @ (chol_inv @ packed)  # (XXᵀ)⁻¹X on the non-zero rows, 0 on the others
-    return basis, (packed_basis.double().mT @ pinv_t).to(x.dtype), holds
+    return basis, packed_basis.double().mT @ pinv_t, holds
 
 
 def _eigen(x: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,4 +217,4 @@ def span_without_sync(x: torch.Tensor, pinv: bool = False, padded: bool = True) 
         if pinv:
             coef = torch.where(independent[:, None, None], rows_coef, coef)
     basis = basis.to(x.dtype).view(x.shape)
-    return Span(basis, coef.to(x.dtype).view(*x.shape[:-2], d, d) if pinv else None)
+    return Span(basis, coef.view(*x.shape[:-2], d, d) if pinv else None)
