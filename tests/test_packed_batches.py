@@ -43,10 +43,10 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check_packed_equals_alone(family: str, label: str, collator, monkeypatch, backend: str,
+def check_packed_equals_alone(family: str | torch.nn.Module, label: str, collator, monkeypatch, backend: str,
                               lengths=LENGTHS) -> float:
     monkeypatch.setenv("HF_SPANATTN_BACKEND", backend)
-    model = patch_model(tiny(family), label).train()
+    model = patch_model(tiny(family) if isinstance(family, str) else family, label).train()
     docs = documents(lengths)
     batch = collator([{"input_ids": doc} for doc in docs])
     ids = batch.pop("input_ids")
@@ -94,6 +94,27 @@ def test_gpt_neo_packed_documents_within_its_local_window(monkeypatch):
     check_packed_equals_alone("gpt_neo", "score:1100", DataCollatorWithFlattening(), monkeypatch, "tiles", (5, 6, 3))
 
 
+def sliding(family: str, window: int = 4) -> torch.nn.Module:
+    """A tiny Mistral (one key/value head), or Qwen2 with its upper layer in a sliding window of `window` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    kwargs = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2,
+                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=window)
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**kwargs))
+    return Qwen2ForCausalLM(Qwen2Config(**kwargs, use_sliding_window=True, max_window_layers=1))
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gpt_neo"])
+def test_documents_longer_than_the_sliding_window(family, backend, monkeypatch):
+    """A sliding window (Mistral's, Qwen2's, GPT-Neo's local one of 6) shorter than a packed document: each
+    document keeps its own part of the windowed mask, as it has alone (the row's spans were taken before)."""
+    model = tiny("gpt_neo") if family == "gpt_neo" else sliding(family)
+    check_packed_equals_alone(model, "score:1100", DataCollatorWithFlattening(), monkeypatch, backend, (5, 9, 12))
+
+
 def test_packed_rows_without_the_split_would_differ(monkeypatch):
     """The comparison can fail: read as one sequence per row, the packed document's gradients differ."""
     monkeypatch.setattr(registry.packing, "from_mask", lambda *args: None)
@@ -115,7 +136,10 @@ def test_mask_reading_finds_documents_padding_and_blocks():
     assert packing.from_mask(right_padded[None, None], 1) is None
     window = causal & ~torch.ones(t, t, dtype=torch.bool).tril(-2)  # a sliding window is not packing
     assert packing.from_mask(window[None, None], 1) is None
-    assert packing.from_mask((window & packed[0, 0])[None, None], 1) == "unreadable"
+    windowed = packing.from_mask((window & packed[0, 0])[None, None], 1)  # each document keeps its part
+    assert windowed.mask[2, 0].tolist() == [[True, False, False], [True, True, False], [False, True, True]]
+    band = (torch.arange(t)[:, None] - torch.arange(t)[None]).abs() < 2  # bidirectional: not causal, not whole blocks
+    assert packing.from_mask((band & (same[:, None] == same[None, :]))[None, None], 1) == "unreadable"
 
 
 def test_cu_seq_lens_without_a_mask_that_separates_documents_warns(caplog):
@@ -144,12 +168,12 @@ def test_cu_seq_lens_with_a_padding_mask_that_joins_documents_warns(caplog):
 
 
 def test_unreadable_packing_warns_once(caplog, monkeypatch):
-    """A packed row whose mask is not the block-diagonal mask of whole documents (here a sliding
+    """A packed row whose mask is not the block-diagonal mask of whole documents (here a bidirectional
     window inside the documents) keeps the row's spans and says so once."""
     model = patch_model(tiny("gpt2"), "score:1000").train()
     ids = torch.randint(1, VOCAB, (1, 12))
     same = torch.tensor([0] * 6 + [1] * 6)
-    window = torch.ones(12, 12, dtype=torch.bool).tril() & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)
+    window = (torch.arange(12)[:, None] - torch.arange(12)[None]).abs() < 3  # bidirectional
     mask = (window & (same[:, None] == same[None, :]))[None, None]
     registry.logger.warning_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
