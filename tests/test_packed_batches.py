@@ -248,6 +248,20 @@ def test_cu_seq_lens_separate_documents_under_graph_capture(monkeypatch):
     assert (True, []) in reads and all(calls == [] for _, calls in reads)
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_cu_seq_lens_under_graph_capture_keep_the_sliding_window(family, monkeypatch):
+    """Under CUDA graph capture (simulated) the documents come from cu_seq_lens, and each keeps its part of the
+    sliding window's mask (gathered on the device): the forward pass is the stock model's (it attended to the whole
+    causal document before) and the gradients those each document has alone."""
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": doc} for doc in documents((5, 9, 12))])
+    stock = sliding(family).train()(**batch, use_cache=False).logits
+    with graph_capture():
+        logits = patch_model(sliding(family), "score:1100").train()(**batch, use_cache=False).logits
+        check_packed_equals_alone(sliding(family), "score:1100", collator, monkeypatch, "fused", (5, 9, 12))
+    assert (logits - stock).abs().max() <= 1e-5
+
+
 def test_cu_seq_lens_read_on_the_device_under_graph_capture():
     """Without max_length, the longest document is read from cu_seq_lens on the host, except under
     capture: then the row length T bounds the documents."""

@@ -18,7 +18,7 @@ ran alone. Transformers tells the attention where documents start in one of two 
 While a CUDA graph is captured nothing is read on the host: the mask is not read (`from_mask`
 gives "captured", and the mask is used as it is), and `cu_seq_lens` are, as always, read on the
 device, with `max_length_q` (a Python int, frozen into the graph as FlashAttention's is) or else
-the row length T as the documents' length.
+the row length T as the documents' length, each document keeping its part of the mask (a sliding window).
 
 `unpack` gathers the rows into a padded batch of documents (N, H, L, D) with a padding (+ causal)
 mask, `repack` gathers the output back; autograd carries the gradients through both gathers.
@@ -179,9 +179,15 @@ def _read_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     if not plain or not (is_causal or is_blocks or in_causal):
         return "unreadable"
     docs = _documents(doc, pos, queries, keys, count, length, bool(is_causal))
-    if is_causal or is_blocks:
-        return docs
     # causal within each document but not all of it (a sliding window): each document keeps its own part of the mask
-    rows = torch.cat([m.reshape(-1, t), m.new_zeros(1, t)]).index_select(0, docs.source).view(count, length, t)
-    own = rows.gather(-1, (docs.source % t).view(count, 1, length).expand(-1, length, -1))
+    return docs if is_causal or is_blocks else within(docs, mask, b)
+
+
+def within(docs: Documents, mask: torch.Tensor, b: int) -> Documents:
+    """`docs` with each document's mask limited to its own part of the 4-D mask (B or 1, H or 1, T, T) that the
+    forward pass attends to (a sliding window's, or none across documents), gathered on the device."""
+    m = attended(mask)[:, 0].expand(b, -1, -1)
+    n, length, t = docs.count, docs.length, m.shape[-1]
+    rows = torch.cat([m.reshape(-1, t), m.new_zeros(1, t)]).index_select(0, docs.source).view(n, length, t)
+    own = rows.gather(-1, (docs.source % t).view(n, 1, length).expand(-1, length, -1))
     return dataclasses.replace(docs, mask=own[:, None] & docs.mask)

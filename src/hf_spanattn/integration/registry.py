@@ -538,7 +538,9 @@ def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_ca
         # the mask cannot be read: the documents cu_seq_lens mark; else the documents of the mask, which the forward
         # pass attends to as SDPA does (cu_seq_lens that disagree with it, or are not FlashAttention's form, would
         # change the forward)
-        return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
+        docs = packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
+        fits = attention_mask.dim() == 4 and attention_mask.shape[-2:] == (t, t)
+        return packing.within(docs, attention_mask, b) if fits else docs  # a sliding window's mask stays in force
     docs = _documents_of_mask(attention_mask, b, t)
     if marked and (b != 1 or docs is None):
         logger.warning_once(
