@@ -183,6 +183,25 @@ def test_unreadable_packing_warns_once(caplog, monkeypatch):
     assert len(warned) == 1
 
 
+def test_an_unreadable_mask_with_cu_seq_lens_is_named_alone(caplog):
+    """A packed row's mask that differs between heads, given with cu_seq_lens: the warning names the mask that
+    cannot be read, and says nothing of a mask that separates no documents (there is one)."""
+    model = patch_model(tiny("llama"), "score:1000").train()
+    same = torch.tensor([0] * 5 + [1] * 9 + [2] * 3)
+    causal = torch.ones(17, 17, dtype=torch.bool).tril()
+    mask = (causal & (same[:, None] == same[None, :]))[None, None].repeat(1, 4, 1, 1)
+    mask[0, 1] = causal  # one head attends across the documents
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    ids = torch.randint(1, VOCAB, (1, 17))
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model(ids, attention_mask=mask, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9,
+              max_length_k=9).loss.backward()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "cannot be read" in m]) == 1
+    assert not [m for m in said if "no attention mask separates them" in m]
+
+
 def test_the_mask_is_read_once_per_forward(monkeypatch):
     """All layers share the mask Transformers builds: its documents are read (one host sync) once."""
     reads = []
