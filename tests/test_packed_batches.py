@@ -43,10 +43,10 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check_packed_equals_alone(family: str, label: str, collator, monkeypatch, backend: str,
+def check_packed_equals_alone(family: str | torch.nn.Module, label: str, collator, monkeypatch, backend: str,
                               lengths=LENGTHS) -> float:
     monkeypatch.setenv("HF_SPANATTN_BACKEND", backend)
-    model = patch_model(tiny(family), label).train()
+    model = patch_model(tiny(family) if isinstance(family, str) else family, label).train()
     docs = documents(lengths)
     batch = collator([{"input_ids": doc} for doc in docs])
     ids = batch.pop("input_ids")
@@ -94,6 +94,27 @@ def test_gpt_neo_packed_documents_within_its_local_window(monkeypatch):
     check_packed_equals_alone("gpt_neo", "score:1100", DataCollatorWithFlattening(), monkeypatch, "tiles", (5, 6, 3))
 
 
+def sliding(family: str, window: int = 4) -> torch.nn.Module:
+    """A tiny Mistral (one key/value head), or Qwen2 with its upper layer in a sliding window of `window` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    kwargs = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2,
+                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=window)
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**kwargs))
+    return Qwen2ForCausalLM(Qwen2Config(**kwargs, use_sliding_window=True, max_window_layers=1))
+
+
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gpt_neo"])
+def test_documents_longer_than_the_sliding_window(family, backend, monkeypatch):
+    """A sliding window (Mistral's, Qwen2's, GPT-Neo's local one of 6) shorter than a packed document: each
+    document keeps its own part of the windowed mask, as it has alone (the row's spans were taken before)."""
+    model = tiny("gpt_neo") if family == "gpt_neo" else sliding(family)
+    check_packed_equals_alone(model, "score:1100", DataCollatorWithFlattening(), monkeypatch, backend, (5, 9, 12))
+
+
 def test_packed_rows_without_the_split_would_differ(monkeypatch):
     """The comparison can fail: read as one sequence per row, the packed document's gradients differ."""
     monkeypatch.setattr(registry.packing, "from_mask", lambda *args: None)
@@ -115,7 +136,10 @@ def test_mask_reading_finds_documents_padding_and_blocks():
     assert packing.from_mask(right_padded[None, None], 1) is None
     window = causal & ~torch.ones(t, t, dtype=torch.bool).tril(-2)  # a sliding window is not packing
     assert packing.from_mask(window[None, None], 1) is None
-    assert packing.from_mask((window & packed[0, 0])[None, None], 1) == "unreadable"
+    windowed = packing.from_mask((window & packed[0, 0])[None, None], 1)  # each document keeps its part
+    assert windowed.mask[2, 0].tolist() == [[True, False, False], [True, True, False], [False, True, True]]
+    band = (torch.arange(t)[:, None] - torch.arange(t)[None]).abs() < 2  # bidirectional: not causal, not whole blocks
+    assert packing.from_mask((band & (same[:, None] == same[None, :]))[None, None], 1) == "unreadable"
 
 
 def test_cu_seq_lens_without_a_mask_that_separates_documents_warns(caplog):
@@ -144,12 +168,12 @@ def test_cu_seq_lens_with_a_padding_mask_that_joins_documents_warns(caplog):
 
 
 def test_unreadable_packing_warns_once(caplog, monkeypatch):
-    """A packed row whose mask is not the block-diagonal mask of whole documents (here a sliding
+    """A packed row whose mask is not the block-diagonal mask of whole documents (here a bidirectional
     window inside the documents) keeps the row's spans and says so once."""
     model = patch_model(tiny("gpt2"), "score:1000").train()
     ids = torch.randint(1, VOCAB, (1, 12))
     same = torch.tensor([0] * 6 + [1] * 6)
-    window = torch.ones(12, 12, dtype=torch.bool).tril() & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)
+    window = (torch.arange(12)[:, None] - torch.arange(12)[None]).abs() < 3  # bidirectional
     mask = (window & (same[:, None] == same[None, :]))[None, None]
     registry.logger.warning_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
@@ -157,6 +181,25 @@ def test_unreadable_packing_warns_once(caplog, monkeypatch):
         model(ids, attention_mask=mask.clone(), labels=ids).loss.backward()
     warned = [r for r in caplog.records if "cannot be read" in r.getMessage()]
     assert len(warned) == 1
+
+
+def test_an_unreadable_mask_with_cu_seq_lens_is_named_alone(caplog):
+    """A packed row's mask that differs between heads, given with cu_seq_lens: the warning names the mask that
+    cannot be read, and says nothing of a mask that separates no documents (there is one)."""
+    model = patch_model(tiny("llama"), "score:1000").train()
+    same = torch.tensor([0] * 5 + [1] * 9 + [2] * 3)
+    causal = torch.ones(17, 17, dtype=torch.bool).tril()
+    mask = (causal & (same[:, None] == same[None, :]))[None, None].repeat(1, 4, 1, 1)
+    mask[0, 1] = causal  # one head attends across the documents
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    ids = torch.randint(1, VOCAB, (1, 17))
+    registry.logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        model(ids, attention_mask=mask, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9,
+              max_length_k=9).loss.backward()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "cannot be read" in m]) == 1
+    assert not [m for m in said if "no attention mask separates them" in m]
 
 
 def test_the_mask_is_read_once_per_forward(monkeypatch):
@@ -222,6 +265,20 @@ def test_cu_seq_lens_separate_documents_under_graph_capture(monkeypatch):
     with graph_capture():
         check_packed_equals_alone("llama", "score:1100", collator, monkeypatch, "fused")
     assert (True, []) in reads and all(calls == [] for _, calls in reads)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_cu_seq_lens_under_graph_capture_keep_the_sliding_window(family, monkeypatch):
+    """Under CUDA graph capture (simulated) the documents come from cu_seq_lens, and each keeps its part of the
+    sliding window's mask (gathered on the device): the forward pass is the stock model's (it attended to the whole
+    causal document before) and the gradients those each document has alone."""
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": doc} for doc in documents((5, 9, 12))])
+    stock = sliding(family).train()(**batch, use_cache=False).logits
+    with graph_capture():
+        logits = patch_model(sliding(family), "score:1100").train()(**batch, use_cache=False).logits
+        check_packed_equals_alone(sliding(family), "score:1100", collator, monkeypatch, "fused", (5, 9, 12))
+    assert (logits - stock).abs().max() <= 1e-5
 
 
 def test_cu_seq_lens_read_on_the_device_under_graph_capture():

@@ -18,7 +18,7 @@ ran alone. Transformers tells the attention where documents start in one of two 
 While a CUDA graph is captured nothing is read on the host: the mask is not read (`from_mask`
 gives "captured", and the mask is used as it is), and `cu_seq_lens` are, as always, read on the
 device, with `max_length_q` (a Python int, frozen into the graph as FlashAttention's is) or else
-the row length T as the documents' length.
+the row length T as the documents' length, each document keeping its part of the mask (a sliding window).
 
 `unpack` gathers the rows into a padded batch of documents (N, H, L, D) with a padding (+ causal)
 mask, `repack` gathers the output back; autograd carries the gradients through both gathers.
@@ -27,6 +27,7 @@ mask, `repack` gathers the output back; autograd carries the gradients through b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,8 @@ if "msg" not in inspect.signature(torch._dynamo.graph_break).parameters:  # torc
 def from_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     """The documents of a block-diagonal 4-D mask (B or 1, H or 1, T, T): a Documents where some row
     holds several, None where every row holds at most one, "unreadable" where a row is cut into
-    blocks that are not a block-diagonal causal or bidirectional mask of whole documents, "captured"
+    blocks that are not a block-diagonal mask of whole documents, bidirectional or causal (each document's own
+    part of a causal mask, as a sliding window's, is kept), "captured"
     while a CUDA graph is captured (then the mask is not read). None on the meta device, which holds no mask to read
     (span_attention there gives SDPA's shapes)."""
     if mask.device.type == "meta":
@@ -169,11 +171,23 @@ def _read_mask(mask: torch.Tensor, b: int) -> Documents | None | str:
     if mask.dtype != torch.bool:  # an additive mask: 0 where attended (no bias) and no empty row
         plain = plain & (torch.where(allowed, mask, 0) == 0).all() & queries.all()
     flags = torch.stack([x.to(torch.long) for x in ((per_row > 1).any(), plain, (m == causal).all(),
-                                                    (m == blocks).all(), per_row.sum(),
+                                                    (m == blocks).all(), (m <= causal).all(), per_row.sum(),
                                                     torch.where(doc >= 0, pos + 1, 0).max())])
-    packed, plain, is_causal, is_blocks, count, length = flags.tolist()  # the one host sync
+    packed, plain, is_causal, is_blocks, in_causal, count, length = flags.tolist()  # the one host sync
     if not packed:
         return None
-    if not plain or not (is_causal or is_blocks):
+    if not plain or not (is_causal or is_blocks or in_causal):
         return "unreadable"
-    return _documents(doc, pos, queries, keys, count, length, bool(is_causal))
+    docs = _documents(doc, pos, queries, keys, count, length, bool(is_causal))
+    # causal within each document but not all of it (a sliding window): each document keeps its own part of the mask
+    return docs if is_causal or is_blocks else within(docs, mask, b)
+
+
+def within(docs: Documents, mask: torch.Tensor, b: int) -> Documents:
+    """`docs` with each document's mask limited to its own part of the 4-D mask (B or 1, H or 1, T, T) that the
+    forward pass attends to (a sliding window's, or none across documents), gathered on the device."""
+    m = attended(mask)[:, 0].expand(b, -1, -1)
+    n, length, t = docs.count, docs.length, m.shape[-1]
+    rows = torch.cat([m.reshape(-1, t), m.new_zeros(1, t)]).index_select(0, docs.source).view(n, length, t)
+    own = rows.gather(-1, (docs.source % t).view(n, 1, length).expand(-1, length, -1))
+    return dataclasses.replace(docs, mask=own[:, None] & docs.mask)

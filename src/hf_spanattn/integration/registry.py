@@ -538,9 +538,12 @@ def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_ca
         # the mask cannot be read: the documents cu_seq_lens mark; else the documents of the mask, which the forward
         # pass attends to as SDPA does (cu_seq_lens that disagree with it, or are not FlashAttention's form, would
         # change the forward)
-        return packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
-    docs = _documents_of_mask(attention_mask, b, t)
-    if marked and (b != 1 or docs is None):
+        docs = packing.from_cu_seq_lens(cu_seq_lens.to(query.device), kwargs.get("max_length_q"), t, is_causal)
+        fits = attention_mask.dim() == 4 and attention_mask.shape[-2:] == (t, t)
+        return packing.within(docs, attention_mask, b) if fits else docs  # a sliding window's mask stays in force
+    found = _documents_of_mask(attention_mask, b, t)
+    docs = found if isinstance(found, packing.Documents) else None
+    if marked and (b != 1 or found is None):  # an unreadable mask has been named already
         logger.warning_once(
             "span_attention: cu_seq_lens_q marks several documents, but "
             + (f"the batch has {b} rows (this form packs them into one)" if b != 1 else
@@ -550,8 +553,9 @@ def documents_of(query: torch.Tensor, attention_mask: torch.Tensor | None, is_ca
     return docs
 
 
-def _documents_of_mask(attention_mask: torch.Tensor | None, b: int, t: int) -> packing.Documents | None:
-    """The documents a 4-D mask separates, None (said where it cannot be read) where it separates none."""
+def _documents_of_mask(attention_mask: torch.Tensor | None, b: int, t: int) -> packing.Documents | str | None:
+    """The documents a 4-D mask separates, None where it separates none, "unreadable" (said) where it cuts a row
+    into blocks that are not documents."""
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (t, t):
         return None
     docs = packing.from_mask(attention_mask, b)
@@ -567,7 +571,7 @@ def _documents_of_mask(attention_mask: torch.Tensor | None, b: int, t: int) -> p
     if isinstance(docs, str):
         logger.warning_once(
             "span_attention: the attention mask cuts a row of the batch into several blocks but is not the "
-            "block-diagonal (causal or bidirectional) mask of padding-free packing, so the documents cannot be "
-            "read from it: spans are taken over all the keys a row attends to. The forward pass is SDPA's.")
-        return None
+            "block-diagonal mask of padding-free packing (bidirectional, causal, or causal within a sliding window, "
+            "the same for every head), so the documents cannot be read from it: spans are taken over all the keys a "
+            "row attends to. The forward pass is SDPA's.")
     return docs
