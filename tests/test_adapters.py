@@ -97,3 +97,41 @@ def test_trainer_checkpoint_of_a_lora_model_keeps_the_settings(tmp_path):
     settings = reloaded.get_base_model().config.span_attention
     assert hf_spanattn.SpanAttentionConfig.from_dict(settings).label == "score:1100@per_block"
     assert reloaded.get_base_model().config._attn_implementation == "span_attention"
+
+
+def test_an_adapter_loaded_into_a_model_set_to_span_attention_without_settings_trains_with_the_adapters(tmp_path):
+    """AutoPeftModelForCausalLM.from_pretrained(adapter, attn_implementation="span_attention"): the base model's config
+    holds no settings, those saved beside the adapter patch it (not the default rule)."""
+    from peft import AutoPeftModelForCausalLM
+
+    model = lora_model("llama", str(tmp_path / "base"), "score:1100")
+    before = lora_gradients(model)
+    model.save_pretrained(tmp_path / "adapter")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter", attn_implementation="span_attention",
+                                                          is_trainable=True)
+    assert not [w for w in caught if "not patched" in str(w.message)]
+    after = lora_gradients(loaded.train())
+    assert after.keys() == before.keys() and before
+    for name, grad in before.items():
+        assert rel(after[name], grad) <= 1e-6, name
+
+
+@pytest.mark.parametrize("kind", ["PrefixTuningConfig", "PromptTuningConfig"])
+def test_a_prompt_learning_adapter_loads_for_inference_and_the_error_names_is_trainable(kind, tmp_path):
+    """PEFT loads prompt-learning adapters (prefix tuning, prompt tuning, p-tuning) for inference only."""
+    import peft
+
+    tiny("llama").save_pretrained(tmp_path / "base")
+    base = hf_spanattn.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), "score:1100")
+    model = get_peft_model(base, getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    model.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"adapter \(prompt learning\), which PEFT loads for inference only: pass "
+                                         "is_trainable=False"):
+        hf_spanattn.load_pretrained(tmp_path / "adapter")
+    loaded = hf_spanattn.load_pretrained(tmp_path / "adapter", is_trainable=False)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert hf_spanattn.SpanAttentionConfig.from_dict(loaded.get_base_model().config.span_attention).label == "score:1100"
