@@ -134,4 +134,5 @@ def test_a_prompt_learning_adapter_loads_for_inference_and_the_error_names_is_tr
     ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
-    assert hf_spanattn.SpanAttentionConfig.from_dict(loaded.get_base_model().config.span_attention).label == "score:1100"
+    settings = loaded.get_base_model().config.span_attention
+    assert hf_spanattn.SpanAttentionConfig.from_dict(settings).label == "score:1100"
