@@ -249,6 +249,20 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
     return model if info is None else (model, info)
 
 
+def refuse_adapters_below(folder: str | os.PathLike) -> None:
+    """Refuses a local folder that holds neither a model nor an adapter but adapters in subfolders: PEFT saves each
+    adapter not named "default" into a subfolder of its name (Transformers' error names only a missing model_type)."""
+    if not os.path.isdir(folder) or any(os.path.lexists(os.path.join(folder, name)) for name in (
+            "config.json", ADAPTER_CONFIG)):
+        return
+    below = sorted(name for name in os.listdir(folder) if is_adapter_folder(os.path.join(folder, name)))
+    if below:
+        raise FileNotFoundError(f"load_pretrained: {folder} holds no model and no adapter, but the adapter folders "
+                                f"{shown(below)} (PEFT saves an adapter not named 'default' into a subfolder of its "
+                                f"name): load one of them, e.g. load_pretrained({os.path.join(folder, below[0])!r}, "
+                                f"adapter_name={below[0]!r})")
+
+
 def refuse_unfinished(folder: str | os.PathLike) -> None:
     """Refuses an adapter folder whose last save did not finish (its mark file is there)."""
     if os.path.isfile(os.path.join(folder, SAVE_UNFINISHED)):

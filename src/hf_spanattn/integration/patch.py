@@ -549,6 +549,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
+    adapters.refuse_adapters_below(folder)
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)
