@@ -377,6 +377,13 @@ CASES = [
      "save_directory=None: expected a folder"),
     ("load_pretrained is_trainable a string", lambda t: load_pretrained(saved_model(t), is_trainable="no"), TypeError,
      "load_pretrained: is_trainable='no': expected True or False"),
+    ("load_pretrained with attn_implementation='eager'",
+     lambda t: load_pretrained(saved_model(t), attn_implementation="eager"), ValueError,
+     "load_pretrained: attn_implementation='eager': the model it loads is patched, so its attention is "
+     "'span_attention' (whose forward pass is SDPA's); leave the argument out"),
+    ("load_pretrained of an adapter with attn_implementation='sdpa'",
+     lambda t: load_pretrained(adapter(t), attn_implementation="sdpa"), ValueError,
+     "load_pretrained: attn_implementation='sdpa': the model it loads is patched"),
     ("folder that holds a non-default adapter below it", lambda t: load_pretrained(named_adapter(t, "mine")),
      FileNotFoundError, "load_pretrained: {tmp}/out holds no model and no adapter, but the adapter folders ['mine'] "
      "(PEFT saves an adapter not named 'default' into a subfolder of its name): load one of them, e.g. "

@@ -532,6 +532,11 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     config = as_config(config, "load_pretrained", "the settings saved with the model")
     if not isinstance(is_trainable, bool):
         raise TypeError(f"load_pretrained: is_trainable={shown(is_trainable)}: expected True or False")
+    chosen = kwargs.get("attn_implementation")
+    if isinstance(chosen, str) and chosen != ATTN_IMPLEMENTATION:  # it would be replaced by the patch without a word
+        raise ValueError(f"load_pretrained: attn_implementation={shown(chosen)}: the model it loads is patched, so its "
+                         f"attention is {ATTN_IMPLEMENTATION!r} (whose forward pass is SDPA's); leave the argument "
+                         "out, or load the model with from_pretrained for another attention")
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
@@ -560,7 +565,6 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         if config is None:
             config = adapters.settings_beside_model(folder, base_model(model, "load_pretrained").config)
     model = patch_model(model, config, layers)
-    chosen = kwargs.get("attn_implementation")
     if isinstance(chosen, dict):  # a tower given another attention ({"vision_config": "sdpa"}) keeps it
         for key, tower in _towers(base_model(model, "load_pretrained")).items():
             if chosen.get(key, ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION:
