@@ -136,3 +136,35 @@ def test_a_prompt_learning_adapter_loads_for_inference_and_the_error_names_is_tr
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
     settings = loaded.get_base_model().config.span_attention
     assert hf_spanattn.SpanAttentionConfig.from_dict(settings).label == "score:1100"
+
+
+@pytest.mark.parametrize("order", ["patched before wrapping", "patched after wrapping"])
+def test_an_attention_module_in_modules_to_save_trains_with_the_models_settings(order, tmp_path):
+    """PEFT's modules_to_save trains a deep copy of the module, config included: the copy of an attention module
+    follows patch_model and unpatch_model as the module it copies does."""
+    tiny("llama").save_pretrained(tmp_path / "base")
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def k_grad(model, name: str) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return dict(model.named_parameters())[name].grad
+
+    def reference(label: str | None) -> torch.Tensor:  # LoRA's B is zero: the model's function is the base model's
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        model = hf_spanattn.patch_model(model, label) if label else model
+        return k_grad(model, "model.layers.1.self_attn.k_proj.weight")
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    if order == "patched before wrapping":
+        hf_spanattn.patch_model(base, "score:1100")
+    lora = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["model.layers.1.self_attn"])
+    model = get_peft_model(base, lora)
+    if order == "patched after wrapping":
+        hf_spanattn.patch_model(model, "score:1100")
+    copy = "base_model.model.model.layers.1.self_attn.modules_to_save.default.k_proj.weight"
+    assert rel(k_grad(model, copy), reference("score:1100")) <= 1e-6
+    hf_spanattn.patch_model(model, "score:1000")
+    assert rel(k_grad(model, copy), reference("score:1000")) <= 1e-6
+    hf_spanattn.unpatch_model(model)
+    assert rel(k_grad(model, copy), reference(None)) <= 1e-6
