@@ -168,3 +168,34 @@ def test_an_attention_module_in_modules_to_save_trains_with_the_models_settings(
     assert rel(k_grad(model, copy), reference("score:1000")) <= 1e-6
     hf_spanattn.unpatch_model(model)
     assert rel(k_grad(model, copy), reference(None)) <= 1e-6
+
+
+@pytest.mark.parametrize("peft", [True, False])
+def test_a_run_resumed_into_a_model_set_to_span_attention_without_settings_says_what_it_trains_with(peft, tmp_path):
+    """A model set to span_attention by from_pretrained, without settings, trains with the default rule, not the
+    standard gradient; resuming a LoRA checkpoint, PEFT's load_adapter patches it with the checkpoint's settings."""
+    tiny("llama").save_pretrained(tmp_path / "base")
+    ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def trainer(model, out: str) -> Trainer:
+        if peft:
+            model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        args = TrainingArguments(str(tmp_path / out), max_steps=2, save_steps=1, per_device_train_batch_size=2,
+                                 report_to="none", use_cpu=True, disable_tqdm=True)
+        return Trainer(model=model, args=args, train_dataset=data)
+
+    base = hf_spanattn.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), "score:1100")
+    trainer(base, "first").train()
+    resumed = trainer(AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="span_attention"),
+                      "second")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-1"))
+    said = [str(w.message) for w in caught if "resume_from_checkpoint" in str(w.message)]
+    if peft:
+        assert not said
+        settings = resumed.model.get_base_model().config.span_attention
+        assert hf_spanattn.SpanAttentionConfig.from_dict(settings).label == "score:1100"
+    else:
+        assert len(said) == 1 and "trains with score:1000: the model's settings win" in said[0]
