@@ -199,3 +199,13 @@ def test_a_run_resumed_into_a_model_set_to_span_attention_without_settings_says_
         assert hf_spanattn.SpanAttentionConfig.from_dict(settings).label == "score:1100"
     else:
         assert len(said) == 1 and "trains with score:1000: the model's settings win" in said[0]
+
+
+def test_adapter_settings_that_do_not_fit_a_model_set_to_span_attention_name_their_file(tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    lora_model("llama", str(tmp_path / "base"), "score:1100").save_pretrained(tmp_path / "adapter")
+    saved = tmp_path / "adapter" / CONFIG_NAME
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "layers": [5]}))
+    with pytest.raises(ValueError, match=rf"^{saved}: layers=\[5\]: LlamaForCausalLM has layers 0..1"):
+        AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter", attn_implementation="span_attention")

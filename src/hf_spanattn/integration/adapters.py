@@ -121,7 +121,10 @@ def install() -> None:
             if saved is not None:
                 from hf_spanattn.integration.patch import patch_model
 
-                patch_model(base, saved)
+                try:
+                    patch_model(base, saved)
+                except ValueError as err:  # the settings do not fit the model (layers it lacks)
+                    raise ValueError(f"{os.path.join(folder, CONFIG_NAME)}: {err}") from None
         elif patched_with is None and has_settings:
             _, saved = _saved_settings(folder)
             warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
