@@ -85,6 +85,15 @@ def adapter(tmp: Path, **fields) -> Path:
     return tmp / "adapter"
 
 
+def named_adapter(tmp: Path, name: str) -> Path:
+    """A LoRA adapter named `name` of a patched tiny GPT-2, saved to `tmp/out` (by PEFT, into `tmp/out/<name>`)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = patch_model(AutoModelForCausalLM.from_pretrained(saved_model(tmp)), "score:1100")
+    get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"]), adapter_name=name).save_pretrained(tmp / "out")
+    return tmp / "out"
+
+
 def train_step_after_from_pretrained(folder: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="span_attention")
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -368,6 +377,17 @@ CASES = [
      "save_directory=None: expected a folder"),
     ("load_pretrained is_trainable a string", lambda t: load_pretrained(saved_model(t), is_trainable="no"), TypeError,
      "load_pretrained: is_trainable='no': expected True or False"),
+    ("load_pretrained with attn_implementation='eager'",
+     lambda t: load_pretrained(saved_model(t), attn_implementation="eager"), ValueError,
+     "load_pretrained: attn_implementation='eager': the model it loads is patched, so its attention is "
+     "'span_attention' (whose forward pass is SDPA's); leave the argument out"),
+    ("load_pretrained of an adapter with attn_implementation='sdpa'",
+     lambda t: load_pretrained(adapter(t), attn_implementation="sdpa"), ValueError,
+     "load_pretrained: attn_implementation='sdpa': the model it loads is patched"),
+    ("folder that holds a non-default adapter below it", lambda t: load_pretrained(named_adapter(t, "mine")),
+     FileNotFoundError, "load_pretrained: {tmp}/out holds no model and no adapter, but the adapter folders ['mine'] "
+     "(PEFT saves an adapter not named 'default' into a subfolder of its name): load one of them, e.g. "
+     "load_pretrained('{tmp}/out/mine', adapter_name='mine')"),
     ("adapter of a base model that moved",
      lambda t: load_pretrained(adapter(t, base_model_name_or_path=str(t / "gone"))), FileNotFoundError,
      "{tmp}/adapter/adapter_config.json, field 'base_model_name_or_path' = '{tmp}/gone': no such folder"),

@@ -12,7 +12,8 @@ installed `install` wraps two of its methods, calling each through unchanged:
   done, and `load_pretrained` refuses a folder that has it;
 - `PeftModel.load_adapter` (which `PeftModel.from_pretrained` calls) warns when a local adapter folder
   holds that file but the model it loads into is not patched (it would train with the standard
-  gradient), or is patched with other settings (the model's win).
+  gradient), or is patched with other settings (the model's win); a model set to span_attention without
+  settings (`from_pretrained(..., attn_implementation="span_attention")`) is patched with the adapter's.
 
 `load_adapter` loads base + adapter and patches the model with the saved settings.
 """
@@ -113,7 +114,18 @@ def install() -> None:
         base = self.get_base_model()
         patched_with = config_of(base.config) if is_patched(base) else None
         has_settings = is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME))
-        if patched_with is None and has_settings:
+        if has_settings and patched_with is None and is_patched(base):
+            # set to span_attention by from_pretrained (AutoPeftModel...) without settings: the adapter's, not the
+            # default's
+            saved, _ = _saved_settings(folder)
+            if saved is not None:
+                from hf_spanattn.integration.patch import patch_model
+
+                try:
+                    patch_model(base, saved)
+                except ValueError as err:  # the settings do not fit the model (layers it lacks)
+                    raise ValueError(f"{os.path.join(folder, CONFIG_NAME)}: {err}") from None
+        elif patched_with is None and has_settings:
             _, saved = _saved_settings(folder)
             warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
                           f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
@@ -215,6 +227,10 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
     except (ValueError, TypeError, KeyError, AttributeError) as err:  # PEFT names neither the file nor the cause
         raise ValueError(f"{os.path.join(folder, ADAPTER_CONFIG)}: PEFT cannot read it as an adapter config "
                          f"({type(err).__name__}: {err})") from None
+    if is_trainable and peft_config.is_prompt_learning:  # PEFT refuses it, naming neither the argument nor the way out
+        kind = getattr(peft_config.peft_type, "value", peft_config.peft_type)
+        raise ValueError(f"load_pretrained: {folder} holds a {kind} adapter (prompt learning), which PEFT loads for "
+                         "inference only: pass is_trainable=False")
     adapter_name = kwargs.pop("adapter_name", "default")  # PEFT's (Transformers takes it too, loading no adapter)
     if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:  # torch names only the module
         raise ValueError(f"load_pretrained: adapter_name={shown(adapter_name)}: expected the name to give the adapter, "
@@ -234,6 +250,20 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
         warnings.filterwarnings("ignore", message=".* other than those the model it was loaded into is patched with")
         model = PeftModel.from_pretrained(base, folder, adapter_name=adapter_name, is_trainable=is_trainable)
     return model if info is None else (model, info)
+
+
+def refuse_adapters_below(folder: str | os.PathLike) -> None:
+    """Refuses a local folder that holds neither a model nor an adapter but adapters in subfolders: PEFT saves each
+    adapter not named "default" into a subfolder of its name (Transformers' error names only a missing model_type)."""
+    if not os.path.isdir(folder) or any(os.path.lexists(os.path.join(folder, name)) for name in (
+            "config.json", ADAPTER_CONFIG)):
+        return
+    below = sorted(name for name in os.listdir(folder) if is_adapter_folder(os.path.join(folder, name)))
+    if below:
+        raise FileNotFoundError(f"load_pretrained: {folder} holds no model and no adapter, but the adapter folders "
+                                f"{shown(below)} (PEFT saves an adapter not named 'default' into a subfolder of its "
+                                f"name): load one of them, e.g. load_pretrained({os.path.join(folder, below[0])!r}, "
+                                f"adapter_name={below[0]!r})")
 
 
 def refuse_unfinished(folder: str | os.PathLike) -> None:

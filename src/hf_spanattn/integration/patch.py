@@ -121,6 +121,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     register()
     adapters.install()
     base = base_model(model)
+    _rejoin_copies(base)
     config = as_config(config, "patch_model", "keep the model's settings")
     towers = _towers(base)
     saved = {key: getattr(tower.config, CONFIG_KEY, None) for key, tower in towers.items()}
@@ -240,6 +241,22 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                           f"{'; '.join(apart)}: those towers train so, as they did when saved (pass settings to "
                           "patch_model to patch every tower alike)", stacklevel=2)
     return model
+
+
+def _rejoin_copies(base: PreTrainedModel) -> None:
+    """PEFT's `modules_to_save` trains a deep copy of a module (beside it, as `original_module`), whose submodules
+    hold a copy of the model config: they read the config of the module they copy again, so that they follow
+    patch_model and unpatch_model as it does."""
+    for wrapper in base.modules():
+        original, copies = getattr(wrapper, "original_module", None), getattr(wrapper, "modules_to_save", None)
+        if not isinstance(original, torch.nn.Module) or not isinstance(copies, torch.nn.ModuleDict):
+            continue
+        configs = {name: module.config for name, module in original.named_modules()
+                   if isinstance(getattr(module, "config", None), PretrainedConfig)}
+        for trained in copies.values():
+            for name, module in trained.named_modules():
+                if name in configs and isinstance(getattr(module, "config", None), PretrainedConfig):
+                    module.config = configs[name]
 
 
 def _towers(base: PreTrainedModel) -> dict[str, PreTrainedModel]:
@@ -383,6 +400,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Restore exactly the attention implementation the model had before `patch_model` (through the model it
     was given or one inside or around it that shares its config), and drop every span setting from it."""
     base = base_model(model, "unpatch_model")
+    _rejoin_copies(base)
     original = _original(base)
     sharing = _sharing_config(base)
     for module in base.modules():
@@ -532,6 +550,11 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     config = as_config(config, "load_pretrained", "the settings saved with the model")
     if not isinstance(is_trainable, bool):
         raise TypeError(f"load_pretrained: is_trainable={shown(is_trainable)}: expected True or False")
+    chosen = kwargs.get("attn_implementation")
+    if isinstance(chosen, str) and chosen != ATTN_IMPLEMENTATION:  # it would be replaced by the patch without a word
+        raise ValueError(f"load_pretrained: attn_implementation={shown(chosen)}: the model it loads is patched, so its "
+                         f"attention is {ATTN_IMPLEMENTATION!r} (whose forward pass is SDPA's); leave the argument "
+                         "out, or load the model with from_pretrained for another attention")
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
@@ -549,6 +572,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
+    adapters.refuse_adapters_below(folder)
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)
@@ -559,7 +583,6 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         if config is None:
             config = adapters.settings_beside_model(folder, base_model(model, "load_pretrained").config)
     model = patch_model(model, config, layers)
-    chosen = kwargs.get("attn_implementation")
     if isinstance(chosen, dict):  # a tower given another attention ({"vision_config": "sdpa"}) keeps it
         for key, tower in _towers(base_model(model, "load_pretrained")).items():
             if chosen.get(key, ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION:

@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
-from hf_spanattn.integration.adapters import _described, is_patched
+from hf_spanattn.integration.adapters import _described, is_adapter_folder, is_patched
 from hf_spanattn.integration.registry import CONFIG_KEY, config_of
 from hf_spanattn.ops.inputs import shown
 
@@ -62,6 +62,8 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
     except TypeError:  # not a Transformers model: nothing patched
         return
     current = config_of(base.config) if is_patched(base) else None
+    if is_patched(base) and current is None:  # set to span_attention by from_pretrained, without settings
+        current = SpanAttentionConfig()  # the default it trains with
     now = f"{_described(current)}" if current else _STOCK
     try:
         saved = saved_settings(checkpoint)
@@ -71,6 +73,8 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
         warnings.warn(f"resume_from_checkpoint: the span attention settings {checkpoint} was saved with cannot be "
                       f"read ({shown(str(err), 300)}); the model given to the Trainer trains with {now}.", stacklevel=3)
         return
+    if saved is not None and is_patched(base) and config_of(base.config) is None and is_adapter_folder(checkpoint):
+        return  # PEFT's load_adapter, which the Trainer resumes with, patches it with the checkpoint's settings
     if saved == current:
         return
     was = f"span attention settings {_described(saved)}" if saved else "no span attention settings"
