@@ -231,6 +231,36 @@ def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
     with pytest.raises(TypeError, match="_ConfiglessAttention holds no model config .* call hf_spanattn.patch_model"):
         stock(ids)
 
+def test_patch_model_warns_where_it_replaces_an_attention_function_of_ones_own(monkeypatch):
+    """An attention function registered by the user (here SDPA's output doubled) was replaced by span_attention
+    without a word, changing the model's outputs; Transformers' own implementations replace silently."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def doubled(module, *args, **kwargs):
+        out, weights = sdpa_attention_forward(module, *args, **kwargs)
+        return 2 * out, weights
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "doubled", doubled)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "doubled", sdpa_mask)
+    model = tiny("llama")
+    model.set_attn_implementation("doubled")
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.warns(UserWarning, match="ran attn_implementation='doubled', .* outputs change unless 'doubled' "
+                                         "computes SDPA's attention"):
+        patch_model(model, "score:1000")
+    with torch.no_grad():
+        assert rel(model(ids).logits, before) > 1e-3
+    assert unpatch_model(model).config._attn_implementation == "doubled"
+    eager = tiny("llama")
+    eager.set_attn_implementation("eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(eager, "score:1000")
+
+
 def test_gpt_neo_adapter_unpatches():
     model = tiny("gpt_neo")
     patch_model(model, "score:1000")

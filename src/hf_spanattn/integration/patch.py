@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import inspect
 import os
 import warnings
 import weakref
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _path_argument, as_config
 from hf_spanattn.integration import adapters, card, packing, registry, train_checks
@@ -170,6 +172,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     if not is_patched(base) or original is None:  # else the record of the first patch_model stands
         switched_off = original["reorder_and_upcast_attn"] if original else None  # by a patch_model before
         original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=switched_off)
+        if not neo:
+            _warn_attention_of_ones_own(base, original["attn_implementation"])
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -265,6 +269,25 @@ def _towers(base: PreTrainedModel) -> dict[str, PreTrainedModel]:
     parts = {id(getattr(base.config, key, None)): key for key in getattr(base.config, "sub_configs", None) or {}}
     return {parts[id(m.config)]: m for m in base.modules()
             if isinstance(m, PreTrainedModel) and m is not base and id(m.config) in parts}
+
+
+def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:
+    """Warn where the model ran an attention function registered in Transformers' AttentionInterface outside
+    Transformers (`AttentionInterface.register("my_attn", fn)`): span_attention replaces it, and its forward pass is
+    SDPA's, which that function need not compute."""
+    names = set(implementation.values()) if isinstance(implementation, dict) else {implementation}
+    for name in sorted(n for n in names if isinstance(n, str) and "/" not in n):  # "owner/repo": a Hub kernel
+        function = ALL_ATTENTION_FUNCTIONS.get(name)
+        if function is None:  # "eager": the model's own code
+            continue
+        where = getattr(inspect.unwrap(function), "__module__", None) or ""
+        if where.split(".")[0] not in ("transformers", "hf_spanattn"):
+            warnings.warn(f"patch_model: {type(base).__name__} ran attn_implementation={name!r}, a function of "
+                          f"{where or 'your own'} registered in Transformers' AttentionInterface; patch_model "
+                          f"replaces it with {ATTN_IMPLEMENTATION!r}, whose forward pass is SDPA's, so the model's "
+                          f"outputs change unless {name!r} computes SDPA's attention (unpatch_model gives it back). "
+                          "For span gradients inside an attention function of your own, call "
+                          "hf_spanattn.span_attention there and leave the model unpatched", stacklevel=3)
 
 
 def _warn_modules_left_stock(base: PreTrainedModel) -> None:
