@@ -231,6 +231,56 @@ def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
     with pytest.raises(TypeError, match="_ConfiglessAttention holds no model config .* call hf_spanattn.patch_model"):
         stock(ids)
 
+def _attend(module, q, k, v):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as attention_functions
+
+    return attention_functions[module.implementation()](module, q, k, v, None)[0]
+
+
+class _HelperAttention(_ConfiglessAttention):
+    """As `_ConfiglessAttention`, through a helper that imports the registry under another name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return _attend(self, q, k, v).reshape(b, t, -1)
+
+
+@pytest.mark.parametrize("attention", [_ConfiglessAttention, _HelperAttention])
+def test_a_custom_attention_that_reaches_the_registry_through_a_helper_trains_patched(attention):
+    """Through a helper, patch_model's model failed with 'holds no model config ... call hf_spanattn.patch_model', and
+    layers=[1] with 'carry no layer index', though the modules carry layer_idx."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Custom(PreTrainedModel):
+        config_class = PretrainedConfig
+        _supports_attention_backend = _supports_sdpa = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.layers = torch.nn.ModuleList(attention(config, 16, 4, i) for i in range(2))
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for layer in self.layers:
+                h = h + layer(h)
+            return h
+
+    def grads(layers):
+        torch.manual_seed(0)
+        model = Custom._from_config(PretrainedConfig(), attn_implementation="sdpa").double()
+        if layers != "stock":
+            patch_model(model, "score:1000", layers=layers)
+        model(tokens()).square().sum().backward()
+        return model.layers[1].qkv.weight.grad, layers != "stock" and [registry.settings_for(m) is not None
+                                                                          for m in model.layers]
+
+    (stock, _), (every, _), (upper, selected) = grads("stock"), grads(None), grads([1])
+    assert rel(every, stock) > 1e-3
+    assert rel(upper, every) < 1e-12 and selected == [False, True]
+
+
 def test_patch_model_warns_where_it_replaces_an_attention_function_of_ones_own(monkeypatch):
     """An attention function registered by the user (here SDPA's output doubled) was replaced by span_attention
     without a word, changing the model's outputs; Transformers' own implementations replace silently."""
@@ -259,6 +309,82 @@ def test_patch_model_warns_where_it_replaces_an_attention_function_of_ones_own(m
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch_model(eager, "score:1000")
+
+
+_REMOTE_CONFIG = """from transformers import PretrainedConfig
+
+
+class TinyDecConfig(PretrainedConfig):
+    model_type = "tinydec"
+
+    def __init__(self, vocab_size=97, n_embd=16, n_head=4, n_layer=2, **kwargs):
+        self.vocab_size, self.n_embd, self.n_head, self.n_layer = vocab_size, n_embd, n_head, n_layer
+        super().__init__(**kwargs)
+"""
+_REMOTE_MODEL = """import torch
+from transformers import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .configuration_tinydec import TinyDecConfig
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.config, self.layer_idx, self.is_causal = config, layer_idx, True
+        self.qkv = torch.nn.Linear(config.n_embd, 3 * config.n_embd)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.config.n_head, -1).permute(2, 0, 3, 1, 4)
+        return ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](self, q, k, v, None)[0].reshape(b, t, -1)
+
+
+class TinyDecForCausalLM(PreTrainedModel):
+    config_class = TinyDecConfig
+    _supports_attention_backend = _supports_sdpa = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = torch.nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = torch.nn.ModuleList(Attention(config, i) for i in range(config.n_layer))
+        self.post_init()
+
+    def forward(self, input_ids, **kwargs):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+"""
+
+
+def remote_code_model(tmp_path):
+    """A model of one's own saved with its code (auto_map in config.json, modeling and configuration files beside)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "configuration_tinydec.py").write_text(_REMOTE_CONFIG)
+    (code / "modeling_tinydec.py").write_text(_REMOTE_MODEL)
+    (code / "config.json").write_text(json.dumps({"model_type": "tinydec", "auto_map": {
+        "AutoConfig": "configuration_tinydec.TinyDecConfig",
+        "AutoModelForCausalLM": "modeling_tinydec.TinyDecForCausalLM"}}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(code, trust_remote_code=True),
+                                             trust_remote_code=True)
+    model.save_pretrained(tmp_path / "saved")
+    return tmp_path / "saved"
+
+
+def test_load_pretrained_names_the_auto_class_of_a_remote_code_model(tmp_path):
+    """It advised model_class=TinyDecForCausalLM 'from transformers', which has no such class."""
+    from transformers import AutoModel
+
+    with pytest.raises(ValueError, match="pass an auto class that its config.json's auto_map names for its own code "
+                                         r"\(model_class=AutoModelForCausalLM, from transformers"):
+        hf_spanattn.load_pretrained(remote_code_model(tmp_path), model_class=AutoModel, trust_remote_code=True)
 
 
 def test_gpt_neo_adapter_unpatches():

@@ -7,6 +7,7 @@ config is the single source of truth: saving, loading and pushing a model carrie
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -249,9 +250,23 @@ def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
 
 
 def calls_the_registry(module: torch.nn.Module) -> bool:
-    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS), also
+    under another name (imported `as`) or in a function or method of the module's class that the forward calls."""
+    return _reaches_registry(inspect.unwrap(type(module).forward), type(module), helpers=True)
+
+
+@functools.cache
+def _reaches_registry(function: Any, owner: type, helpers: bool) -> bool:
+    code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    codes = [code] if code is not None else []
+    for inner in codes:  # and the code of its lambdas, comprehensions and nested functions
+        codes += [c for c in inner.co_consts if inspect.iscode(c)]
+    names = {name for inner in codes for name in inner.co_names}
+    if "ALL_ATTENTION_FUNCTIONS" in names or any(scope.get(name) is ALL_ATTENTION_FUNCTIONS for name in names):
+        return True
+    called = (scope.get(name) or inspect.getattr_static(owner, name, None) for name in names) if helpers else ()
+    return any(inspect.isfunction(f) and not f.__module__.startswith("torch") and _reaches_registry(f, owner, False)
+               for f in called)
 
 
 def settings_config(module: torch.nn.Module) -> Any:
