@@ -286,9 +286,12 @@ def loaded(model_class: Any, name_or_path: str, kwargs: dict[str, Any]) -> tuple
         config = AutoConfig.from_pretrained(name_or_path, **{k: v for k, v in kwargs.items() if k in (
             "subfolder", "revision", "token", "cache_dir", "local_files_only", "trust_remote_code")})
         saved = ", ".join(getattr(config, "architectures", None) or []) or type(config).__name__
+        autos = [name for name in getattr(config, "auto_map", None) or {} if name.startswith("AutoModel")]
+        hint = (f"an auto class that its config.json's auto_map names for its own code (model_class={autos[0]}, from "
+                "transformers, with trust_remote_code=True)" if autos else
+                f"the class it was saved as (model_class={saved.split(', ')[0]}, from transformers)")
         raise ValueError(f"load_pretrained: {name_or_path} holds a saved {saved}, which model_class="
-                         f"{model_class.__name__} does not load; pass the class it was saved as (model_class="
-                         f"{saved.split(', ')[0]}, from transformers)") from err
+                         f"{model_class.__name__} does not load; pass {hint}") from err
     if kwargs.get("output_loading_info") and isinstance(result, tuple):
         return result
     return result, None
