@@ -304,6 +304,11 @@ def test_patch_model_warns_where_it_replaces_an_attention_function_of_ones_own(m
     with torch.no_grad():
         assert rel(model(ids).logits, before) > 1e-3
     assert unpatch_model(model).config._attn_implementation == "doubled"
+    monkeypatch.setitem(AttentionInterface._global_mapping, "maskless", sdpa_attention_forward)  # no mask function
+    maskless = tiny("llama")
+    maskless.set_attn_implementation("maskless")
+    with pytest.warns(UserWarning, match="'maskless', .* with no mask function registered in AttentionMaskInterface"):
+        patch_model(maskless, "score:1000")
     eager = tiny("llama")
     eager.set_attn_implementation("eager")
     with warnings.catch_warnings():

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _path_argument, as_config
@@ -273,17 +274,21 @@ def _towers(base: PreTrainedModel) -> dict[str, PreTrainedModel]:
 
 def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:
     """Warn where the model ran an attention function registered in Transformers' AttentionInterface outside
-    Transformers (`AttentionInterface.register("my_attn", fn)`): span_attention replaces it, and its forward pass is
-    SDPA's, which that function need not compute."""
+    Transformers (`AttentionInterface.register("my_attn", fn)`), or one registered without a mask function (for which
+    Transformers builds no attention mask): span_attention replaces it, and its forward pass is SDPA's, with SDPA's
+    masks, which that function need not compute."""
     names = set(implementation.values()) if isinstance(implementation, dict) else {implementation}
     for name in sorted(n for n in names if isinstance(n, str) and "/" not in n):  # "owner/repo": a Hub kernel
         function = ALL_ATTENTION_FUNCTIONS.get(name)
         if function is None:  # "eager": the model's own code
             continue
         where = getattr(inspect.unwrap(function), "__module__", None) or ""
-        if where.split(".")[0] not in ("transformers", "hf_spanattn"):
+        maskless = name not in ALL_MASK_ATTENTION_FUNCTIONS and "|" not in name  # "paged|sdpa": a cache's own
+        if where.split(".")[0] not in ("transformers", "hf_spanattn") or maskless:
+            how = (" with no mask function registered in AttentionMaskInterface under that name (so the model "
+                   "built no attention mask for it)" if maskless else "")
             warnings.warn(f"patch_model: {type(base).__name__} ran attn_implementation={name!r}, a function of "
-                          f"{where or 'your own'} registered in Transformers' AttentionInterface; patch_model "
+                          f"{where or 'your own'} registered in Transformers' AttentionInterface{how}; patch_model "
                           f"replaces it with {ATTN_IMPLEMENTATION!r}, whose forward pass is SDPA's, so the model's "
                           f"outputs change unless {name!r} computes SDPA's attention (unpatch_model gives it back). "
                           "For span gradients inside an attention function of your own, call "
