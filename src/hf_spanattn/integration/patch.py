@@ -529,8 +529,8 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     # gradient into Q and K (span_attention would pass them gradient to V only): where the loss reads them (the last
     # pad predicts the first token), the gradient is stock's, and score:1111 stays the standard gradient
     idle = ~attended(mask).any(-1, keepdim=True)
-    if run.keywords["dropout_p"] == 0 and not torch.compiler.is_compiling() and not packing.capturing(mask) \
-            and idle.any():
+    readable = mask.device.type != "meta" and not torch.compiler.is_compiling() and not packing.capturing(mask)
+    if run.keywords["dropout_p"] == 0 and readable and idle.any():
         out = torch.where(idle, _stock_neo_attn(self, query, key, value, attention_mask)[0].to(out.dtype), out)
     return out.to(value.dtype), None
 
