@@ -580,6 +580,27 @@ def test_left_padding_keeps_the_stock_forward_in_every_row(family):
     assert abs(patched.loss.item() - stock.loss.item()) <= 1e-6
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_of_left_padding_in_the_loss_give_the_stock_gradients_under_uniform_alphas(family):
+    """The last pad of a left-padded row predicts the first token (labels as DataCollatorForLanguageModeling makes
+    them), so rows that attend no key are in the loss; an empty row's logits too: score:1111 gives the stock
+    gradients (GPT-Neo's rounds Q and K to float32 there)."""
+    ids = tokens(batch=3, length=20)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    mask[2] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    stock = tiny(family).double()
+    patched = patch_model(copy.deepcopy(stock), "score:1111")
+    for model in (stock, patched):
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=labels)
+        (out.loss + out.logits[2].square().mean()).backward()
+    for (name, p), q in zip(stock.named_parameters(), patched.parameters()):
+        if p.grad is not None:
+            assert rel(q.grad, p.grad) < 1e-6, name
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neo"])
 def test_a_backward_pass_inside_bf16_autocast_gives_the_gradients_of_one_outside(family):
     """The span rule's work runs in float32 whether loss.backward() is called inside the autocast region (a

@@ -47,7 +47,7 @@ from hf_spanattn.integration.registry import (
 )
 from hf_spanattn.ops.attention import span_attention
 from hf_spanattn.ops.backward import with_scaled_grads
-from hf_spanattn.ops.inputs import shown
+from hf_spanattn.ops.inputs import attended, shown
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
             "Qwen2, Mistral, ...) and GPT-Neo"
@@ -553,6 +553,13 @@ def _neo_attn(self, query, key, value, attention_mask=None):
             out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
         return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
     out = run(query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask)
+    # rows that attend no key (left padding) get the stock code's softmax over the mask-rounded scores, and so its
+    # gradient into Q and K (span_attention would pass them gradient to V only): where the loss reads them (the last
+    # pad predicts the first token), the gradient is stock's, and score:1111 stays the standard gradient
+    idle = ~attended(mask).any(-1, keepdim=True)
+    readable = mask.device.type != "meta" and not torch.compiler.is_compiling() and not packing.capturing(mask)
+    if run.keywords["dropout_p"] == 0 and readable and idle.any():
+        out = torch.where(idle, _stock_neo_attn(self, query, key, value, attention_mask)[0].to(out.dtype), out)
     return out.to(value.dtype), None
 
 
