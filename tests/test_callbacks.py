@@ -567,3 +567,20 @@ def test_a_label_reaches_every_layer_of_an_encoder_deeper_than_its_decoder(tmp_p
     got = recorder.grads[0]
     assert any((want[n] - other[n]).norm() > 1e-3 * want[n].norm() for n in want)  # the rule shows there
     assert all((got[n] - want[n]).norm() <= 1e-5 * want[n].norm() for n in want)
+
+
+def test_a_callback_kept_after_training_holds_none_of_the_models_modules(tmp_path):
+    """A callback kept for the next run (the trials of a search, one callback for all) held the attention modules,
+    with their weights, of the model trained last, after the trainer and the model were dropped."""
+    import gc
+    import weakref
+
+    callback = SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1)
+    model = tiny("gpt2")
+    patch_model(model, "score:1000")
+    modules = [weakref.ref(m) for m in model.modules()]
+    trainer = train(model, tmp_path, [callback], max_steps=1)
+    assert trainer.state.log_history[0]["span/alpha1"] == 1.0  # the schedule was in force
+    del trainer, model
+    gc.collect()
+    assert not [ref() for ref in modules if ref() is not None]

@@ -349,7 +349,8 @@ def test_the_forward_pass_keeps_probabilities_within_its_budget(t, is_causal, ke
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
         out = span_attention(q, k, v, is_causal=is_causal, config=SpanAttentionConfig.from_label("score:1111"))
-    probs = [x for x in saved if x.shape[-1] != 8 and x.dim() == 5]  # the kept tiles (…, rows, columns)
+    causal = {id(x) for mask in tile_engine._CAUSAL_MASKS.values() for x in mask.tensors() if x is not None}
+    probs = [x for x in saved if x.shape[-1] != 8 and x.dim() == 5 and id(x) not in causal]  # the kept tiles
     kept = sum(x.numel() for x in probs)
     assert 0 < kept <= budget and len(probs) == kept_tiles
     d_out = torch.randn_like(out)
@@ -609,3 +610,36 @@ def test_cross_terms_are_the_derivative_of_pi_k():
     cross = cross_terms(grads, Q, K, PK, PV, eye, 0.5, (1, 1, 1, 1))
     assert rel(direct + cross, auto) < 1e-10
     assert rel(direct, auto) > 1e-2  # the cross terms matter
+
+
+@pytest.mark.parametrize("mask", ["float", "bool"])
+def test_the_mask_is_let_go_after_the_backward_pass(mask):
+    """After the backward pass (retain_graph off) the graph still held by the output keeps none of the mask's
+    tensors, as SDPA's: a loss kept past backward held every layer's B×T×S copy of the mask."""
+    import gc
+    import weakref
+
+    (q, k, v), d_out = make(b=2, h_q=2, h_kv=2, t=12, d=8)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    attn_mask = torch.zeros(2, 1, 12, 12, dtype=torch.float64)
+    attn_mask[0, ..., -3:] = float("-inf")
+    expected = reference(q, k, v, d_out, SpanAttentionConfig.from_label("score:1000"), attn_mask=attn_mask.clone())[1]
+    attn_mask = attn_mask == 0 if mask == "bool" else attn_mask
+    formed = []
+    real = tile_engine._attend
+
+    def spy(*args):
+        attend, additive = real(*args)
+        formed.append(weakref.ref(additive))
+        return attend, additive
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tile_engine, "_attend", spy)
+        out = span_attention(*leaves, attn_mask=attn_mask, config=SpanAttentionConfig.from_label("score:1000"),
+                             backend="tiles")
+    out.backward(d_out)
+    del attn_mask
+    gc.collect()
+    assert formed and all(ref() is None for ref in formed)
+    for leaf, r in zip(leaves, expected):
+        assert rel(leaf.grad, r) < 1e-9

@@ -101,6 +101,14 @@ class _Mask:
         return _Mask(self.tiles, self.first_masked, [pick(a, rows) for a in self.additive],
                      *(pick(x, rows) for x in (self.key_valid, self.dead_rows, self.idle_rows)))
 
+    def tensors(self) -> list[torch.Tensor | None]:
+        """The tensors of the mask, as `of` takes them back."""
+        return [*self.additive, self.key_valid, self.dead_rows, self.idle_rows]
+
+    @staticmethod
+    def of(tiles: list[Tile], first_masked: list[int], tensors: list[torch.Tensor | None]) -> _Mask:
+        return _Mask(tiles, first_masked, tensors[:len(tiles)], *tensors[len(tiles):])
+
     def tile(self, i: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
         """(additive, lo, dead_rows) on the rows of tile i: the additive mask on the keys [lo, its
         columns), None where it is zero on all of them."""
@@ -265,15 +273,17 @@ class SpanAttentionFunction(torch.autograd.Function):
             keep = q.new_empty(shape).bernoulli_(1 - dropout_p).bool()
         out = _dropped(probs, keep, dropout_p) @ v
         learnable = attn_mask if ctx.needs_input_grad[3] else None
-        ctx.save_for_backward(q, k, v, keep, learnable, *kept)
-        ctx.mask, ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = mask, dropout_p, scale, config, probe
+        # the mask's tensors saved as the others, so that autograd lets them go after the backward pass
+        ctx.save_for_backward(q, k, v, keep, learnable, *kept, *mask.tensors())
+        ctx.tiles, ctx.first_masked = mask.tiles, mask.first_masked
+        ctx.dropout_p, ctx.scale, ctx.config, ctx.probe = dropout_p, scale, config, probe
         return out
 
     @staticmethod
     @backward.first_order_only
     def backward(ctx, d_out):
         q, k, v, keep, learnable, *kept = ctx.saved_tensors
-        mask = ctx.mask
+        kept, mask = kept[:len(ctx.tiles)], _Mask.of(ctx.tiles, ctx.first_masked, kept[len(ctx.tiles):])
         probs = (Tiled(mask.tiles, kept, q.shape[-2], k.shape[-2]) if all(p is not None for p in kept)
                  else _probs(q, k, mask, ctx.scale, kept))
         d_mask = None

@@ -347,6 +347,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR):
                 module.__dict__.pop(name, None)
         self._applied = None
+        # the model's modules let go: a callback kept for the next run (a search's trials) holds no model
+        self._layers, self._unnumbered, self._towers, self._recorders = {}, [], {}, {}
         if self._path is not None:
             _release_lock(self._path, self)
 
