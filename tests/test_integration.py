@@ -193,7 +193,8 @@ class _ConfiglessAttention(torch.nn.Module):
         return ALL_ATTENTION_FUNCTIONS[self.implementation()](self, q, k, v, None)[0].reshape(b, t, -1)
 
 
-def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
+def _custom_model(attention: type, heads: int) -> type:
+    """A model of one's own: two layers of `attention` (heads, width 16) over an embedding."""
     from transformers import PretrainedConfig, PreTrainedModel
 
     class Custom(PreTrainedModel):
@@ -203,13 +204,21 @@ def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
         def __init__(self, config):
             super().__init__(config)
             self.embed = torch.nn.Embedding(VOCAB, 16)
-            self.layers = torch.nn.ModuleList(_ConfiglessAttention(config, 16, 2, i) for i in range(2))
+            self.layers = torch.nn.ModuleList(attention(config, 16, heads, i) for i in range(2))
 
         def forward(self, ids):
             h = self.embed(ids)
             for layer in self.layers:
                 h = h + layer(h)
             return h
+
+    return Custom
+
+
+def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
+    from transformers import PretrainedConfig
+
+    Custom = _custom_model(_ConfiglessAttention, 2)
 
     def model():
         torch.manual_seed(0)
@@ -231,6 +240,7 @@ def test_a_custom_model_whose_attention_holds_no_config_trains_patched():
     with pytest.raises(TypeError, match="_ConfiglessAttention holds no model config .* call hf_spanattn.patch_model"):
         stock(ids)
 
+
 def _attend(module, q, k, v):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as attention_functions
 
@@ -250,22 +260,9 @@ class _HelperAttention(_ConfiglessAttention):
 def test_a_custom_attention_that_reaches_the_registry_through_a_helper_trains_patched(attention):
     """Through a helper, patch_model's model failed with 'holds no model config ... call hf_spanattn.patch_model', and
     layers=[1] with 'carry no layer index', though the modules carry layer_idx."""
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PretrainedConfig
 
-    class Custom(PreTrainedModel):
-        config_class = PretrainedConfig
-        _supports_attention_backend = _supports_sdpa = True
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.embed = torch.nn.Embedding(VOCAB, 16)
-            self.layers = torch.nn.ModuleList(attention(config, 16, 4, i) for i in range(2))
-
-        def forward(self, ids):
-            h = self.embed(ids)
-            for layer in self.layers:
-                h = h + layer(h)
-            return h
+    Custom = _custom_model(attention, 4)
 
     def grads(layers):
         torch.manual_seed(0)
