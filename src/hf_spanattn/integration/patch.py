@@ -434,7 +434,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for module in base.modules():
         for name in (LAYER_ATTR, OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, SETTINGS_FROM_ATTR, CROSS_ATTR, REGISTERS_ATTR):
             module.__dict__.pop(name, None)
-    for tower in _towers(base).values():  # a tower patched alone, the model around it not
+    towers = _towers(base).values()
+    for tower in towers:  # a tower patched alone, the model around it not
         if is_patched(tower) and config_of(tower.config) is not None:
             unpatch_model(tower)
     if original is None and not is_patched(base):
@@ -444,7 +445,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
                       f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
                       "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
                       "alone.", stacklevel=2)
-    for model_config in [base.config, *(tower.config for tower in _towers(base).values())]:
+    for model_config in [base.config, *(tower.config for tower in towers)]:
         if hasattr(model_config, CONFIG_KEY):
             delattr(model_config, CONFIG_KEY)
     for part in sharing:
@@ -556,10 +557,12 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     # rows that attend no key (left padding) get the stock code's softmax over the mask-rounded scores, and so its
     # gradient into Q and K (span_attention would pass them gradient to V only): where the loss reads them (the last
     # pad predicts the first token), the gradient is stock's, and score:1111 stays the standard gradient
-    idle = ~attended(mask).any(-1, keepdim=True)
-    readable = mask.device.type != "meta" and not torch.compiler.is_compiling() and not packing.capturing(mask)
-    if run.keywords["dropout_p"] == 0 and readable and idle.any():
-        out = torch.where(idle, _stock_neo_attn(self, query, key, value, attention_mask)[0].to(out.dtype), out)
+    # (the causal mask alone leaves none: only a padding mask does, and only one there to read)
+    if attention_mask is not None and run.keywords["dropout_p"] == 0 and mask.device.type != "meta" and \
+            not torch.compiler.is_compiling() and not packing.capturing(mask):
+        idle = ~attended(mask).any(-1, keepdim=True)
+        if idle.any():
+            out = torch.where(idle, _stock_neo_attn(self, query, key, value, attention_mask)[0].to(out.dtype), out)
     return out.to(value.dtype), None
 
 
