@@ -142,11 +142,29 @@ def ranks_that_differ(output_dir: str) -> None:
     (Path(output_dir) / f"refused-{rank}.json").write_text(json.dumps(got))
 
 
-def _recorded(heads: int, orders: int) -> OrderRecorder:
-    """A recorder that has recorded one call of `heads` heads and `orders` orders (all ones)."""
-    recorder, part = OrderRecorder(), torch.ones(1, heads, 1, 3, 2, dtype=torch.float64)
-    recorder({"dq": part, "dk": part, "dq_orders": [part] * orders, "dk_orders": [part] * orders, "dq_standard": part,
-              "dk_standard": part, "rank_k": torch.ones(1, heads), "rank_v": torch.ones(1, heads)})
+def sums_past_1e154(output_dir: str) -> None:
+    """Rank r of 2 records one call of the parts of `_recorded` times RECORD_SCALES[r] and writes the summary of its
+    recorder, reduced over the ranks, to summary-{r}.json."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    recorder = _recorded(2, 2, RECORD_SCALES[rank])
+    reduce_over_ranks([recorder])
+    (Path(output_dir) / f"summary-{rank}.json").write_text(json.dumps(recorder.summary(per_head=True)))
+    dist.destroy_process_group()
+
+
+RECORD_SCALES = (1e200, 3e199)
+
+
+def _recorded(heads: int, orders: int, *scales: float) -> OrderRecorder:
+    """A recorder that has recorded a call of `heads` heads and `orders` orders per scale (one if none is given),
+    each part a 1..6 ramp times the scale."""
+    recorder = OrderRecorder()
+    ramp = torch.arange(1.0, 7.0, dtype=torch.float64).reshape(1, 1, 1, 3, 2).repeat(1, heads, 1, 1, 1)
+    for part in (ramp * scale for scale in scales or (1.0,)):
+        recorder({"dq": part, "dk": part, "dq_orders": [part] * orders, "dk_orders": [part] * orders,
+                  "dq_standard": part, "dk_standard": part, "rank_k": torch.ones(1, heads),
+                  "rank_v": torch.ones(1, heads)})
     return recorder
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import decimal
 import json
+import math
 import re
 import sys
 import warnings
@@ -2532,6 +2533,29 @@ def test_an_order_recorder_given_float16_records_sums_their_squares_without_over
     assert half.keys() == wide.keys()
     for key in wide:
         assert np.allclose(half[key], wide[key], rtol=1e-3, atol=0), key
+
+
+def test_an_order_recorder_keeps_records_past_1e154_within_float64s_range():
+    """Records of float64 gradients past 1e154 (an α of 1e200): their squares' sums overflowed float64 (norms inf,
+    shares and cosines NaN). The norms are now those of the records at scale 1 times the scale, and the shares and
+    cosines theirs, whichever order small and huge records come in."""
+    records = []
+    x = [t.detach().double().requires_grad_(True) for t in qkv(12)]
+    span_attention(*x, config="score:1100", probe=records.append).sum().backward()
+
+    def summary(*scales):
+        recorder = OrderRecorder()
+        for scale in scales:
+            recorder({k: [p * scale for p in v] if isinstance(v, list) else v if k in ("rule", "rank_k", "rank_v")
+                      else v * scale for k, v in records[0].items()})
+        return recorder.summary(per_head=True)
+
+    one = summary(1.0)
+    for scales, factor in [((1e200,), 1e200), ((1e-300, 1e200), 1e200), ((1e200, 1.0, 1e200), math.sqrt(2) * 1e200)]:
+        got = summary(*scales)
+        for key, want in one.items():
+            times = factor if "norm" in key else 1.0
+            assert np.allclose(np.asarray(got[key]) / times, want, rtol=1e-12, atol=0), (scales, key)
 
 
 @pytest.mark.parametrize("label,field,value", [

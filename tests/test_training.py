@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from models import VOCAB, tiny
@@ -240,6 +241,22 @@ def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_pat
             got["lock held"][1]
         assert got["layouts"][0] == "RuntimeError" and "different layers, heads or orders" in got["layouts"][1]
         assert got["twice"][0] == "ValueError" and "already holds the sums over the ranks" in got["twice"][1]
+
+
+@pytest.mark.slow
+def test_diagnostics_past_1e154_are_reduced_over_ranks_within_float64s_range(tmp_path):
+    """2 gloo processes record parts of about 1e200 (an α of 1e200 on float64 inputs), scaled apart on each rank:
+    every rank's reduced figures are those of one recorder given both records (its sums over W² = 4 ranks' squares:
+    norms halved), where the squares' sums overflowed float64 (norms inf, shares and cosines NaN)."""
+    from gloo_workers import RECORD_SCALES, _recorded, spawn, sums_past_1e154
+
+    spawn(sums_past_1e154, 2, str(tmp_path))
+    want = _recorded(2, 2, *RECORD_SCALES).summary(per_head=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"summary-{rank}.json").read_text())
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert np.allclose(np.asarray(got[key]) * (2 if "norm" in key else 1), value, rtol=1e-12, atol=0), key
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "data_parallel"])

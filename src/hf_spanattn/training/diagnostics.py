@@ -21,6 +21,10 @@ import torch.distributed as dist
 
 from hf_spanattn.ops.inputs import shown
 
+# a record whose largest entry passes 2**_WIDE is divided by a power of two before squaring, so that the sums of
+# squares stay within float64's range (an α past about 1e154 on float64 inputs)
+_WIDE = 480
+
 RECORD_KEYS = ("dq", "dk", "dq_orders", "dk_orders", "dq_standard", "dk_standard", "rank_k", "rank_v")
 
 
@@ -43,6 +47,14 @@ class OrderRecorder:
         self.rank_count = 0
         self.reduced = False  # holds the sums over the ranks (`reduce_over_ranks`): a second reduction would add them
         self.rule: str | None = None  # the rule of the records added ('score@exact'), where they name it
+        self.exponent = 0  # the sums are in units of 4**exponent: the records were divided by 2**exponent
+
+    def _rescale(self, exponent: int) -> None:
+        """Hold the sums in units of 4**exponent, where that is larger than their units now."""
+        if exponent > self.exponent:
+            factor = 2.0 ** (self.exponent - exponent)  # squared in two steps: its square may be below float64's range
+            self.sums = {name: value * factor * factor for name, value in self.sums.items()}
+            self.exponent = exponent
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         self.sums[name] = self.sums[name] + value if name in self.sums else value
@@ -79,12 +91,18 @@ class OrderRecorder:
         if self.reduced:
             raise ValueError("OrderRecorder: this recorder holds the sums over the ranks (reduce_over_ranks was called "
                              "on it); give the next step a new recorder")
+        parts = [p for side in ("dq", "dk") for p in (record[side], record[f"{side}_standard"],
+                                                      *record[f"{side}_orders"])]
+        peaks = [p.detach().abs().amax().double() for p in parts if p.numel()]
+        peak = torch.stack(peaks).max().item() if peaks else 0.0  # one synchronisation
+        self._rescale(math.frexp(peak)[1] - _WIDE)
+        unit = 2.0 ** -self.exponent
         for side in ("dq", "dk"):
             # squared in float64: a float16 record past 256 (a loss scale's), or a float32 one past 1.8e19 (a huge α),
             # squares past its dtype's range
             for order, part in enumerate(record[f"{side}_orders"]):
-                self._add(f"{side}_sq{order}", _per_head(part.double().pow(2)))
-            applied, standard = record[side].double(), record[f"{side}_standard"].double()
+                self._add(f"{side}_sq{order}", _per_head((part.double() * unit).pow(2)))
+            applied, standard = record[side].double() * unit, record[f"{side}_standard"].double() * unit
             self._add(f"{side}_dot", _per_head(applied * standard))
             self._add(f"{side}_sq", _per_head(applied.pow(2)))
             self._add(f"{side}_std_sq", _per_head(standard.pow(2)))
@@ -110,14 +128,14 @@ class OrderRecorder:
         for side in ("dq", "dk"):
             orders = sorted(int(k[len(side) + 3:]) for k in self.sums if k.startswith(f"{side}_sq") and
                             k[len(side) + 3:].isdigit())
-            norms = [self.sums[f"{side}_sq{o}"].sum().sqrt().item() for o in orders]
+            norms = [self.sums[f"{side}_sq{o}"].sum().sqrt().item() for o in orders]  # in units of 2**exponent
             total = sum(norms)
-            out[f"{side}_norm"] = norms
+            out[f"{side}_norm"] = [n * 2.0 ** self.exponent for n in norms]
             out[f"{side}_share"] = [n / total if total else math.nan for n in norms]
             dot, sq, std = (self.sums[f"{side}_{k}"].sum().item() for k in ("dot", "sq", "std_sq"))
-            out[f"cos_{side[1]}"] = dot / math.sqrt(sq * std) if sq and std else math.nan
+            out[f"cos_{side[1]}"] = dot / (math.sqrt(sq) * math.sqrt(std)) if sq and std else math.nan
             if per_head:
-                heads = torch.stack([self.sums[f"{side}_sq{o}"].sqrt() for o in orders], dim=1)
+                heads = torch.stack([self.sums[f"{side}_sq{o}"].sqrt() for o in orders], dim=1) * 2.0 ** self.exponent
                 out[f"{side}_norm_per_head"] = heads.tolist()
         return out
 
@@ -146,18 +164,24 @@ def reduce_over_ranks(recorders: list[OrderRecorder]) -> None:
     # the layout of the sums (layers, names, heads): ranks whose sums have other layouts of one size are refused too
     layout = zlib.crc32(repr([[(k, tuple(r.sums[k].shape)) for k in names] for r, names in zip(recorders, keys)])
                         .encode())
-    parts = [r.sums[k].reshape(-1) for r, names in zip(recorders, keys) for k in names]
+    held = [r.sums[k] for r, names in zip(recorders, keys) for k in names]
     # the gradients' device, which the process group serves; a rank that recorded no sums only sends counts
-    device = parts[0].device if parts else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-    counts = torch.tensor([[r.rank_k, r.rank_v, r.rank_count] for r in recorders], dtype=torch.float64,
-                          device=device).reshape(-1)
-    flat = torch.cat([p.to(device, torch.float64) for p in parts] + [counts])
-    size = torch.tensor([flat.numel(), -flat.numel(), layout, -layout], device=device)
+    device = held[0].device if held else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    numel = sum(x.numel() for x in held) + 3 * len(recorders)
+    # the largest unit of the sums goes with the sizes: the sums of every rank are added in one unit
+    size = torch.tensor([numel, -numel, layout, -layout, max((r.exponent for r in recorders), default=0)],
+                        device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MAX)
     if size[0] != -size[1] or size[2] != -size[3]:  # a collective over other sizes would hang or fail obscurely
         raise RuntimeError(f"span diagnostics: the ranks recorded different layers, heads or orders this step "
                            f"(between {-size[1].item()} and {size[0].item()} sums); every rank must train the same "
                            "model with the same settings")
+    for recorder in recorders:
+        recorder._rescale(size[4].item())
+    parts = [r.sums[k].reshape(-1) for r, names in zip(recorders, keys) for k in names]
+    counts = torch.tensor([[r.rank_k, r.rank_v, r.rank_count] for r in recorders], dtype=torch.float64,
+                          device=device).reshape(-1)
+    flat = torch.cat([p.to(device, torch.float64) for p in parts] + [counts])
     dist.all_reduce(flat)
     sums, counts = flat[:-counts.numel()], flat[-counts.numel():].reshape(-1, 3)
     offset = 0
