@@ -56,11 +56,11 @@ class Span:
         return self.basis @ self._coef().to(self.basis.dtype)
 
     def left_pinv_t(self, left: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A Wᵀ (X⁺)ᵀ = (A (Wᵀ U)) C for A (…, T, n) and W (…, T, n), in A's dtype. C is applied last and
-        in its own dtype, so the result is finite wherever it is in A's dtype, also where C, Wᵀ (X⁺)ᵀ
-        or A Wᵀ U are not (X at the bottom of A's range: (X⁺)ᵀ is huge where A Wᵀ U is tiny)."""
+        """A Wᵀ (X⁺)ᵀ = A ((Wᵀ U) C) for A (…, T, n) and W (…, T, n), in A's dtype. The product is taken in
+        C's dtype (float64), so the result is finite wherever it is in A's dtype, also where C and
+        Wᵀ (X⁺)ᵀ are not (X at the bottom of A's range: (X⁺)ᵀ is huge where A Wᵀ U is tiny)."""
         coef = self._coef()
-        return ((left.to(coef.dtype) @ (w.mT @ self.basis).to(coef.dtype)) @ coef).to(left.dtype)
+        return (left.to(coef.dtype) @ ((w.mT @ self.basis).to(coef.dtype) @ coef)).to(left.dtype)
 
     def _coef(self) -> torch.Tensor:
         if self.coef is None:
