@@ -113,11 +113,12 @@ def install() -> None:
         folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
         base = self.get_base_model()
         patched_with = config_of(base.config) if is_patched(base) else None
-        has_settings = is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME))
-        if has_settings and patched_with is None and is_patched(base):
+        if not (is_adapter_folder(folder) and os.path.lexists(os.path.join(folder, CONFIG_NAME))):
+            return result
+        saved, described = _saved_settings(folder)
+        if patched_with is None and is_patched(base):
             # set to span_attention by from_pretrained (AutoPeftModel...) without settings: the adapter's, not the
             # default's
-            saved, _ = _saved_settings(folder)
             if saved is not None:
                 from hf_spanattn.integration.patch import patch_model
 
@@ -125,20 +126,17 @@ def install() -> None:
                     patch_model(base, saved)
                 except ValueError as err:  # the settings do not fit the model (layers it lacks)
                     raise ValueError(f"{os.path.join(folder, CONFIG_NAME)}: {err}") from None
-        elif patched_with is None and has_settings:
-            _, saved = _saved_settings(folder)
-            warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
+        elif patched_with is None:
+            warnings.warn(f"{folder} holds {described} but the model it was loaded into is not patched, so it trains "
                           f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
                           f"{os.fspath(folder)!r}), or call "
                           "hf_spanattn.patch_model(model, SpanAttentionConfig.from_pretrained(folder)).",
                           stacklevel=2)
-        elif patched_with is not None and has_settings:
-            saved, described = _saved_settings(folder)
-            if saved is not None and saved != patched_with:
-                warnings.warn(f"{folder} holds {described}, other than those the model it was loaded into is patched "
-                              f"with ({_described(patched_with)}): the model's settings win, it trains with "
-                              f"{_described(patched_with)}. To train with the adapter's, call hf_spanattn.patch_model("
-                              "model, SpanAttentionConfig.from_pretrained(folder)) after loading it.", stacklevel=2)
+        elif saved is not None and saved != patched_with:
+            warnings.warn(f"{folder} holds {described}, other than those the model it was loaded into is patched "
+                          f"with ({_described(patched_with)}): the model's settings win, it trains with "
+                          f"{_described(patched_with)}. To train with the adapter's, call hf_spanattn.patch_model("
+                          "model, SpanAttentionConfig.from_pretrained(folder)) after loading it.", stacklevel=2)
         return result
 
     setattr(save_pretrained, _WRAPPED, True)
