@@ -85,7 +85,7 @@ def test_forward_is_sdpa(causal, padded, h_q, h_kv):
         s = s.masked_fill(~mask, float("-inf"))
     elif causal:
         s = s.masked_fill(torch.ones(50, 50, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
-    _close(lse, torch.logsumexp(s, dim=-1), 1e-6)
+    _close(flash.logsumexp(lse), torch.logsumexp(s, dim=-1), 1e-6)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -183,7 +183,7 @@ def test_rows_that_attend_nothing():
     bias = _padding(2, 16, [16, 0])
     out, lse = flash.forward(q, k, v, scale=0.25, key_bias=bias)
     got = flash.backward(q, k, v, out, lse, d_out, scale=0.25, key_bias=bias, key_operands=[k], query_operands=[q])
-    assert out[1].abs().max() == 0 and torch.isneginf(lse[1]).all()
+    assert out[1].abs().max() == 0 and torch.isneginf(flash.logsumexp(lse[1])).all()
     for x in (got.dv[1], got.key_side[0][1], got.query_side[0][1]):
         assert x.abs().max() == 0
     lowest = bias.clamp_min(torch.finfo(torch.float32).min)
@@ -438,6 +438,35 @@ def test_a_key_bias_past_the_float32_range_in_log2_units_is_sdpas():
     want = F.scaled_dot_product_attention(*ref, attn_mask=bias.double())
     want_grads = torch.autograd.grad(want, ref, d_out.cpu().double())
     assert rel(out.cpu().double(), want) < 1e-5 and all(rel(g.cpu(), r) < 1e-4 for g, r in zip(grads, want_grads))
+
+
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_sequence_with_every_key_under_a_finite_mask_gets_the_tiles_gradients(fill, causal):
+    """A float mask that leaves a row no key above MASKED_AT (a sequence all padding, or the first rows of a left-padded
+    one): its scores and log-sum-exp sit near the fill, where the float32 log-sum-exp lost log2 of the row's sum, so P
+    summed to T (dV T times too large) or to 0 in the backward pass; and the row passed gradient to Q and K. Now the
+    tiles' output and gradients: SDPA's dV, none to Q and K from that row."""
+    q, k, v, d_out = _inputs(b=2, h_q=2, h_kv=1, t=16, d=8)
+    attend = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    attend[0] = False  # sequence 0 all padding
+    attend[1, ..., :5] = False  # sequence 1 left-padded: under the causal mask its first 5 rows attend nothing
+    if causal:
+        attend &= torch.ones(16, 16, dtype=torch.bool).tril()
+    mask = torch.zeros(2, 1, 16, 16).masked_fill(~attend, fill)
+    if causal:  # the causal entries -inf, as the kernels take it with a key bias
+        mask = mask.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+    else:
+        mask = mask[:, :, :1]  # (B, 1, 1, S)
+    results = {}
+    for backend in ("triton", "tiles"):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="backend=.triton. runs on")  # no fallback
+            out = span_attention(*leaves, attn_mask=mask.to(DEVICE), config="score:1111", backend=backend)
+        results[backend] = (out, *torch.autograd.grad(out, leaves, d_out))
+    for got, want in zip(results["triton"], results["tiles"], strict=True):
+        _close(got, want, 1e-5)
 
 
 def test_float64_falls_back_to_tiles(fresh_warnings):

@@ -41,17 +41,23 @@ def new_seed(device: torch.device) -> torch.Tensor:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = False,
             key_bias: torch.Tensor | None = None, dropout_p: float = 0.0,
             seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scale·QKᵀ + mask)·V and its log-sum-exp per row ((N,) B, H_q, T, float32; −inf for a
-    row that attends nothing, whose output is 0)."""
+    """softmax(scale·QKᵀ + mask)·V and its log-sum-exp per row in log2 units as two parts, ((N,) B, H_q, T, 2)
+    float32: the row's largest score m (−inf for a row that attends nothing, whose output is 0) and
+    log2 Σ 2^(s − m) (`logsumexp` adds them up); the backward pass takes it as it is."""
     from hf_spanattn.ops.triton import kernels
 
     call = _Call(q, k, v, scale, causal, key_bias, dropout_p, seed)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    lse = q.new_empty(*q.shape[:-1], 2, dtype=torch.float32)
     kernels.forward_kernel[call.grid(call.t, call.h_q, "BLOCK_M")](
         call.q, call.k, call.v, out, lse, call.bias, call.seed, call.b, call.h_q, call.h_kv, call.t, call.s,
         call.scale_log2, dropout_p, W=0, **call.meta)
     return out, lse
+
+
+def logsumexp(lse: torch.Tensor) -> torch.Tensor:
+    """The natural log-sum-exp per row from `forward`'s two parts."""
+    return lse.sum(-1) / LOG2E
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
