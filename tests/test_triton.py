@@ -469,6 +469,26 @@ def test_a_sequence_with_every_key_under_a_finite_mask_gets_the_tiles_gradients(
         _close(got, want, 1e-5)
 
 
+def test_calls_from_threads_at_once_get_their_own_results():
+    """Threads calling the kernels at once (a data loader's, nn.DataParallel's replicas): under TRITON_INTERPRET=1
+    launches from two threads failed inside Triton's interpreter, which swaps module globals while a kernel runs.
+    Each call gets the output and gradients it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [_inputs(b=1, h_q=2, h_kv=1, t=8, d=8, seed=seed) for seed in range(6)]
+
+    def call(inputs):
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs[:3]]
+        out = span_attention(*leaves, is_causal=True, config="score:1100", backend="triton")
+        return (out, *torch.autograd.grad(out, leaves, inputs[3]))
+
+    alone = [call(inputs) for inputs in calls]
+    with ThreadPoolExecutor(3) as pool:
+        for got, want in zip(pool.map(call, calls), alone, strict=True):
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
+
+
 def test_float64_falls_back_to_tiles(fresh_warnings):
     inputs, d_out = make(t=12, d=8)
     with pytest.warns(UserWarning, match="backend='tiles'"):

@@ -11,7 +11,9 @@ mask); `causal` masks key j for query i < j as SDPA's is_causal. Dropout draws i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ import torch
 LOG2E = 1.4426950408889634
 _LARGEST_BIAS = 2.0**125  # a key bias past it is shifted down (float32 holds 2¹²⁸ in log2 units, scores beside it)
 MAX_WIDTH = 256  # the widest operand group one launch multiplies G by; wider lists take several launches
+_INTERPRETER = threading.Lock()  # Triton's interpreter swaps module globals during a launch: one launch at a time
 
 
 @dataclass
@@ -49,7 +52,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
     call = _Call(q, k, v, scale, causal, key_bias, dropout_p, seed)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = q.new_empty(*q.shape[:-1], 2, dtype=torch.float32)
-    kernels.forward_kernel[call.grid(call.t, call.h_q, "BLOCK_M")](
+    _launch(kernels.forward_kernel, call.grid(call.t, call.h_q, "BLOCK_M"),
         call.q, call.k, call.v, out, lse, call.bias, call.seed, call.b, call.h_q, call.h_kv, call.t, call.s,
         call.scale_log2, dropout_p, W=0, **call.meta)
     return out, lse
@@ -87,7 +90,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     for i, group in enumerate(groups):
         y, width, is_q = _stack(group, call.q, call.q.shape[:-2] + (call.t,), q.dtype)
         gy = torch.empty(*call.k.shape[:-1], width, device=q.device, dtype=torch.float32)
-        kernels.keys_kernel[call.grid(call.s, call.h_kv, "BLOCK_N")](
+        _launch(kernels.keys_kernel, call.grid(call.s, call.h_kv, "BLOCK_N"),
             *args, y, dv if dv is not None else gy, gy, *sizes, W=width, BLOCK_W=_pow2(width), Y_IS_Q=is_q,
             WANT_DV=want_dv and i == 0, WANT_GY=bool(query_operands), **call.meta)
         if query_operands:
@@ -98,11 +101,18 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         heads = call.h_q if per_query_head else call.h_kv
         x, width, is_k = _stack(group, call.k, (call.n, call.b, heads, call.s), q.dtype)
         gx = torch.empty(*call.q.shape[:-1], width, device=q.device, dtype=torch.float32)
-        kernels.queries_kernel[call.grid(call.t, call.h_q, "BLOCK_M")](
+        _launch(kernels.queries_kernel, call.grid(call.t, call.h_q, "BLOCK_M"),
             *args, x, gx, *sizes, W=width, BLOCK_W=_pow2(width), X_IS_K=is_k, X_PER_QUERY_HEAD=per_query_head,
             **call.meta)
         key_side += _split(gx, group, call.blocked)
     return Products(dv, key_side, query_side)
+
+
+def _launch(kernel, grid: Callable, *args, **meta) -> None:
+    from hf_spanattn.ops.triton import kernels
+
+    with _INTERPRETER if kernels.INTERPRET else contextlib.nullcontext():
+        kernel[grid](*args, **meta)
 
 
 class _Call:
