@@ -489,6 +489,32 @@ def test_calls_from_threads_at_once_get_their_own_results():
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scale", [3e4, -1e5])
+@pytest.mark.parametrize("label", ["score:1111", "score:1100@per_block"])
+def test_float16_with_a_scale_past_the_half_range_is_finite(label, scale):
+    """scale·∂L/∂P passes 65504 while the scores stay O(1): G was rounded to float16 with the factor scale in it for the
+    tile products, inf and NaN in dQ and dK where SDPA's are finite. Now as close to the rule's float64 gradients
+    on the same inputs as SDPA's float16 math kernel is to its float64 one (or within 4 ulp)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    inputs = [(q * 2 / abs(scale) ** 0.5).half(), (k / abs(scale) ** 0.5).half(), v.half()]
+    d_out = (4 * torch.randn(1, 2, 16, 8, generator=gen)).half()
+
+    def grads(inputs, **kwargs):
+        leaves = [x.detach().clone().to(DEVICE).requires_grad_(True) for x in inputs]
+        with sdpa_kernel(SDPBackend.MATH):
+            out = (span_attention if kwargs else F.scaled_dot_product_attention)(*leaves, is_causal=True, scale=scale,
+                                                                                 **kwargs)
+        return torch.autograd.grad(out, leaves, d_out.to(DEVICE, out.dtype))
+
+    wide = [x.double() for x in inputs]
+    got, sdpa, want, sdpa_wide = (grads(inputs, config=label, backend="triton"), grads(inputs),
+                                  grads(wide, config=label, backend="tiles"), grads(wide))
+    for g, s, w, sw in zip(got, sdpa, want, sdpa_wide, strict=True):
+        assert torch.isfinite(g).all()
+        assert rel(g.cpu(), w.cpu()) < max(2 * rel(s.cpu(), sw.cpu()), 4 * torch.finfo(torch.float16).eps)
+
+
 def test_float64_falls_back_to_tiles(fresh_warnings):
     inputs, d_out = make(t=12, d=8)
     with pytest.warns(UserWarning, match="backend='tiles'"):

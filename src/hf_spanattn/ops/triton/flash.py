@@ -80,7 +80,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     d_out = d_out.contiguous()
     delta = torch.linalg.vecdot(out.float(), d_out.float())  # Δ = rowsum(dO∘O), broadcast over blocks
     args = (call.q, call.k, call.v, d_out, lse.contiguous(), delta.contiguous(), call.bias, call.seed)
-    sizes = (call.b, call.h_q, call.h_kv, call.t, call.s, scale, call.scale_log2, dropout_p)
+    # G = scale·P∘(dP − Δ) is rounded to the operands' dtype for the tile products: a scale past 1 multiplies the
+    # float32 products instead, so that float16's range holds G where it holds P∘(dP − Δ) (as in SDPA)
+    before, after = (scale, 1.0) if abs(scale) <= 1 else (1.0, scale)
+    sizes = (call.b, call.h_q, call.h_kv, call.t, call.s, before, after, call.scale_log2, dropout_p)
 
     dv = torch.empty_like(call.v) if want_dv else None
     query_side = []

@@ -185,8 +185,8 @@ def _row_lse(LSE, q_row, rows, T):
 
 @triton.autotune(configs=_configs("keys"), key=_KEY)
 @triton.jit
-def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV, T, S, scale, scale_log2, p_drop,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV, T, S, scale, scale_after, scale_log2,
+                p_drop, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 W: tl.constexpr, BLOCK_W: tl.constexpr, Y_IS_Q: tl.constexpr, WANT_DV: tl.constexpr,
                 WANT_GY: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -240,7 +240,7 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
                 dp_t = _dot(v, tl.trans(d_out), UPCAST, PRECISION)
                 if DROPOUT:
                     dp_t = tl.where(keep, dp_t / (1.0 - p_drop), 0.0)
-                ds_t = p_t * (dp_t - delta[None, :]) * scale  # Gᵀ's tile: G carries the factor scale
+                ds_t = p_t * (dp_t - delta[None, :]) * scale  # Gᵀ's tile, short of the factor scale_after
                 if Y_IS_Q:
                     y = q
                 else:
@@ -250,13 +250,13 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
         tl.store(DV_OUT + (bkv * S + cols)[:, None] * DV + dv[None, :], acc_dv.to(DV_OUT.dtype.element_ty),
                  mask=c_mask & (dv[None, :] < DV))
     if WANT_GY:
-        tl.store(GY + k_row[:, None] * W + w[None, :], acc_gy, mask=c_mask & (w[None, :] < W))
+        tl.store(GY + k_row[:, None] * W + w[None, :], acc_gy * scale_after, mask=c_mask & (w[None, :] < W))
 
 
 @triton.autotune(configs=_configs("queries"), key=_KEY)
 @triton.jit
-def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, S, scale, scale_log2, p_drop,
-                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, S, scale, scale_after, scale_log2,
+                   p_drop, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    W: tl.constexpr, BLOCK_W: tl.constexpr, X_IS_K: tl.constexpr, X_PER_QUERY_HEAD: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -299,4 +299,4 @@ def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, 
         else:
             x = tl.load(X + (x_base + cols)[:, None] * W + w[None, :], mask=c_mask & (w[None, :] < W), other=0.0)
         acc += _dot(ds.to(x.dtype), x, UPCAST, PRECISION)
-    tl.store(GX + q_row[:, None] * W + w[None, :], acc, mask=r_mask & (w[None, :] < W))
+    tl.store(GX + q_row[:, None] * W + w[None, :], acc * scale_after, mask=r_mask & (w[None, :] < W))
