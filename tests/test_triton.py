@@ -515,6 +515,24 @@ def test_float16_with_a_scale_past_the_half_range_is_finite(label, scale):
         assert rel(g.cpu(), w.cpu()) < max(2 * rel(s.cpu(), sw.cpu()), 4 * torch.finfo(torch.float16).eps)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_torch_compile_under_the_interpreter_runs_on_fused(fresh_warnings):
+    """torch.compile traced into Triton's interpreter (TRITON_INTERPRET=1) and failed on its NumPy (KeyError:
+    torch.uint64). Now the call runs on fused with a warning that says so, with the tiles' gradients."""
+    with pytest.warns(UserWarning, match="runs on backend='fused' here: Triton's interpreter"):
+        torch.compile(span_attention, backend="eager")(*(x.requires_grad_(True) for x in _inputs(b=1, t=8, d=8)[:3]),
+                                                       is_causal=True, backend="triton")
+    q, k, v, d_out = _inputs(b=1, h_q=2, h_kv=2, t=8, d=8)
+    results = []
+    for fn, backend in ((torch.compile(span_attention, backend="eager"), "triton"), (span_attention, "tiles")):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, is_causal=True, config="score:1100", backend=backend)
+        results.append((out, *torch.autograd.grad(out, leaves, d_out)))
+    for got, want in zip(*results, strict=True):
+        _close(got, want, 1e-5)
+
+
 def test_float64_falls_back_to_tiles(fresh_warnings):
     inputs, d_out = make(t=12, d=8)
     with pytest.warns(UserWarning, match="backend='tiles'"):

@@ -10,9 +10,9 @@ kernels' block axis in one launch. The rest (spans, the rule, α_QKV) is `backwa
 Masks: causal, and masks that reduce to a bias per key (`masks.key_mask`: key padding, as
 Transformers builds for padded batches). Dropout is drawn in the kernels from a seed on the device,
 the same mask in the forward pass, the backward pass and every block. Anything else (another mask,
-a head dim above 128, float64, no Triton, a kernel that fails to compile or launch, under CUDA
-graph capture a mask with a query dimension or a kernel not yet called before the capture) runs on
-`fused` (float64 on `tiles`) with a warning, once per reason.
+a head dim above 128, float64, no Triton, Triton's interpreter under torch.compile, a kernel that
+fails to compile or launch, under CUDA graph capture a mask with a query dimension or a kernel not
+yet called before the capture) runs on `fused` (float64 on `tiles`) with a warning, once per reason.
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fo
     reason = device_missing(query.device.type)
     if reason:
         return reason
+    if interpreting() and torch.compiler.is_compiling():  # Dynamo would trace into the interpreter's NumPy
+        return "Triton's interpreter (TRITON_INTERPRET=1) does not run under torch.compile"
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the kernels run float32, float16 and bfloat16 inputs, got {query.dtype}"
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
