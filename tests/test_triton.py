@@ -559,6 +559,16 @@ def test_backend_for_names_the_backend_that_runs(monkeypatch, fresh_warnings):
     assert attention.backend_for("cuda", backend="tiles") == "tiles"
 
 
+def test_backend_for_float64_names_the_tiles_where_the_kernels_can_run(monkeypatch, fresh_warnings):
+    """backend_for said 'triton' for float64 on a device the kernels run on, where every call runs on the tiles."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    assert attention.backend_for(DEVICE, torch.float64) == "tiles"
+    assert attention.backend_for(DEVICE, torch.float32) == "triton"
+    inputs, _ = make(t=8, d=8)
+    with pytest.warns(UserWarning, match="runs on backend='tiles' here"):
+        span_attention(*(x.to(DEVICE).requires_grad_(True) for x in inputs), config="score:1000", is_causal=True)
+
+
 @pytest.mark.parametrize("value, interprets", [("1", True), ("true", True), ("ON", True), ("Yes", True), ("y", True),
                                                ("0", False), ("2", False), (" 1", False), ("off", False)])
 def test_triton_interpret_is_read_as_triton_reads_it(value, interprets, monkeypatch):
