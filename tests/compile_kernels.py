@@ -26,7 +26,7 @@ def main(arch: int, dtype: str) -> int:
     ptr = "*" + dtype
     types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, Y=ptr, X=ptr, DV_OUT=ptr, LSE="*fp32", DELTA="*fp32",
                  BIAS="*fp32", SEED="*i64", GY="*fp32", GX="*fp32", B="i32", H_Q="i32", H_KV="i32", T="i32",
-                 S="i32", scale="fp32", scale_log2="fp32", p_drop="fp32")
+                 S="i32", scale="fp32", scale_after="fp32", scale_log2="fp32", p_drop="fp32")
     common = dict(D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, CAUSAL=True, HAS_BIAS=True, UPCAST=False,
                   PRECISION="ieee" if dtype == "fp32" else "tf32")
     variants = [(kernels.forward_kernel, dict(W=0)),

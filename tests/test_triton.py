@@ -85,7 +85,7 @@ def test_forward_is_sdpa(causal, padded, h_q, h_kv):
         s = s.masked_fill(~mask, float("-inf"))
     elif causal:
         s = s.masked_fill(torch.ones(50, 50, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
-    _close(lse, torch.logsumexp(s, dim=-1), 1e-6)
+    _close(flash.logsumexp(lse), torch.logsumexp(s, dim=-1), 1e-6)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -183,7 +183,7 @@ def test_rows_that_attend_nothing():
     bias = _padding(2, 16, [16, 0])
     out, lse = flash.forward(q, k, v, scale=0.25, key_bias=bias)
     got = flash.backward(q, k, v, out, lse, d_out, scale=0.25, key_bias=bias, key_operands=[k], query_operands=[q])
-    assert out[1].abs().max() == 0 and torch.isneginf(lse[1]).all()
+    assert out[1].abs().max() == 0 and torch.isneginf(flash.logsumexp(lse[1])).all()
     for x in (got.dv[1], got.key_side[0][1], got.query_side[0][1]):
         assert x.abs().max() == 0
     lowest = bias.clamp_min(torch.finfo(torch.float32).min)
@@ -440,6 +440,99 @@ def test_a_key_bias_past_the_float32_range_in_log2_units_is_sdpas():
     assert rel(out.cpu().double(), want) < 1e-5 and all(rel(g.cpu(), r) < 1e-4 for g, r in zip(grads, want_grads))
 
 
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_sequence_with_every_key_under_a_finite_mask_gets_the_tiles_gradients(fill, causal):
+    """A float mask that leaves a row no key above MASKED_AT (a sequence all padding, or the first rows of a left-padded
+    one): its scores and log-sum-exp sit near the fill, where the float32 log-sum-exp lost log2 of the row's sum, so P
+    summed to T (dV T times too large) or to 0 in the backward pass; and the row passed gradient to Q and K. Now the
+    tiles' output and gradients: SDPA's dV, none to Q and K from that row."""
+    q, k, v, d_out = _inputs(b=2, h_q=2, h_kv=1, t=16, d=8)
+    attend = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    attend[0] = False  # sequence 0 all padding
+    attend[1, ..., :5] = False  # sequence 1 left-padded: under the causal mask its first 5 rows attend nothing
+    if causal:
+        attend &= torch.ones(16, 16, dtype=torch.bool).tril()
+    mask = torch.zeros(2, 1, 16, 16).masked_fill(~attend, fill)
+    if causal:  # the causal entries -inf, as the kernels take it with a key bias
+        mask = mask.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+    else:
+        mask = mask[:, :, :1]  # (B, 1, 1, S)
+    results = {}
+    for backend in ("triton", "tiles"):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="backend=.triton. runs on")  # no fallback
+            out = span_attention(*leaves, attn_mask=mask.to(DEVICE), config="score:1111", backend=backend)
+        results[backend] = (out, *torch.autograd.grad(out, leaves, d_out))
+    for got, want in zip(results["triton"], results["tiles"], strict=True):
+        _close(got, want, 1e-5)
+
+
+def test_calls_from_threads_at_once_get_their_own_results():
+    """Threads calling the kernels at once (a data loader's, nn.DataParallel's replicas): under TRITON_INTERPRET=1
+    launches from two threads failed inside Triton's interpreter, which swaps module globals while a kernel runs.
+    Each call gets the output and gradients it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [_inputs(b=1, h_q=2, h_kv=1, t=8, d=8, seed=seed) for seed in range(6)]
+
+    def call(inputs):
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs[:3]]
+        out = span_attention(*leaves, is_causal=True, config="score:1100", backend="triton")
+        return (out, *torch.autograd.grad(out, leaves, inputs[3]))
+
+    alone = [call(inputs) for inputs in calls]
+    with ThreadPoolExecutor(3) as pool:
+        for got, want in zip(pool.map(call, calls), alone, strict=True):
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scale", [3e4, -1e5])
+@pytest.mark.parametrize("label", ["score:1111", "score:1100@per_block"])
+def test_float16_with_a_scale_past_the_half_range_is_finite(label, scale):
+    """scale·∂L/∂P passes 65504 while the scores stay O(1): G was rounded to float16 with the factor scale in it for the
+    tile products, inf and NaN in dQ and dK where SDPA's are finite. Now as close to the rule's float64 gradients
+    on the same inputs as SDPA's float16 math kernel is to its float64 one (or within 4 ulp)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    inputs = [(q * 2 / abs(scale) ** 0.5).half(), (k / abs(scale) ** 0.5).half(), v.half()]
+    d_out = (4 * torch.randn(1, 2, 16, 8, generator=gen)).half()
+
+    def grads(inputs, **kwargs):
+        leaves = [x.detach().clone().to(DEVICE).requires_grad_(True) for x in inputs]
+        with sdpa_kernel(SDPBackend.MATH):
+            out = (span_attention if kwargs else F.scaled_dot_product_attention)(*leaves, is_causal=True, scale=scale,
+                                                                                 **kwargs)
+        return torch.autograd.grad(out, leaves, d_out.to(DEVICE, out.dtype))
+
+    wide = [x.double() for x in inputs]
+    got, sdpa, want, sdpa_wide = (grads(inputs, config=label, backend="triton"), grads(inputs),
+                                  grads(wide, config=label, backend="tiles"), grads(wide))
+    for g, s, w, sw in zip(got, sdpa, want, sdpa_wide, strict=True):
+        assert torch.isfinite(g).all()
+        assert rel(g.cpu(), w.cpu()) < max(2 * rel(s.cpu(), sw.cpu()), 4 * torch.finfo(torch.float16).eps)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_torch_compile_under_the_interpreter_runs_on_fused(fresh_warnings):
+    """torch.compile traced into Triton's interpreter (TRITON_INTERPRET=1) and failed on its NumPy (KeyError:
+    torch.uint64). Now the call runs on fused with a warning that says so, with the tiles' gradients."""
+    with pytest.warns(UserWarning, match="runs on backend='fused' here: Triton's interpreter"):
+        torch.compile(span_attention, backend="eager")(*(x.requires_grad_(True) for x in _inputs(b=1, t=8, d=8)[:3]),
+                                                       is_causal=True, backend="triton")
+    q, k, v, d_out = _inputs(b=1, h_q=2, h_kv=2, t=8, d=8)
+    results = []
+    for fn, backend in ((torch.compile(span_attention, backend="eager"), "triton"), (span_attention, "tiles")):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, is_causal=True, config="score:1100", backend=backend)
+        results.append((out, *torch.autograd.grad(out, leaves, d_out)))
+    for got, want in zip(*results, strict=True):
+        _close(got, want, 1e-5)
+
+
 def test_float64_falls_back_to_tiles(fresh_warnings):
     inputs, d_out = make(t=12, d=8)
     with pytest.warns(UserWarning, match="backend='tiles'"):
@@ -464,6 +557,16 @@ def test_backend_for_names_the_backend_that_runs(monkeypatch, fresh_warnings):
     monkeypatch.setattr(triton_backend, "missing", lambda: "Triton is not installed")
     assert attention.backend_for("cuda") == "fused"
     assert attention.backend_for("cuda", backend="tiles") == "tiles"
+
+
+def test_backend_for_float64_names_the_tiles_where_the_kernels_can_run(monkeypatch, fresh_warnings):
+    """backend_for said 'triton' for float64 on a device the kernels run on, where every call runs on the tiles."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")
+    assert attention.backend_for(DEVICE, torch.float64) == "tiles"
+    assert attention.backend_for(DEVICE, torch.float32) == "triton"
+    inputs, _ = make(t=8, d=8)
+    with pytest.warns(UserWarning, match="runs on backend='tiles' here"):
+        span_attention(*(x.to(DEVICE).requires_grad_(True) for x in inputs), config="score:1000", is_causal=True)
 
 
 @pytest.mark.parametrize("value, interprets", [("1", True), ("true", True), ("ON", True), ("Yes", True), ("y", True),

@@ -211,7 +211,7 @@ def backend_for(device: str | torch.device, dtype: torch.dtype = torch.float32, 
     if dtype not in SPAN_DTYPES:  # no backend runs span gradients in it: span_attention refuses such inputs
         raise ValueError(f"backend_for: dtype={dtype}: span gradients take {', '.join(map(str, SPAN_DTYPES))}")
     name = _backend(backend, dtype, device, None)
-    if name == "triton" and device_missing(device):
+    if name == "triton" and (device_missing(device) or dtype == torch.float64):  # the kernels run no float64
         return "tiles" if dtype == torch.float64 else "fused"
     return name
 

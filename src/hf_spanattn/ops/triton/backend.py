@@ -10,9 +10,9 @@ kernels' block axis in one launch. The rest (spans, the rule, α_QKV) is `backwa
 Masks: causal, and masks that reduce to a bias per key (`masks.key_mask`: key padding, as
 Transformers builds for padded batches). Dropout is drawn in the kernels from a seed on the device,
 the same mask in the forward pass, the backward pass and every block. Anything else (another mask,
-a head dim above 128, float64, no Triton, a kernel that fails to compile or launch, under CUDA
-graph capture a mask with a query dimension or a kernel not yet called before the capture) runs on
-`fused` (float64 on `tiles`) with a warning, once per reason.
+a head dim above 128, float64, no Triton, Triton's interpreter under torch.compile, a kernel that
+fails to compile or launch, under CUDA graph capture a mask with a query dimension or a kernel not
+yet called before the capture) runs on `fused` (float64 on `tiles`) with a warning, once per reason.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from hf_spanattn.ops import backward, rules
 from hf_spanattn.ops.backward import Probe, grouped
 from hf_spanattn.ops.fused import _spans, fused_attention, key_support
-from hf_spanattn.ops.inputs import capturing
+from hf_spanattn.ops.inputs import attended, capturing
 from hf_spanattn.ops.tile_engine import tile_attention
 from hf_spanattn.ops.triton import flash, interpreting, masks, missing
 
@@ -58,7 +58,20 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return run(query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe)
     h_q, h_kv = query.shape[1], key.shape[1]
     key_valid = key_support(attn_mask, h_kv, h_q // h_kv)
-    return _Attention.apply(query, key, value, form.bias, form.causal, dropout_p, scale, key_valid, config, probe)
+    alive = None if attn_mask is None or attn_mask.dtype == torch.bool else _rows_attending(form, query.shape[-2])
+    return _Attention.apply(query, key, value, form.bias, form.causal, dropout_p, scale, key_valid, alive, config,
+                            probe)
+
+
+def _rows_attending(form: masks.KeyMask, t: int) -> torch.Tensor | None:
+    """(B or 1, 1, T, 1): whether a query row attends some key under a float mask (one above `MASKED_AT`). A row
+    that attends none passes no gradient to Q and K, as under the bool mask (on the tiles too); the kernels give
+    its P, which only dV takes. Read on the device."""
+    if form.bias is None:
+        return None
+    attend = attended(form.bias)
+    rows = attend.cummax(-1).values[:, :t] if form.causal else attend.any(-1, keepdim=True)
+    return rows[:, None, :, None]
 
 
 def device_missing(device: str) -> str | None:
@@ -81,6 +94,8 @@ def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fo
     reason = device_missing(query.device.type)
     if reason:
         return reason
+    if interpreting() and torch.compiler.is_compiling():  # Dynamo would trace into the interpreter's NumPy
+        return "Triton's interpreter (TRITON_INTERPRET=1) does not run under torch.compile"
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the kernels run float32, float16 and bfloat16 inputs, got {query.dtype}"
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
@@ -132,37 +147,43 @@ class _Attention(torch.autograd.Function):
     it asks for, and dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, causal: bool, dropout_p: float, scale: float, key_valid,
+    def forward(ctx, q, k, v, bias, causal: bool, dropout_p: float, scale: float, key_valid, alive,
                 config: SpanAttentionConfig, probe: Probe | None):
         seed = flash.new_seed(q.device) if dropout_p > 0 else None
         ctx.call = dict(scale=scale, causal=causal, dropout_p=dropout_p)
         ctx.config, ctx.probe = config, probe
         out, lse = flash.forward(q, k, v, key_bias=bias, seed=seed, **ctx.call)
-        ctx.save_for_backward(q, k, v, out, lse, bias, seed, key_valid)
+        ctx.save_for_backward(q, k, v, out, lse, bias, seed, key_valid, alive)
         return out
 
     @staticmethod
     @backward.first_order_only
     def backward(ctx, d_out):
-        q, k, v, out, lse, bias, seed, key_valid = ctx.saved_tensors
+        q, k, v, out, lse, bias, seed, key_valid, alive = ctx.saved_tensors
         config = ctx.config
-        products = _Products(q, k, v, out, lse, d_out, dict(ctx.call, key_bias=bias, seed=seed))
+        products = _Products(q, k, v, out, lse, d_out, dict(ctx.call, key_bias=bias, seed=seed), alive)
         spans_of = functools.partial(_spans, padded=key_valid is not None)
         inputs = backward.prepare(*grouped(q, k), v.unsqueeze(2), key_valid, config.rule, spans_of,
                                   probing=ctx.probe is not None)
         dq, dk = backward.rule_grads(config, inputs, products, ctx.probe)
         dv = products.dv if products.dv is not None else products.dv_alone()
         dq, dk, dv = backward.scaled((dq.reshape(q.shape), dk.squeeze(2), dv), config.qkv_alphas)
-        return dq.to(q.dtype), dk.to(k.dtype), dv, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv, None, None, None, None, None, None, None, None
 
 
 class _Products:
     """The contract of `backward.py` on the kernels: `Operands` → `Products`, `Blocks` → `BlockProducts`.
-    dV comes with the first call that runs the real attention's backward."""
+    dV comes with the first call that runs the real attention's backward. Rows that attend no key (`alive`
+    False, `_rows_attending`) are left out of G: of G·X's rows and of the Y that Gᵀ·Y sums over."""
 
-    def __init__(self, q, k, v, out, lse, d_out, call: dict) -> None:
+    def __init__(self, q, k, v, out, lse, d_out, call: dict, alive: torch.Tensor | None = None) -> None:
         self.q, self.k, self.v, self.out, self.lse, self.d_out, self.call = q, k, v, out, lse, d_out, call
+        self.alive = alive
         self.dv: torch.Tensor | None = None
+
+    def _live(self, x: torch.Tensor) -> torch.Tensor:
+        """x ((N,) B, H, T, ·) with the rows that attend no key set to 0."""
+        return x if self.alive is None else x * self.alive
 
     def __call__(self, needs: rules.Operands | rules.Blocks) -> rules.Products | rules.BlockProducts:
         if isinstance(needs, rules.Blocks):
@@ -171,13 +192,13 @@ class _Products:
         # G·K̃ = G·K and Gᵀ·Q: the kernels reuse the tiles they load anyway (G is 0 on masked keys)
         xs = [self.k if name == "k" else x.squeeze(2) if x.shape[2] == 1 else x.reshape(b, h_q, t, -1)
               for name, x in needs.query.items()]
-        ys = [self.q if name == "q" else y.reshape(b, h_q, t, -1) for name, y in needs.key.items()]
+        ys = [self._live(self.q if name == "q" else y.reshape(b, h_q, t, -1)) for name, y in needs.key.items()]
         got = flash.backward(self.q, self.k, self.v, self.out, self.lse, self.d_out, key_operands=xs,
                              query_operands=ys, want_dv=self.dv is None, **self.call)
         self.dv = self.dv if got.dv is None else got.dv
         h_kv = self.k.shape[1]
         return rules.Products(
-            {name: x.reshape(b, h_kv, h_q // h_kv, t, -1) for name, x in zip(needs.query, got.key_side)},
+            {name: self._live(x).reshape(b, h_kv, h_q // h_kv, t, -1) for name, x in zip(needs.query, got.key_side)},
             {name: y.unsqueeze(2) for name, y in zip(needs.key, got.query_side)})
 
     def _blocks(self, needs: rules.Blocks) -> rules.BlockProducts:
@@ -190,9 +211,9 @@ class _Products:
         k_blocks = torch.stack([needs.k[delta].squeeze(2) for _, delta in pairs]).to(dtype)
         out, lse = flash.forward(q_blocks, k_blocks, self.v, **self.call)
         got = flash.backward(q_blocks, k_blocks, self.v, out, lse, self.d_out, key_operands=[k_blocks],
-                             query_operands=[q_blocks], want_dv=False, **self.call)
+                             query_operands=[self._live(q_blocks)], want_dv=False, **self.call)
         g = h_q // self.k.shape[1]
-        gk = {pair: x.reshape(b, -1, g, t, d) for pair, x in zip(pairs, got.key_side[0])}  # G_iδ K_δ
+        gk = {pair: self._live(x).reshape(b, -1, g, t, d) for pair, x in zip(pairs, got.key_side[0])}  # G_iδ K_δ
         gq = {pair: x.unsqueeze(2) for pair, x in zip(pairs, got.query_side[0])}  # Σ_g G_iδᵀ Q_i
         return needs.answer(gk, gq)
 

@@ -11,7 +11,9 @@ mask); `causal` masks key j for query i < j as SDPA's is_causal. Dropout draws i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ import torch
 LOG2E = 1.4426950408889634
 _LARGEST_BIAS = 2.0**125  # a key bias past it is shifted down (float32 holds 2¹²⁸ in log2 units, scores beside it)
 MAX_WIDTH = 256  # the widest operand group one launch multiplies G by; wider lists take several launches
+_INTERPRETER = threading.Lock()  # Triton's interpreter swaps module globals during a launch: one launch at a time
 
 
 @dataclass
@@ -41,17 +44,23 @@ def new_seed(device: torch.device) -> torch.Tensor:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = False,
             key_bias: torch.Tensor | None = None, dropout_p: float = 0.0,
             seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scale·QKᵀ + mask)·V and its log-sum-exp per row ((N,) B, H_q, T, float32; −inf for a
-    row that attends nothing, whose output is 0)."""
+    """softmax(scale·QKᵀ + mask)·V and its log-sum-exp per row in log2 units as two parts, ((N,) B, H_q, T, 2)
+    float32: the row's largest score m (−inf for a row that attends nothing, whose output is 0) and
+    log2 Σ 2^(s − m) (`logsumexp` adds them up); the backward pass takes it as it is."""
     from hf_spanattn.ops.triton import kernels
 
     call = _Call(q, k, v, scale, causal, key_bias, dropout_p, seed)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    kernels.forward_kernel[call.grid(call.t, call.h_q, "BLOCK_M")](
+    lse = q.new_empty(*q.shape[:-1], 2, dtype=torch.float32)
+    _launch(kernels.forward_kernel, call.grid(call.t, call.h_q, "BLOCK_M"),
         call.q, call.k, call.v, out, lse, call.bias, call.seed, call.b, call.h_q, call.h_kv, call.t, call.s,
         call.scale_log2, dropout_p, W=0, **call.meta)
     return out, lse
+
+
+def logsumexp(lse: torch.Tensor) -> torch.Tensor:
+    """The natural log-sum-exp per row from `forward`'s two parts."""
+    return lse.sum(-1) / LOG2E
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -71,7 +80,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     d_out = d_out.contiguous()
     delta = torch.linalg.vecdot(out.float(), d_out.float())  # Δ = rowsum(dO∘O), broadcast over blocks
     args = (call.q, call.k, call.v, d_out, lse.contiguous(), delta.contiguous(), call.bias, call.seed)
-    sizes = (call.b, call.h_q, call.h_kv, call.t, call.s, scale, call.scale_log2, dropout_p)
+    # G = scale·P∘(dP − Δ) is rounded to the operands' dtype for the tile products: a scale past 1 multiplies the
+    # float32 products instead, so that float16's range holds G where it holds P∘(dP − Δ) (as in SDPA)
+    before, after = (scale, 1.0) if abs(scale) <= 1 else (1.0, scale)
+    sizes = (call.b, call.h_q, call.h_kv, call.t, call.s, before, after, call.scale_log2, dropout_p)
 
     dv = torch.empty_like(call.v) if want_dv else None
     query_side = []
@@ -81,7 +93,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     for i, group in enumerate(groups):
         y, width, is_q = _stack(group, call.q, call.q.shape[:-2] + (call.t,), q.dtype)
         gy = torch.empty(*call.k.shape[:-1], width, device=q.device, dtype=torch.float32)
-        kernels.keys_kernel[call.grid(call.s, call.h_kv, "BLOCK_N")](
+        _launch(kernels.keys_kernel, call.grid(call.s, call.h_kv, "BLOCK_N"),
             *args, y, dv if dv is not None else gy, gy, *sizes, W=width, BLOCK_W=_pow2(width), Y_IS_Q=is_q,
             WANT_DV=want_dv and i == 0, WANT_GY=bool(query_operands), **call.meta)
         if query_operands:
@@ -92,11 +104,18 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         heads = call.h_q if per_query_head else call.h_kv
         x, width, is_k = _stack(group, call.k, (call.n, call.b, heads, call.s), q.dtype)
         gx = torch.empty(*call.q.shape[:-1], width, device=q.device, dtype=torch.float32)
-        kernels.queries_kernel[call.grid(call.t, call.h_q, "BLOCK_M")](
+        _launch(kernels.queries_kernel, call.grid(call.t, call.h_q, "BLOCK_M"),
             *args, x, gx, *sizes, W=width, BLOCK_W=_pow2(width), X_IS_K=is_k, X_PER_QUERY_HEAD=per_query_head,
             **call.meta)
         key_side += _split(gx, group, call.blocked)
     return Products(dv, key_side, query_side)
+
+
+def _launch(kernel, grid: Callable, *args, **meta) -> None:
+    from hf_spanattn.ops.triton import kernels
+
+    with _INTERPRETER if kernels.INTERPRET else contextlib.nullcontext():
+        kernel[grid](*args, **meta)
 
 
 class _Call:

@@ -2,13 +2,16 @@
 recomputes P and G = ∂L/∂S per tile and multiplies the tile by the caller's operands.
 
 Layouts (all contiguous, last dimension the head dim): Q, O (N, B, H_q, T, ·); K (N, B, H_kv, S, ·);
-V (B, H_kv, S, ·) and dO (B, H_q, T, ·) shared by the N blocks; LSE, Δ (N, B, H_q, T) float32;
+V (B, H_kv, S, ·) and dO (B, H_q, T, ·) shared by the N blocks; Δ (N, B, H_q, T) float32; LSE (N, B, H_q, T, 2)
+float32, the log-sum-exp in log2 units as two parts (below);
 BIAS (B, S) float32, the key mask in log2 units (0 or −inf for a padding mask); X (N, B, H_kv, S, W_X)
 the key-side operands of G·X, Y (N, B, H_q, T, W_Y) the query-side operands of Gᵀ·Y. N is the block
 axis of the per-block reading (1 otherwise); program_id(2) walks it.
 
-Scores run in log2 units: s = log2(e)·scale·q·k + bias, p = 2^(s − lse·log2(e)). A row that attends
-nothing has lse = −inf and p = 0 (output 0, as SDPA under a bool mask). Dropout keeps an entry
+Scores run in log2 units: s = log2(e)·scale·q·k + bias, p = 2^((s − m) − r) with the row's maximum m and
+r = log2 Σ 2^(s − m) kept apart: their float32 sum loses r where |m| is large (a row whose every key has a
+bias of −1e9 or the dtype's minimum), and P would no longer sum to 1 in the backward pass. A row that
+attends nothing has m = −inf and p = 0 (output 0, as SDPA under a bool mask). Dropout keeps an entry
 where a Philox draw from (seed, row·S + column, batch·H_q + head) is at least p_drop: the same
 draw in the forward and in both backward kernels, for every block.
 """
@@ -158,24 +161,32 @@ def forward_kernel(Q, K, V, O, LSE, BIAS, SEED, B, H_Q, H_KV, T, S, scale_log2, 
         m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
     tl.store(O + q_row[:, None] * DV + dv[None, :], out.to(O.dtype.element_ty),
              mask=(rows[:, None] < T) & (dv[None, :] < DV))
-    tl.store(LSE + q_row, lse, mask=rows < T)
+    tl.store(LSE + 2 * q_row, m_i, mask=rows < T)
+    tl.store(LSE + 2 * q_row + 1, tl.math.log2(tl.where(empty, 1.0, l_i)), mask=rows < T)
 
 
 @triton.jit
-def _probabilities(q, k, bias_ptr, lse, b, rows, cols, T, S, scale_log2,
+def _probabilities(q, k, bias_ptr, m, r, b, rows, cols, T, S, scale_log2,
                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """P's (rows, cols) tile from the saved log-sum-exp (lse in log2 units, +inf where a row is empty)."""
+    """P's (rows, cols) tile from the saved log-sum-exp (`_row_lse`)."""
     s = _scores(q, k, bias_ptr, b, rows, cols, T, S, scale_log2, CAUSAL, HAS_BIAS, UPCAST, PRECISION)
-    return tl.math.exp2(s - lse[:, None])
+    return tl.math.exp2((s - m[:, None]) - r[:, None])
+
+
+@triton.jit
+def _row_lse(LSE, q_row, rows, T):
+    """The rows' m and r (log2 units); m = +inf where a row attends nothing, so that every p is 0."""
+    m = tl.load(LSE + 2 * q_row, mask=rows < T, other=float("inf"))
+    r = tl.load(LSE + 2 * q_row + 1, mask=rows < T, other=0.0)
+    return tl.where(m == float("-inf"), float("inf"), m), r
 
 
 @triton.autotune(configs=_configs("keys"), key=_KEY)
 @triton.jit
-def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV, T, S, scale, scale_log2, p_drop,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV, T, S, scale, scale_after, scale_log2,
+                p_drop, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 W: tl.constexpr, BLOCK_W: tl.constexpr, Y_IS_Q: tl.constexpr, WANT_DV: tl.constexpr,
                 WANT_GY: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -209,15 +220,14 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
             q_row = (blk * B * H_Q + bh) * T + rows
             r_mask = rows[:, None] < T
             q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=r_mask & (d[None, :] < D), other=0.0)
-            lse = tl.load(LSE + q_row, mask=rows < T, other=float("inf")) * 1.4426950408889634
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            m, r = _row_lse(LSE, q_row, rows, T)
             d_out = tl.load(DO + (bh * T + rows)[:, None] * DV + dv[None, :], mask=r_mask & (dv[None, :] < DV),
                             other=0.0)
             s_t = _dot(k, tl.trans(q), UPCAST, PRECISION) * scale_log2 + bias[:, None]
             valid = c_mask & (rows[None, :] < T)
             if CAUSAL:
                 valid = valid & (cols[:, None] <= rows[None, :])
-            p_t = tl.math.exp2(tl.where(valid, s_t, float("-inf")) - lse[None, :])
+            p_t = tl.math.exp2((tl.where(valid, s_t, float("-inf")) - m[None, :]) - r[None, :])
             if DROPOUT:
                 keep = _keep(seed, bh, rows[None, :], cols[:, None], S, p_drop)
                 p_used = tl.where(keep, p_t / (1.0 - p_drop), 0.0)
@@ -230,7 +240,7 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
                 dp_t = _dot(v, tl.trans(d_out), UPCAST, PRECISION)
                 if DROPOUT:
                     dp_t = tl.where(keep, dp_t / (1.0 - p_drop), 0.0)
-                ds_t = p_t * (dp_t - delta[None, :]) * scale  # Gᵀ's tile: G carries the factor scale
+                ds_t = p_t * (dp_t - delta[None, :]) * scale  # Gᵀ's tile, short of the factor scale_after
                 if Y_IS_Q:
                     y = q
                 else:
@@ -240,13 +250,13 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
         tl.store(DV_OUT + (bkv * S + cols)[:, None] * DV + dv[None, :], acc_dv.to(DV_OUT.dtype.element_ty),
                  mask=c_mask & (dv[None, :] < DV))
     if WANT_GY:
-        tl.store(GY + k_row[:, None] * W + w[None, :], acc_gy, mask=c_mask & (w[None, :] < W))
+        tl.store(GY + k_row[:, None] * W + w[None, :], acc_gy * scale_after, mask=c_mask & (w[None, :] < W))
 
 
 @triton.autotune(configs=_configs("queries"), key=_KEY)
 @triton.jit
-def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, S, scale, scale_log2, p_drop,
-                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, S, scale, scale_after, scale_log2,
+                   p_drop, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    W: tl.constexpr, BLOCK_W: tl.constexpr, X_IS_K: tl.constexpr, X_PER_QUERY_HEAD: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -260,8 +270,7 @@ def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, 
     r_mask = rows[:, None] < T
     q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=r_mask & (d[None, :] < D), other=0.0)
     d_out = tl.load(DO + (bh * T + rows)[:, None] * DV + dv[None, :], mask=r_mask & (dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + q_row, mask=rows < T, other=float("inf")) * 1.4426950408889634
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    m, r = _row_lse(LSE, q_row, rows, T)
     delta = tl.load(DELTA + q_row, mask=rows < T, other=0.0)
     k_base = (blk * B * H_KV + bkv) * S
     x_base = k_base
@@ -280,7 +289,7 @@ def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, 
         c_mask = cols[:, None] < S
         k = tl.load(K + (k_base + cols)[:, None] * D + d[None, :], mask=c_mask & (d[None, :] < D), other=0.0)
         v = tl.load(V + (bkv * S + cols)[:, None] * DV + dv[None, :], mask=c_mask & (dv[None, :] < DV), other=0.0)
-        p = _probabilities(q, k, BIAS, lse, b, rows, cols, T, S, scale_log2, CAUSAL, HAS_BIAS, UPCAST, PRECISION)
+        p = _probabilities(q, k, BIAS, m, r, b, rows, cols, T, S, scale_log2, CAUSAL, HAS_BIAS, UPCAST, PRECISION)
         dp = _dot(d_out, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
             dp = tl.where(_keep(seed, bh, rows[:, None], cols[None, :], S, p_drop), dp / (1.0 - p_drop), 0.0)
@@ -290,4 +299,4 @@ def queries_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, X, GX, B, H_Q, H_KV, T, 
         else:
             x = tl.load(X + (x_base + cols)[:, None] * W + w[None, :], mask=c_mask & (w[None, :] < W), other=0.0)
         acc += _dot(ds.to(x.dtype), x, UPCAST, PRECISION)
-    tl.store(GX + q_row[:, None] * W + w[None, :], acc, mask=r_mask & (w[None, :] < W))
+    tl.store(GX + q_row[:, None] * W + w[None, :], acc * scale_after, mask=r_mask & (w[None, :] < W))
