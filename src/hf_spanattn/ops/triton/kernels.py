@@ -9,8 +9,9 @@ the key-side operands of G·X, Y (N, B, H_q, T, W_Y) the query-side operands of 
 axis of the per-block reading (1 otherwise); program_id(2) walks it.
 
 Scores run in log2 units: s = log2(e)·scale·q·k + bias, p = 2^((s − m) − r) with the row's maximum m and
-r = log2 Σ 2^(s − m) kept apart: their float32 sum loses r where |m| is large (a row whose every key has a
-bias of −1e9 or the dtype's minimum), and P would no longer sum to 1 in the backward pass. A row that
+r = log2 Σ 2^(s − m) kept apart under a key bias: their float32 sum loses r where |m| is large (a row whose
+every key has a bias of −1e9 or the dtype's minimum), and P would no longer sum to 1 in the backward pass;
+without a bias they are added once per row (p = 2^(s − (m + r)): one operation less per entry). A row that
 attends nothing has m = −inf and p = 0 (output 0, as SDPA under a bool mask). Dropout keeps an entry
 where a Philox draw from (seed, row·S + column, batch·H_q + head) is at least p_drop: the same
 draw in the forward and in both backward kernels, for every block.
@@ -172,7 +173,15 @@ def _probabilities(q, k, bias_ptr, m, r, b, rows, cols, T, S, scale_log2,
                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """P's (rows, cols) tile from the saved log-sum-exp (`_row_lse`)."""
     s = _scores(q, k, bias_ptr, b, rows, cols, T, S, scale_log2, CAUSAL, HAS_BIAS, UPCAST, PRECISION)
-    return tl.math.exp2((s - m[:, None]) - r[:, None])
+    return _exp2_less(s, m[:, None], r[:, None], HAS_BIAS)
+
+
+@triton.jit
+def _exp2_less(s, m, r, HAS_BIAS: tl.constexpr):
+    """2^(s − m − r): m and r apart under a key bias (its finite minimum puts m where float32 drops r)."""
+    if HAS_BIAS:
+        return tl.math.exp2((s - m) - r)
+    return tl.math.exp2(s - (m + r))
 
 
 @triton.jit
@@ -227,7 +236,7 @@ def keys_kernel(Q, K, V, DO, LSE, DELTA, BIAS, SEED, Y, DV_OUT, GY, B, H_Q, H_KV
             valid = c_mask & (rows[None, :] < T)
             if CAUSAL:
                 valid = valid & (cols[:, None] <= rows[None, :])
-            p_t = tl.math.exp2((tl.where(valid, s_t, float("-inf")) - m[None, :]) - r[None, :])
+            p_t = _exp2_less(tl.where(valid, s_t, float("-inf")), m[None, :], r[None, :], HAS_BIAS)
             if DROPOUT:
                 keep = _keep(seed, bh, rows[None, :], cols[:, None], S, p_drop)
                 p_used = tl.where(keep, p_t / (1.0 - p_drop), 0.0)
