@@ -89,17 +89,17 @@ def _install_neo_class() -> None:
         return
 
     @functools.wraps(stock)
-    def _attn(self, query, key, value, attention_mask=None):
+    def _attn(self, query, key, value, attention_mask=None, *head_mask):  # Transformers 4 passes a head_mask too
         if getattr(self.config, CONFIG_KEY, None) is not None and _NEO_CONFIGS.get(id(self.config)) is self.config:
-            return _neo_attn(self, query, key, value, attention_mask)
-        return stock(self, query, key, value, attention_mask)
+            return _neo_attn(self, query, key, value, attention_mask, *head_mask)
+        return stock(self, query, key, value, attention_mask, *head_mask)
 
     GPTNeoSelfAttention._attn = _attn
 
 
-def _stock_neo_attn(self, query, key, value, attention_mask=None):
+def _stock_neo_attn(self, query, key, value, attention_mask=None, *head_mask):
     attn = type(self)._attn
-    return getattr(attn, "__wrapped__", attn)(self, query, key, value, attention_mask)
+    return getattr(attn, "__wrapped__", attn)(self, query, key, value, attention_mask, *head_mask)
 
 
 def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
@@ -524,9 +524,15 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
             module.reorder_and_upcast_attn = value
 
 
-def _neo_attn(self, query, key, value, attention_mask=None):
+def _neo_attn(self, query, key, value, attention_mask=None, head_mask=None):
     """GPTNeoSelfAttention._attn through span_attention: unscaled scores, the layer's global or
-    local causal window, the padding mask added on top, as in the stock eager code."""
+    local causal window, the padding mask added on top, as in the stock eager code. `head_mask` is
+    Transformers 4's argument (which passes it, None or not): a mask of heads, which scales P, runs the
+    stock code with the standard gradient."""
+    if head_mask is not None:
+        registry.logger.warning_once("span_attention: GPT-Neo was given a head_mask, which scales the attention "
+                                     "probabilities: its attention runs the stock code, with the standard gradient")
+        return _stock_neo_attn(self, query, key, value, attention_mask, head_mask)
     config = call_settings(self, (query, key, value), self.attn_dropout.p if self.training else 0.0)
     if config is None:
         return _stock_neo_attn(self, query, key, value, attention_mask)
