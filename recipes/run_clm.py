@@ -860,7 +860,8 @@ def stock_causal_lm(model: PreTrainedModel) -> PreTrainedModel:
     its tied lm_head.weight is left out of checkpoints, which the Trainer reports as missing on every
     load unless it is listed as a key not saved (then it re-ties it)."""
     model.loss_type = "ForCausalLM"
-    model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
+    tied = getattr(model, "all_tied_weights_keys", None)  # Transformers 4: the class's _tied_weights_keys
+    model._keys_to_ignore_on_save = set(model._tied_weights_keys if tied is None else tied)
     return model
 
 
