@@ -401,8 +401,8 @@ def test_gpt_neo_adapter_unpatches():
 
 def test_gpt_neo_attention_called_as_transformers_4_calls_it_applies_the_rule():
     """Transformers 4 (which the package's requirements allow) calls GPT-Neo's `_attn` with a head_mask, None
-    unless given: the adapter, on the patched modules and on one put in after patching, takes it and gives what
-    the call without it gives."""
+    unless given, and a mask one key wider than the keys, which the stock code cuts: the adapter, on the patched
+    modules and on one put in after patching, takes both and gives what the call as Transformers 5 makes it gives."""
     from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 
     model = patch_model(tiny("gpt_neo").double(), "score:1000")
@@ -410,10 +410,12 @@ def test_gpt_neo_attention_called_as_transformers_4_calls_it_applies_the_rule():
     late.load_state_dict(model.transformer.h[0].attn.attention.state_dict())
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    wide = torch.zeros(2, 1, 12, 13, dtype=torch.float64)
+    wide[0, ..., :3] = torch.finfo(torch.float64).min  # left padding
     for attn in (model.transformer.h[0].attn.attention, late):
         results = []
-        for extra in ((), (None,)):
-            out = attn._attn(q, k, v, None, *extra)[0]
+        for extra in ((wide[..., :12],), (wide, None)):
+            out = attn._attn(q, k, v, *extra)[0]
             results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v))])
         assert all(torch.equal(a, b) for a, b in zip(*results))
 

@@ -558,6 +558,8 @@ def _neo_attn(self, query, key, value, attention_mask=None, head_mask=None):
         registry.logger.warning_once("span_attention: GPT-Neo was given a head_mask, which scales the attention "
                                      "probabilities: its attention runs the stock code, with the standard gradient")
         return _stock_neo_attn(self, query, key, value, attention_mask, head_mask)
+    if attention_mask is not None:  # Transformers 4 builds it a key wider than the keys, and the stock code cuts it so
+        attention_mask = attention_mask[..., : key.shape[-2]]
     config = call_settings(self, (query, key, value), self.attn_dropout.p if self.training else 0.0)
     if config is None:
         return _stock_neo_attn(self, query, key, value, attention_mask)
