@@ -131,7 +131,7 @@ def figure(records: list[dict], columns: int = 8) -> plt.Figure:
             twin.set_ylim(-1.05, 1.05)
             if col < columns - 1 and index < len(layers) - 1:
                 twin.set_yticklabels([])
-            ax.set_title(f"{f'{tower}.{layer}' if tower else f'layer {layer}'}: {side} ({_rules(rows)})", fontsize=9)
+            ax.set_title(f"{f'{tower}.{layer}' if tower else f'layer {layer}'}: {side}\n{_rules(rows)}", fontsize=9)
             ax.set_ylim(0, 1)
             if row == 1:
                 ax.set_xlabel("step")

@@ -823,8 +823,17 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                          f"--block_size {positions} or less")
     dtype = {None: torch.float32, "auto": "auto"}.get(model_args.dtype) or getattr(torch, model_args.dtype)
     if model_args.model_name_or_path:
-        model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,
-                         dtype=dtype)
+        try:
+            model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,
+                             dtype=dtype)
+        except RuntimeError as err:  # Transformers' report names the weights, not the flag that reshaped them
+            if not model_args.config_overrides or "ignore_mismatched_sizes" not in str(err):
+                raise
+            raise ValueError(f"--config_overrides {model_args.config_overrides}: the weights of "
+                             f"{model_args.model_name_or_path} do not fit the model it shapes (the load report above "
+                             "names them); a setting that shapes the model (widths, layers, heads) needs one from "
+                             f"scratch: --config_name {model_args.model_name_or_path} without --model_name_or_path"
+                             ) from None
     else:
         try:
             model = AutoModelForCausalLM.from_config(config)
@@ -860,7 +869,8 @@ def stock_causal_lm(model: PreTrainedModel) -> PreTrainedModel:
     its tied lm_head.weight is left out of checkpoints, which the Trainer reports as missing on every
     load unless it is listed as a key not saved (then it re-ties it)."""
     model.loss_type = "ForCausalLM"
-    model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
+    tied = getattr(model, "all_tied_weights_keys", None)  # Transformers 4: the class's _tied_weights_keys
+    model._keys_to_ignore_on_save = set(model._tied_weights_keys if tied is None else tied)
     return model
 
 

@@ -399,6 +399,47 @@ def test_gpt_neo_adapter_unpatches():
 
 
 
+def test_gpt_neo_attention_called_as_transformers_4_calls_it_applies_the_rule():
+    """Transformers 4 (which the package's requirements allow) calls GPT-Neo's `_attn` with a head_mask, None
+    unless given, and a mask one key wider than the keys, which the stock code cuts: the adapter, on the patched
+    modules and on one put in after patching, takes both and gives what the call as Transformers 5 makes it gives."""
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    model = patch_model(tiny("gpt_neo").double(), "score:1000")
+    late = GPTNeoSelfAttention(model.config, "global", layer_id=0).double()
+    late.load_state_dict(model.transformer.h[0].attn.attention.state_dict())
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    wide = torch.zeros(2, 1, 12, 13, dtype=torch.float64)
+    wide[0, ..., :3] = torch.finfo(torch.float64).min  # left padding
+    for attn in (model.transformer.h[0].attn.attention, late):
+        results = []
+        for extra in ((wide[..., :12],), (wide, None)):
+            out = attn._attn(q, k, v, *extra)[0]
+            results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v))])
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_gpt_neo_patched_returns_the_stock_attention_weights_under_autograd():
+    """Stock GPT-Neo's attention is eager and returns its weights under output_attentions=True; the patched model
+    returned None in their place under autograd. They are the stock weights (to float32's rounding past the first layer,
+    whose input is the patched attention's output), and a loss on the first layer's gets stock gradients."""
+    stock = tiny("gpt_neo").double()
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    weights = [m(ids, attention_mask=mask, output_attentions=True).attentions for m in (stock, model)]
+    assert all(w is not None and torch.allclose(w, v, rtol=0, atol=1e-6) for w, v in zip(*weights))
+    for w in weights:
+        w[0].square().sum().backward()
+    pairs = [(p.grad, q.grad) for p, q in zip(stock.parameters(), model.parameters()) if p.grad is not None]
+    assert pairs and all(torch.equal(g, h) for g, h in pairs)
+    assert model(ids).attentions is None  # not asked for: not computed
+    unpatch_model(model)
+    assert not model.transformer.h[0].attn.attention._forward_pre_hooks
+
+
 def test_gpt_neo_attention_put_in_after_patching_trains_as_its_siblings():
     """As a registry model's attention module replaced after patch_model (it reads the model config's
     implementation), a GPT-Neo attention module built on the patched model's config trains with its settings;

@@ -276,3 +276,48 @@ def test_every_relative_link_of_the_readme_and_docs_exists():
             if path and "://" not in path and not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def _documented_parameters(text: str) -> list[tuple[str, str | None]]:
+    """`a, b=1, *, c="x", **kwargs` as [(name, default text or None)], `*` kept as a name."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, default = part.partition("=")
+        out.append((name.strip(), default.strip() if eq else None))
+    return out
+
+
+def test_api_table_signatures_are_the_code():
+    """Each call the README's API table shows names the function's parameters, in order, with its defaults."""
+    import ast
+    import importlib
+    import inspect
+
+    rows = re.findall(r"^\| `(hf_spanattn(?:\.\w+)+)\((.*?)\)` \|", README.read_text(), flags=re.M)
+    assert len(rows) >= 7
+    wrong = []
+    for path, text in rows:
+        module, _, name = path.rpartition(".")
+        signature = inspect.signature(getattr(importlib.import_module(module), name))
+        code = []
+        for p in signature.parameters.values():
+            if p.kind is p.KEYWORD_ONLY and "*" not in [n for n, _ in code]:
+                code.append(("*", None))
+            stars = "**" if p.kind is p.VAR_KEYWORD else "*" if p.kind is p.VAR_POSITIONAL else ""
+            code.append((stars + p.name, p.default))
+        documented = _documented_parameters(text)
+        if [n for n, _ in documented] != [n for n, _ in code]:
+            wrong.append(f"{path}: README names {[n for n, _ in documented]}, the code {[n for n, _ in code]}")
+            continue
+        for (n, shown), (_, default) in zip(documented, code):
+            if shown is None:
+                if default is not inspect.Parameter.empty and n != "*" and not n.startswith("*"):
+                    wrong.append(f"{path}: {n} has a default ({default!r}) the README leaves out")
+                continue
+            try:
+                same = ast.literal_eval(shown) == default
+            except ValueError:
+                same = shown == getattr(default, "__name__", None)
+            if not same:
+                wrong.append(f"{path}: {n}={shown} in the README, {default!r} in the code")
+    assert wrong == []

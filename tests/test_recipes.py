@@ -428,3 +428,15 @@ def test_runs_with_the_papers_training_are_set_beside_its_result(tmp_path):
     metrics["config"]["training"]["num_train_epochs"] = 5.0  # one run with a shorter schedule
     path.write_text(json.dumps(metrics))
     assert "neither confirm nor refute" in verdict()
+
+
+def test_the_recipe_leaves_the_tied_head_out_of_checkpoints_under_transformers_4_too():
+    """Transformers 4 (which the package's requirements allow) names a model's tied weights only in the class's
+    `_tied_weights_keys`; the recipe read `all_tied_weights_keys`, which it lacks, and stopped before training."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    current = GPT2LMHeadModel(GPT2Config(n_embd=16, n_head=1, n_layer=1, vocab_size=97))
+    older = GPT2LMHeadModel(GPT2Config(n_embd=16, n_head=1, n_layer=1, vocab_size=97))
+    del older.all_tied_weights_keys  # as a Transformers 4 model
+    keys = [run_clm.stock_causal_lm(model)._keys_to_ignore_on_save for model in (current, older)]
+    assert keys[0] == keys[1] == {"lm_head.weight"}

@@ -2055,7 +2055,22 @@ def test_plot_diagnostics_names_the_parts_of_every_rule_drawn(tmp_path):
     layer0_dq = fig.axes[0]
     drawn = {part.get_label(): part.get_paths()[0].vertices[:, 0] for part in layer0_dq.collections}
     assert set(drawn["∥ (Π_K)"]) == {2} and set(drawn["order 0"]) == {4}  # each at the steps of its own rule
-    assert layer0_dq.get_title() == "layer 0: dq (simple:10 → score:1000)"  # was the last rule alone
+    assert layer0_dq.get_title() == "layer 0: dq\nsimple:10 → score:1000"  # was the last rule alone
+
+
+def test_plot_diagnostics_titles_stay_within_their_panels():
+    """A layer that ended on the standard rule after a schedule (`score:1111 → … → standard:QKV111`) had its panel's
+    title run into the next panel's."""
+    import plot_diagnostics
+
+    records = [{**DIAGNOSTIC, "layer": layer, "step": step, "span": span} for layer in (0, 1)
+               for step, span in ((1, "score:1111"), (2, "score:1000"), (3, "standard:QKV111"))]
+    fig = plot_diagnostics.figure(records)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        if ax.get_title():
+            assert ax.title.get_window_extent(renderer).width <= ax.get_window_extent(renderer).width, ax.get_title()
 
 
 def test_plot_diagnostics_draws_a_step_written_twice_from_its_last_record(tmp_path, capsys):
@@ -2080,8 +2095,8 @@ def test_plot_diagnostics_draws_each_tower_of_a_composite_model_apart(tmp_path):
                for step in (2, 4)]
     fig = plot_diagnostics.figure(records)
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
-    assert titles == ["decoder.layers.0: dq (score:1000)", "encoder.layer.0: dq (score:1000)",
-                      "decoder.layers.0: dk (score:1000)", "encoder.layer.0: dk (score:1000)"]
+    assert titles == ["decoder.layers.0: dq\nscore:1000", "encoder.layer.0: dq\nscore:1000",
+                      "decoder.layers.0: dk\nscore:1000", "encoder.layer.0: dk\nscore:1000"]
     for ax in fig.axes[:4]:
         steps = [x for part in ax.collections for x in part.get_paths()[0].vertices[:, 0]]
         assert sorted(set(steps)) == [2, 4]

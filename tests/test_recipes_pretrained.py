@@ -177,3 +177,16 @@ def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_dat
     with pytest.raises(ValueError) as err:
         run_clm.main(flags(args))
     assert message.replace("{tmp}", str(folder)) in str(err.value)
+
+
+def test_config_overrides_that_reshape_a_pretrained_model_name_the_flag(gpt2_and_data):
+    """`--config_overrides n_embd=64` on a pretrained model failed inside Transformers' loading, naming the weights
+    but not the flag; a setting that does not shape the model (resid_pdrop) still loads the weights."""
+    _, start, _ = gpt2_and_data
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    data = run_clm.DataArguments(block_size=32)
+    args = {"model_name_or_path": str(start)}
+    with pytest.raises(ValueError, match=r"--config_overrides n_embd=64: the weights of .* do not fit .*--config_name"):
+        run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="n_embd=64"), data, tokenizer)
+    model = run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="resid_pdrop=0.3"), data, tokenizer)
+    assert model.config.resid_pdrop == 0.3

@@ -332,7 +332,9 @@ class SpanAttentionConfig:
             raise type(err)(f"{where}{err}") from None
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs: Any) -> str:
-        """Write `span_attention_config.json` into `save_directory` (and push it if asked)."""
+        """Write `span_attention_config.json` into `save_directory`; returns its path. With `push_to_hub=True` it is
+        also uploaded, as `push_to_hub` does, to `repo_id=` or else a repository named as the folder (as Transformers'
+        save_pretrained names it), with the other keyword arguments of `push_to_hub`."""
         folder = _path_argument(save_directory, "SpanAttentionConfig.save_pretrained", "save_directory",
                                 f"a folder (created if missing; {CONFIG_NAME} is written into it)")
         if not isinstance(push_to_hub, bool):

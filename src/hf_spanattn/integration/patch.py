@@ -89,17 +89,37 @@ def _install_neo_class() -> None:
         return
 
     @functools.wraps(stock)
-    def _attn(self, query, key, value, attention_mask=None):
+    def _attn(self, query, key, value, attention_mask=None, *head_mask):  # Transformers 4 passes a head_mask too
         if getattr(self.config, CONFIG_KEY, None) is not None and _NEO_CONFIGS.get(id(self.config)) is self.config:
-            return _neo_attn(self, query, key, value, attention_mask)
-        return stock(self, query, key, value, attention_mask)
+            return _neo_attn(self, query, key, value, attention_mask, *head_mask)
+        return stock(self, query, key, value, attention_mask, *head_mask)
 
     GPTNeoSelfAttention._attn = _attn
 
 
-def _stock_neo_attn(self, query, key, value, attention_mask=None):
+# GPT-Neo's attention modules note whether their caller asked for the attention weights (output_attentions)
+_WEIGHTS_HOOK, _WEIGHTS_WANTED = "_span_weights_hook", "_span_weights_wanted"
+
+
+def _note_weights_wanted(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    module.__dict__[_WEIGHTS_WANTED] = bool(kwargs.get("output_attentions", False))
+
+
+def _neo_weights(self, query, key, value, attention_mask):
+    """The attention weights P the stock code returns, where output_attentions asks for them; under attention
+    dropout P would need the forward pass's dropout mask, so none are returned (with a warning), as by SDPA."""
+    if not self.__dict__.get(_WEIGHTS_WANTED):
+        return None
+    if self.training and self.attn_dropout.p > 0:
+        registry.logger.warning_once("span_attention: GPT-Neo under attention dropout returns no attention weights "
+                                     "with span gradients (output_attentions=True), as SDPA attention")
+        return None
+    return _stock_neo_attn(self, query, key, value, attention_mask)[1]
+
+
+def _stock_neo_attn(self, query, key, value, attention_mask=None, *head_mask):
     attn = type(self)._attn
-    return getattr(attn, "__wrapped__", attn)(self, query, key, value, attention_mask)
+    return getattr(attn, "__wrapped__", attn)(self, query, key, value, attention_mask, *head_mask)
 
 
 def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
@@ -220,6 +240,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _NEO_CONFIGS[id(base.config)] = base.config
         for module in neo:
             module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
+            if _WEIGHTS_HOOK not in module.__dict__:  # `_attn` is not told whether the weights are wanted
+                module.__dict__[_WEIGHTS_HOOK] = module.register_forward_pre_hook(_note_weights_wanted,
+                                                                                  with_kwargs=True)
         inside = _own_configs(base)
         foreign = [path for path, module in base.named_modules() if module in neo and id(module.config) not in inside]
         if foreign:
@@ -458,6 +481,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     for module in _neo_attentions(base):
         module.__dict__.pop("_attn", None)
+        if _WEIGHTS_HOOK in module.__dict__:
+            module.__dict__.pop(_WEIGHTS_HOOK).remove()
     _NEO_CONFIGS.pop(id(base.config), None)
     implementation = original["attn_implementation"] if original else "sdpa"
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
@@ -524,9 +549,17 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
             module.reorder_and_upcast_attn = value
 
 
-def _neo_attn(self, query, key, value, attention_mask=None):
+def _neo_attn(self, query, key, value, attention_mask=None, head_mask=None):
     """GPTNeoSelfAttention._attn through span_attention: unscaled scores, the layer's global or
-    local causal window, the padding mask added on top, as in the stock eager code."""
+    local causal window, the padding mask added on top, as in the stock eager code. `head_mask` is
+    Transformers 4's argument (which passes it, None or not): a mask of heads, which scales P, runs the
+    stock code with the standard gradient."""
+    if head_mask is not None:
+        registry.logger.warning_once("span_attention: GPT-Neo was given a head_mask, which scales the attention "
+                                     "probabilities: its attention runs the stock code, with the standard gradient")
+        return _stock_neo_attn(self, query, key, value, attention_mask, head_mask)
+    if attention_mask is not None:  # Transformers 4 builds it a key wider than the keys, and the stock code cuts it so
+        attention_mask = attention_mask[..., : key.shape[-2]]
     config = call_settings(self, (query, key, value), self.attn_dropout.p if self.training else 0.0)
     if config is None:
         return _stock_neo_attn(self, query, key, value, attention_mask)
@@ -552,7 +585,8 @@ def _neo_attn(self, query, key, value, attention_mask=None):
     if docs is not None:
         with packing.rows_dropout(query, docs, run.keywords["dropout_p"]):
             out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
-        return packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2).to(value.dtype), None
+        out = packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2)
+        return out.to(value.dtype), _neo_weights(self, query, key, value, attention_mask)
     out = run(query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask)
     # rows that attend no key (left padding) get the stock code's softmax over the mask-rounded scores, and so its
     # gradient into Q and K (span_attention would pass them gradient to V only): where the loss reads them (the last
@@ -563,7 +597,7 @@ def _neo_attn(self, query, key, value, attention_mask=None):
         idle = ~attended(mask).any(-1, keepdim=True)
         if idle.any():
             out = torch.where(idle, _stock_neo_attn(self, query, key, value, attention_mask)[0].to(out.dtype), out)
-    return out.to(value.dtype), None
+    return out.to(value.dtype), _neo_weights(self, query, key, value, attention_mask)
 
 
 def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig | str | None = None,

@@ -6,8 +6,9 @@
 
 `at` is a step (int), a share of training ("20%") or an epoch ("2ep"). A keyframe's `span` is a
 label (all layers) or a table {layers: label} with layers as "3-5", "0,2" or "*"; layers a
-table leaves out keep the model config's settings. With `ramp=True`, every α moves linearly
-from the previous keyframe's setting to this one's, which requires the same rule per layer.
+table leaves out keep the setting an earlier keyframe gave them, else the model config's. With
+`ramp=True`, every α moves linearly from the previous keyframe's setting to this one's, which
+requires the same rule per layer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ LayerSettings = dict[int, SpanAttentionConfig]
 
 @dataclasses.dataclass(frozen=True)
 class Keyframe:
+    """One point of a schedule: from `at` (a step, a share of training "20%" or an epoch "2ep") the layers
+    train with `span` (a label for every layer, or a {layers: label} table); with `ramp=True` the α move
+    linearly from the previous keyframe's setting to reach it at `at`."""
+
     at: int | str
     span: str | dict[str, str]
     ramp: bool = False
@@ -79,6 +84,7 @@ class Keyframe:
         return value if isinstance(value, int) else math.floor(value + 0.5)
 
     def settings(self, n_layers: int) -> LayerSettings:
+        """The setting of each layer this keyframe names, in a model of `n_layers` (every layer for a label)."""
         _check_counts("keyframe", n_layers=n_layers)
         if isinstance(self.span, str):
             config = self._config(self.span)
@@ -142,6 +148,9 @@ def _layer_list(spec: str, n_layers: int) -> list[int]:
 
 @dataclasses.dataclass
 class Schedule:
+    """The keyframes of one training run (`Keyframe`s or dicts with `at`, `span`, `ramp`), checked as given;
+    `resolve` places them on the steps of a run and `at_step` gives the settings in force at a step."""
+
     keyframes: list[Keyframe]
 
     def __post_init__(self):
