@@ -647,9 +647,10 @@ CASES = [
      "schedule: steps_per_epoch=0: expected an int ≥ 1 or None (training data without a length)"),
     # a bad label in one keyframe of many named only the alphas it parsed to
     ("keyframe with a bad label", lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:9")]).resolve(
-        10, None, 2), ValueError, "keyframe at=5 span='score:9': alphas=(9.0,): expected 4 values"),
+        10, None, 2), ValueError, "keyframe at=5 span='score:9': label='score:9': alphas=(9.0,): expected 4"),
     ("keyframe with a bad label in its layer table", lambda t: Keyframe("50%", {"0": "score:1000", "1": "simple:1"})
-     .settings(2), ValueError, "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: alphas=(1.0,)"),
+     .settings(2), ValueError,
+     "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: label='simple:1': alphas=(1.0,)"),
     # a schedule asked for its settings as a custom training loop would: Python's "missing 'step'", or a TypeError
     # from inside the loop over the keyframes
     ("schedule asked for the settings at a step without its resolved keyframes",
@@ -1798,6 +1799,49 @@ def test_a_field_of_a_newer_version_is_kept_when_the_loaded_model_is_saved_again
     assert config_of(model.config).label == "score:1100"
     patch_model(model, layers=[1])  # settings changed here are this version's
     assert "new_field" not in model.config.span_attention
+
+
+def _null_section(folder: Path) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "span_attention": None}))
+    return folder
+
+
+def _hand_set_layers(folder: Path):
+    model = load_pretrained(folder)
+    model.config.span_attention = {**model.config.span_attention, "layers": [0, 7]}
+    return model
+
+
+@pytest.mark.parametrize("warn,message", [
+    (lambda t: load_pretrained(saved_model(t, alpha=[1, 0, 0, 0])), "ignoring unknown fields ['alpha']"),
+    (lambda t: load_pretrained(saved_model(t, hf_spanattn_version="99.0")), "newer than the installed"),
+    (lambda t: SpanAttentionConfig.from_pretrained(write(t / "span_attention_config.json", json.dumps(
+        {"method": "score", "hf_spanattn_version": "99.0"}))), "newer than the installed"),
+    (lambda t: load_pretrained(_null_section(saved_model(t))), "null, which gives no settings"),
+    (lambda t: patch_model(AutoModelForCausalLM.from_pretrained(_null_section(saved_model(t)))),
+     "null, which gives no settings"),
+    (lambda t: _hand_set_layers(saved_model(t))(torch.tensor([[1, 2, 3]])), "layers [7] do not exist"),
+], ids=["unknown field, load_pretrained", "newer version, load_pretrained", "newer version, settings file",
+        "null section, load_pretrained", "null section, patch_model", "layers outside the model, forward"])
+def test_a_warning_about_saved_settings_points_at_the_users_line(warn, message, tmp_path):
+    """It named a line of the package (registry.py, config.py), or a line above the user's (patch_model's own
+    caller), however the settings were reached."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn(tmp_path)
+    ours = [w for w in caught if message in str(w.message)]
+    line = warn.__code__.co_firstlineno  # the case's own line, not test code around it
+    assert ours and all((w.filename, w.lineno) == (__file__, line) for w in ours), [(w.filename, w.lineno)
+                                                                                      for w in ours]
+
+
+def test_a_label_that_does_not_read_as_settings_is_named():
+    """patch_model(model, 'score:100') said "alphas=(1.0, 0.0, 0.0): expected 4 values", not naming the label."""
+    with pytest.raises(ValueError, match=re.escape("label='score:100': alphas=(1.0, 0.0, 0.0): expected 4 values")):
+        patch_model(tiny("gpt2"), "score:100")
+    with pytest.raises(ValueError, match=re.escape("label='standard:1000': alphas=(1.0, 0.0, 0.0, 0.0): expected 0")):
+        SpanAttentionConfig.from_label("standard:1000")
 
 
 def test_a_settings_field_named_almost_right_warns(tmp_path):

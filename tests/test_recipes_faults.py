@@ -1477,7 +1477,8 @@ def test_a_bad_run_clm_config_file_is_named(text, message, tmp_path, monkeypatch
      "is not one folder name (letters, digits and '._=+-'); give such values in args"),
     ({"seeds": [-1]}, "seeds: -1: allowed seeds are 0 to 4294967295"),
     ({"seeds": [2**32]}, "seeds: 4294967296: allowed seeds are 0 to 4294967295"),
-    ({"spans": ["score:1000", "score:12"]}, "sweep config: spans: alphas=(1.0, 2.0): expected 4 values"),  # no file
+    ({"spans": ["score:1000", "score:12"]},
+     "sweep config: spans: label='score:12': alphas=(1.0, 2.0): expected 4 values"),  # no file
     ({"args": {**TINY, "config_overrides": {"n_embd": 64}}},  # was: "--config_overrides={'n_embd': 64}"
      """--config_overrides '{"n_embd": 64}': expected comma-separated key=value pairs"""),
 ])

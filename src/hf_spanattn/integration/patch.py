@@ -47,7 +47,7 @@ from hf_spanattn.integration.registry import (
 )
 from hf_spanattn.ops.attention import span_attention
 from hf_spanattn.ops.backward import with_scaled_grads
-from hf_spanattn.ops.inputs import attended, shown
+from hf_spanattn.ops.inputs import attended, shown, user_stacklevel
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
             "Qwen2, Mistral, ...) and GPT-Neo"
@@ -408,19 +408,19 @@ def _default_settings(model_config: Any) -> SpanAttentionConfig:
     such as 'span_atention') warns that it is not read."""
     if CONFIG_KEY in vars(model_config):  # "span_attention": null (unpatch_model removes the field)
         warnings.warn(f"{stored_source(model_config)}: null, which gives no settings; patching with the default "
-                      f"{SpanAttentionConfig().label}", stacklevel=4)
+                      f"{SpanAttentionConfig().label}", stacklevel=user_stacklevel())
         return SpanAttentionConfig()
     for key in getattr(model_config, "sub_configs", None) or {}:  # a composite model's text_config, by hand
         if getattr(getattr(model_config, key, None), CONFIG_KEY, None) is not None:
             warnings.warn(f"{stored_source(model_config)}: not given, but {key}.{CONFIG_KEY} is, which is not read: "
                           f"the settings of {type(model_config).__name__} are those of its own {CONFIG_KEY!r} field, "
                           f"for all its towers; patching with the default {SpanAttentionConfig().label} (move them "
-                          "there, or pass them to patch_model)", stacklevel=4)
+                          "there, or pass them to patch_model)", stacklevel=user_stacklevel())
     names = [name for name in vars(model_config) if isinstance(name, str)]
     for name in difflib.get_close_matches(CONFIG_KEY, names, n=1, cutoff=0.8):
         warnings.warn(f"{stored_source(model_config)}: not given, but a field {name!r} is, which is not read; "
                       f"patching with the default {SpanAttentionConfig().label} (name the field {CONFIG_KEY!r} to use "
-                      "its settings)", stacklevel=4)
+                      "its settings)", stacklevel=user_stacklevel())
     return SpanAttentionConfig()
 
 

@@ -26,7 +26,7 @@ from transformers.utils import CONFIG_NAME, logging
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration import packing
 from hf_spanattn.ops.attention import requires_grad, span_attention
-from hf_spanattn.ops.inputs import attended, shown
+from hf_spanattn.ops.inputs import attended, shown, user_stacklevel
 
 ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
@@ -133,7 +133,7 @@ def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
     if outside:
         warnings.warn(f"{source}: layers={shown(list(config.layers))}: the model has layers 0..{n_layers - 1}, so "
                       f"layers {shown(outside)} do not exist and get no span gradients"
-                      + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=4)
+                      + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=user_stacklevel())
     return config
 
 
