@@ -651,6 +651,9 @@ CASES = [
     ("keyframe with a bad label in its layer table", lambda t: Keyframe("50%", {"0": "score:1000", "1": "simple:1"})
      .settings(2), ValueError,
      "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: label='simple:1': alphas=(1.0,)"),
+    ("keyframe with a layer table naming layers outside the model",  # named the layer spec alone
+     lambda t: Keyframe("50%", {"0": "score:1000", "1-3": "score:1100"}).settings(2), ValueError,
+     "keyframe at='50%' span={'0': 'score:1000', '1-3': 'score:1100'}: layer spec '1-3': layers 1-3 are outside 0..1"),
     # a schedule asked for its settings as a custom training loop would: Python's "missing 'step'", or a TypeError
     # from inside the loop over the keyframes
     ("schedule asked for the settings at a step without its resolved keyframes",
@@ -1822,18 +1825,23 @@ def _hand_set_layers(folder: Path):
     (lambda t: patch_model(AutoModelForCausalLM.from_pretrained(_null_section(saved_model(t)))),
      "null, which gives no settings"),
     (lambda t: _hand_set_layers(saved_model(t))(torch.tensor([[1, 2, 3]])), "layers [7] do not exist"),
+    (lambda t: trainer_with(t, SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe(9, "score:1100")])).train(),
+     "never reached"),
+    (lambda t: trainer_with(t, SpanAttentionCallback(diagnostics_every=1, diagnostics_file=str(t.parent / "d.jsonl")))
+     .train(), "lies outside the output dir"),
 ], ids=["unknown field, load_pretrained", "newer version, load_pretrained", "newer version, settings file",
-        "null section, load_pretrained", "null section, patch_model", "layers outside the model, forward"])
-def test_a_warning_about_saved_settings_points_at_the_users_line(warn, message, tmp_path):
+        "null section, load_pretrained", "null section, patch_model", "layers outside the model, forward",
+        "keyframe never reached, Trainer.train", "diagnostics file outside, Trainer.train"])
+def test_a_warning_points_at_the_users_line(warn, message, tmp_path):
     """It named a line of the package (registry.py, config.py), or a line above the user's (patch_model's own
     caller), however the settings were reached."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warn(tmp_path)
     ours = [w for w in caught if message in str(w.message)]
-    line = warn.__code__.co_firstlineno  # the case's own line, not test code around it
-    assert ours and all((w.filename, w.lineno) == (__file__, line) for w in ours), [(w.filename, w.lineno)
-                                                                                      for w in ours]
+    lines = {line for _, _, line in warn.__code__.co_lines()}  # the case's own lines, not test code around it
+    assert ours and all(w.filename == __file__ and w.lineno in lines for w in ours), [(w.filename, w.lineno)
+                                                                                       for w in ours]
 
 
 def test_a_label_that_does_not_read_as_settings_is_named():

@@ -350,7 +350,8 @@ def _note_shared(module: torch.nn.Module) -> None:
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
                   "(both built from one config), so it trains with that model's span gradients too. Build each "
-                  "model from its own config (copy.deepcopy(config)) to keep one of them stock.", stacklevel=4)
+                  "model from its own config (copy.deepcopy(config)) to keep one of them stock.",
+                  stacklevel=user_stacklevel())
 
 
 # id(model config) → the model config whose model `_tag_trainers_model` tagged (held weakly).
@@ -415,7 +416,8 @@ def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:
         warnings.warn(f"span_attention: {type(module).__name__} (layer {layer_index(module)}) still held the setting "
                       f"{override.label} of a SpanAttentionCallback schedule from a training run that stopped midway; "
                       f"{type(trainer).__name__} trains without that callback, so the layer trains with the model's "
-                      f"own settings ({own.label if own else 'stock gradients'}) from now on", stacklevel=4)
+                      f"own settings ({own.label if own else 'stock gradients'}) from now on",
+                      stacklevel=user_stacklevel())
 
 
 def trainer_on_stack(frame: Any) -> Any:
