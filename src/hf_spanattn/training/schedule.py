@@ -102,7 +102,10 @@ class Keyframe:
         _check_counts("keyframe", n_layers=n_layers)
         if not isinstance(self.span, dict):
             return {}
-        return {layers: _layer_list(str(layers), n_layers) for layers in self.span}
+        try:
+            return {layers: _layer_list(str(layers), n_layers) for layers in self.span}
+        except ValueError as err:  # one layer spec of many keyframes: named by its keyframe
+            raise ValueError(f"keyframe at={shown(self.at)} span={shown(self.span)}: {err}") from None
 
     def _config(self, label: Any) -> SpanAttentionConfig:
         """A label of this keyframe parsed; a bad one names the keyframe (one of many)."""
