@@ -1844,6 +1844,26 @@ def test_a_warning_points_at_the_users_line(warn, message, tmp_path):
                                                                                        for w in ours]
 
 
+def test_the_way_round_an_adapter_without_its_base_model_trains_the_adapter_as_load_pretrained_would(tmp_path):
+    """The error's suggestion, run as written, gave an adapter that did not train (PeftModel.from_pretrained's
+    default is_trainable=False), where load_pretrained gives a trainable one."""
+    from peft import PeftModel
+
+    folder = adapter(tmp_path, base_model_name_or_path=None)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(folder)
+    patching, adding = str(err.value).split("add the adapter: ")[1].split("; ")
+    base = tiny("gpt2")
+    exec(patching, {"patch_model": patch_model, "SpanAttentionConfig": SpanAttentionConfig, "base": base,
+                    "folder": folder})
+    model = eval(adding, {"PeftModel": PeftModel, "base": base, "folder": folder})
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(ids, labels=ids).loss.backward()
+    lora = [p for name, p in model.named_parameters() if "lora_" in name]
+    assert lora and all(p.grad is not None for p in lora)
+    assert config_of(base.config) == SpanAttentionConfig.from_pretrained(folder)
+
+
 def test_a_label_that_does_not_read_as_settings_is_named():
     """patch_model(model, 'score:100') said "alphas=(1.0, 0.0, 0.0): expected 4 values", not naming the label."""
     with pytest.raises(ValueError, match=re.escape("label='score:100': alphas=(1.0, 0.0, 0.0): expected 4 values")):

@@ -197,8 +197,8 @@ def _base_model_of(folder: str | os.PathLike, peft_config: Any) -> str:
     """The adapter's base model (`base_model_name_or_path`): a folder that exists here, or a Hub id."""
     name = peft_config.base_model_name_or_path
     source = f"{os.path.join(folder, ADAPTER_CONFIG)}, field 'base_model_name_or_path' = {shown(name)}"
-    by_hand = ("; or load the base model yourself, patch it and add the adapter: patch_model(base, "
-               "SpanAttentionConfig.from_pretrained(folder)); PeftModel.from_pretrained(base, folder)")
+    by_hand = ("; or load the base model yourself, patch it and add the adapter: patch_model(base, SpanAttentionConfig"
+               ".from_pretrained(folder)); PeftModel.from_pretrained(base, folder, is_trainable=True)")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{source}: expected the base model's folder or Hub repository id{by_hand}")
     if _looks_local(name) and not os.path.exists(name):
