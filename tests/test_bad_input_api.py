@@ -1825,16 +1825,23 @@ def _hand_set_layers(folder: Path):
     (lambda t: patch_model(AutoModelForCausalLM.from_pretrained(_null_section(saved_model(t)))),
      "null, which gives no settings"),
     (lambda t: _hand_set_layers(saved_model(t))(torch.tensor([[1, 2, 3]])), "layers [7] do not exist"),
+    (lambda t: patch_model(tiny("gpt2"), "score:1000")(torch.tensor([[1, 2, 3]])), "backend='triton' runs on"),
     (lambda t: trainer_with(t, SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe(9, "score:1100")])).train(),
      "never reached"),
     (lambda t: trainer_with(t, SpanAttentionCallback(diagnostics_every=1, diagnostics_file=str(t.parent / "d.jsonl")))
      .train(), "lies outside the output dir"),
 ], ids=["unknown field, load_pretrained", "newer version, load_pretrained", "newer version, settings file",
         "null section, load_pretrained", "null section, patch_model", "layers outside the model, forward",
+        "triton backend falling back, forward",
         "keyframe never reached, Trainer.train", "diagnostics file outside, Trainer.train"])
-def test_a_warning_points_at_the_users_line(warn, message, tmp_path):
-    """It named a line of the package (registry.py, config.py), or a line above the user's (patch_model's own
-    caller), however the settings were reached."""
+def test_a_warning_points_at_the_users_line(warn, message, tmp_path, monkeypatch):
+    """It named a line of the package (registry.py, config.py), of Transformers (trainer_callback.py, the model's
+    forward) or a line above the user's (patch_model's own caller)."""
+    from hf_spanattn.ops.triton import backend
+
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")  # a CPU tensor without TRITON_INTERPRET: falls back, saying so
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(backend, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warn(tmp_path)
