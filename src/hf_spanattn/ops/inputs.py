@@ -38,14 +38,17 @@ def shown(value: Any, limit: int = 200) -> str:
 
 def user_stacklevel() -> int:
     """The `stacklevel` that makes a warning, given by the function that calls this, name the first caller outside
-    hf_spanattn and the libraries it runs under (Transformers, PEFT, Accelerate, torch): the user's line, however
-    deep the call that warns (as Python 3.12's `skip_file_prefixes`)."""
+    hf_spanattn and the libraries it runs under (Transformers, PEFT, Accelerate, torch) and of the import
+    machinery (a warning while a module of the package is imported): the user's line, however deep the call that
+    warns (as Python 3.12's `skip_file_prefixes`)."""
     folders = tuple(os.path.dirname(module.__file__) + os.sep
                     for name in ("hf_spanattn", "transformers", "peft", "accelerate", "torch")
                     if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None))
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(folders):
-        frame, level = frame.f_back, level + 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((*folders, "<frozen importlib")):
+        frame = frame.f_back
+        # warnings.warn passes over the import machinery's frames itself, uncounted
+        level += not frame.f_code.co_filename.startswith("<frozen importlib._bootstrap")
     return level
 
 
