@@ -651,6 +651,8 @@ CASES = [
     ("keyframe with a bad label in its layer table", lambda t: Keyframe("50%", {"0": "score:1000", "1": "simple:1"})
      .settings(2), ValueError,
      "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: label='simple:1': alphas=(1.0,)"),
+    ("keyframe of a settings object", lambda t: Keyframe(0, SpanAttentionConfig.from_label("score:1100")).settings(2),
+     ValueError, "expected a label (a SpanAttentionConfig: its .label, 'score:1100') or a {layers: label} table"),
     ("keyframe with a layer table naming layers outside the model",  # named the layer spec alone
      lambda t: Keyframe("50%", {"0": "score:1000", "1-3": "score:1100"}).settings(2), ValueError,
      "keyframe at='50%' span={'0': 'score:1000', '1-3': 'score:1100'}: layer spec '1-3': layers 1-3 are outside 0..1"),
@@ -1869,6 +1871,12 @@ def test_the_way_round_an_adapter_without_its_base_model_trains_the_adapter_as_l
     lora = [p for name, p in model.named_parameters() if "lora_" in name]
     assert lora and all(p.grad is not None for p in lora)
     assert config_of(base.config) == SpanAttentionConfig.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("at", [" 20% ", "20%\n", " 1ep"])
+def test_a_keyframe_time_with_spaces_around_is_read_as_a_label_is(at):
+    """' 20% ' was refused ("expected a step (int), a share ('20%') or an epoch ('2ep')") where '20 %' was taken."""
+    assert Keyframe(at, "score:1000").step(10, 4) == Keyframe(at.strip(), "score:1000").step(10, 4)
 
 
 def test_a_label_that_does_not_read_as_settings_is_named():

@@ -52,7 +52,7 @@ class Keyframe:
         half up) (`steps_per_epoch`: optimizer steps in one pass over the training data, gradient accumulation
         included; None where the data has no length)."""
         _check_counts("keyframe", max_steps=max_steps, steps_per_epoch=steps_per_epoch)
-        at = self.at
+        at = self.at.strip() if isinstance(self.at, str) else self.at  # spaces around, as a label takes them
         epoch = isinstance(at, str) and at.endswith("ep")
         try:
             if isinstance(at, str) and at.endswith("%"):
@@ -84,7 +84,9 @@ class Keyframe:
             config = self._config(self.span)
             return dict.fromkeys(range(n_layers), config)
         if not isinstance(self.span, dict):
-            raise ValueError(f"keyframe span={shown(self.span)}: expected a label or a {{layers: label}} table")
+            label = f" (a SpanAttentionConfig: its .label, {self.span.label!r})" \
+                if isinstance(self.span, SpanAttentionConfig) and self.span.layers is None else ""
+            raise ValueError(f"keyframe span={shown(self.span)}: expected a label{label} or a {{layers: label}} table")
         table: LayerSettings = {}
         named_by: dict[int, Any] = {}
         for layers, indices in self.entries(n_layers).items():
