@@ -1879,6 +1879,25 @@ def test_a_keyframe_time_with_spaces_around_is_read_as_a_label_is(at):
     assert Keyframe(at, "score:1000").step(10, 4) == Keyframe(at.strip(), "score:1000").step(10, 4)
 
 
+@pytest.mark.parametrize("patched", [None, "score:1000"], ids=["into an unpatched model", "into other settings"])
+def test_the_call_a_plain_peft_load_of_an_adapter_with_settings_suggests_runs_as_written(patched, tmp_path):
+    """It read SpanAttentionConfig.from_pretrained(folder): a name not imported and a variable the user does not
+    hold."""
+    from peft import PeftModel
+
+    import hf_spanattn
+
+    folder = adapter(tmp_path)  # saved with score:1100
+    base = tiny("gpt2") if patched is None else patch_model(tiny("gpt2"), patched)
+    with pytest.warns(UserWarning, match="call hf_spanattn.patch_model") as caught:
+        model = PeftModel.from_pretrained(base, folder, is_trainable=True)
+    said = next(str(w.message) for w in caught if "call hf_spanattn.patch_model" in str(w.message))
+    call = re.search(r"call (hf_spanattn\.patch_model\(.*\)\))", said)[1]
+    eval(call, {"hf_spanattn": hf_spanattn, "model": model})
+    assert config_of(base.config) == SpanAttentionConfig.from_pretrained(folder)
+    assert base.config._attn_implementation == "span_attention"
+
+
 def test_a_label_that_does_not_read_as_settings_is_named():
     """patch_model(model, 'score:100') said "alphas=(1.0, 0.0, 0.0): expected 4 values", not naming the label."""
     with pytest.raises(ValueError, match=re.escape("label='score:100': alphas=(1.0, 0.0, 0.0): expected 4 values")):

@@ -129,8 +129,8 @@ def install() -> None:
             _, saved = _saved_settings(folder)
             warnings.warn(f"{folder} holds {saved} but the model it was loaded into is not patched, so it trains "
                           f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
-                          f"{os.fspath(folder)!r}), or call "
-                          "hf_spanattn.patch_model(model, SpanAttentionConfig.from_pretrained(folder)).",
+                          f"{os.fspath(folder)!r}), or call hf_spanattn.patch_model(model, "
+                          f"hf_spanattn.SpanAttentionConfig.from_pretrained({os.fspath(folder)!r})).",
                           stacklevel=user_stacklevel())
         elif patched_with is not None and has_settings:
             saved, described = _saved_settings(folder)
@@ -138,7 +138,8 @@ def install() -> None:
                 warnings.warn(f"{folder} holds {described}, other than those the model it was loaded into is patched "
                               f"with ({_described(patched_with)}): the model's settings win, it trains with "
                               f"{_described(patched_with)}. To train with the adapter's, call hf_spanattn.patch_model("
-                              "model, SpanAttentionConfig.from_pretrained(folder)) after loading it.",
+                              f"model, hf_spanattn.SpanAttentionConfig.from_pretrained({os.fspath(folder)!r})) after "
+                              "loading it.",
                               stacklevel=user_stacklevel())
         return result
 
