@@ -2029,6 +2029,8 @@ def test_plot_diagnostics_wraps_a_deep_models_layers_into_rows_and_draws_the_lay
     assert sizes["three"][1] == 2 * panel_width and sizes["three"][0] == 4 * panel_height + 60 + 30
     for argv, message in [(["--layers", "3,12"], "--layers: {file} has no records of layer 12; it has layers 0, 1,"),
                           (["--layers", "3,x"], "argument --layers: '3,x': expected comma-separated layer indices"),
+                          (["--layers", "-1"], "argument --layers: '-1': expected comma-separated layer indices (0 or "
+                                               "more)"),
                           (["--columns", "0"], "argument --columns: '0': expected a whole number of at least 1")]:
         with pytest.raises(SystemExit):
             plot_diagnostics.main([str(file), *argv])
