@@ -531,8 +531,8 @@ def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross:
         return True
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
-        "where they differ (a forward with past_key_values under autograd) and cross-attention, whatever its "
-        "lengths, get SDPA's result with the standard gradient.")
+        "where they differ (a forward with a cache, cache= or past_key_values=, under autograd) and cross-attention, "
+        "whatever its lengths, get SDPA's result with the standard gradient.")
     return True
 
 
