@@ -171,7 +171,8 @@ def layer_list(text: str) -> list[int]:
     except ValueError:
         layers = [-1]
     if any(layer < 0 for layer in layers):
-        raise argparse.ArgumentTypeError(f"{text[:80]!r}: expected comma-separated layer indices, such as 0,5,11")
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: expected comma-separated layer indices (0 or more), such as "
+                                         "0,5,11")
     return layers
 
 

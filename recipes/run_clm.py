@@ -325,23 +325,40 @@ class SpanArguments:
                 raise ValueError(f"--span_schedule{where}: not valid YAML/JSON ({type(err).__name__}: {err})") from None
             if not isinstance(keyframes, list):
                 raise ValueError(f"--span_schedule {shown(self.span_schedule)}: expected a list of keyframes")
-            schedule = Schedule(keyframes)
-            for keyframe in schedule.keyframes:  # checked now (the steps of a run of 10^6); again when training starts
-                keyframe.settings(n_layers=10**6)
-                keyframe.step(max_steps=10**6, steps_per_epoch=1)
-        return SpanAttentionCallback(schedule, self.span_diagnostics_every, self.span_diagnostics_per_head)
+            try:
+                schedule = Schedule(keyframes)
+                for keyframe in schedule.keyframes:  # checked now (the steps of a run of 10^6); again at the start
+                    keyframe.settings(n_layers=10**6)
+                    keyframe.step(max_steps=10**6, steps_per_epoch=1)
+            except ValueError as err:
+                raise ValueError(f"--span_schedule {shown(self.span_schedule, 120)}: {err}") from None
+        try:
+            return SpanAttentionCallback(schedule, self.span_diagnostics_every, self.span_diagnostics_per_head)
+        except ValueError as err:  # named by the flag, not by the callback's argument
+            raise ValueError(f"--span_diagnostics_every {self.span_diagnostics_every}: {err}") from None
 
     def config(self) -> SpanAttentionConfig:
-        overrides = {}
+        """The settings of --span, --span_grad and --span_layers; a bad one is named by its flag."""
+        try:
+            config = SpanAttentionConfig.from_label(self.span)
+        except ValueError as err:
+            raise ValueError(f"--span: {err}") from None
         if self.span_grad is not None:
-            overrides["score_grad"] = self.span_grad
+            try:
+                config = SpanAttentionConfig.from_label(self.span, score_grad=self.span_grad)
+            except ValueError as err:
+                raise ValueError(f"--span_grad {self.span_grad}: {err}") from None
         if self.span_layers is not None:
             try:
-                overrides["layers"] = tuple(int(i) for i in self.span_layers.split(","))
+                layers = tuple(int(i) for i in self.span_layers.split(","))
             except ValueError:
                 raise ValueError(f"--span_layers {shown(self.span_layers)}: expected comma-separated integers (leave "
                                  "it unset for all layers)") from None
-        return SpanAttentionConfig.from_label(self.span, **overrides)
+            try:
+                config = config.replace(layers=layers)
+            except ValueError as err:
+                raise ValueError(f"--span_layers {shown(self.span_layers)}: {err}") from None
+        return config
 
 
 @dataclass

@@ -648,9 +648,15 @@ CASES = [
      "schedule: steps_per_epoch=0: expected an int ≥ 1 or None (training data without a length)"),
     # a bad label in one keyframe of many named only the alphas it parsed to
     ("keyframe with a bad label", lambda t: Schedule([Keyframe(0, "score:1000"), Keyframe(5, "score:9")]).resolve(
-        10, None, 2), ValueError, "keyframe at=5 span='score:9': alphas=(9.0,): expected 4 values"),
+        10, None, 2), ValueError, "keyframe at=5 span='score:9': label='score:9': alphas=(9.0,): expected 4"),
     ("keyframe with a bad label in its layer table", lambda t: Keyframe("50%", {"0": "score:1000", "1": "simple:1"})
-     .settings(2), ValueError, "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: alphas=(1.0,)"),
+     .settings(2), ValueError,
+     "keyframe at='50%' span={'0': 'score:1000', '1': 'simple:1'}: label='simple:1': alphas=(1.0,)"),
+    ("keyframe of a settings object", lambda t: Keyframe(0, SpanAttentionConfig.from_label("score:1100")).settings(2),
+     ValueError, "expected a label (a SpanAttentionConfig: its .label, 'score:1100') or a {layers: label} table"),
+    ("keyframe with a layer table naming layers outside the model",  # named the layer spec alone
+     lambda t: Keyframe("50%", {"0": "score:1000", "1-3": "score:1100"}).settings(2), ValueError,
+     "keyframe at='50%' span={'0': 'score:1000', '1-3': 'score:1100'}: layer spec '1-3': layers 1-3 are outside 0..1"),
     # a schedule asked for its settings as a custom training loop would: Python's "missing 'step'", or a TypeError
     # from inside the loop over the keyframes
     ("schedule asked for the settings at a step without its resolved keyframes",
@@ -1799,6 +1805,106 @@ def test_a_field_of_a_newer_version_is_kept_when_the_loaded_model_is_saved_again
     assert config_of(model.config).label == "score:1100"
     patch_model(model, layers=[1])  # settings changed here are this version's
     assert "new_field" not in model.config.span_attention
+
+
+def _null_section(folder: Path) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "span_attention": None}))
+    return folder
+
+
+def _hand_set_layers(folder: Path):
+    model = load_pretrained(folder)
+    model.config.span_attention = {**model.config.span_attention, "layers": [0, 7]}
+    return model
+
+
+@pytest.mark.parametrize("warn,message", [
+    (lambda t: load_pretrained(saved_model(t, alpha=[1, 0, 0, 0])), "ignoring unknown fields ['alpha']"),
+    (lambda t: load_pretrained(saved_model(t, hf_spanattn_version="99.0")), "newer than the installed"),
+    (lambda t: SpanAttentionConfig.from_pretrained(write(t / "span_attention_config.json", json.dumps(
+        {"method": "score", "hf_spanattn_version": "99.0"}))), "newer than the installed"),
+    (lambda t: load_pretrained(_null_section(saved_model(t))), "null, which gives no settings"),
+    (lambda t: patch_model(AutoModelForCausalLM.from_pretrained(_null_section(saved_model(t)))),
+     "null, which gives no settings"),
+    (lambda t: _hand_set_layers(saved_model(t))(torch.tensor([[1, 2, 3]])), "layers [7] do not exist"),
+    (lambda t: patch_model(tiny("gpt2"), "score:1000")(torch.tensor([[1, 2, 3]])), "backend='triton' runs on"),
+    (lambda t: trainer_with(t, SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe(9, "score:1100")])).train(),
+     "never reached"),
+    (lambda t: trainer_with(t, SpanAttentionCallback(diagnostics_every=1, diagnostics_file=str(t.parent / "d.jsonl")))
+     .train(), "lies outside the output dir"),
+], ids=["unknown field, load_pretrained", "newer version, load_pretrained", "newer version, settings file",
+        "null section, load_pretrained", "null section, patch_model", "layers outside the model, forward",
+        "triton backend falling back, forward",
+        "keyframe never reached, Trainer.train", "diagnostics file outside, Trainer.train"])
+def test_a_warning_points_at_the_users_line(warn, message, tmp_path, monkeypatch):
+    """It named a line of the package (registry.py, config.py), of Transformers (trainer_callback.py, the model's
+    forward) or a line above the user's (patch_model's own caller)."""
+    from hf_spanattn.ops.triton import backend
+
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "triton")  # a CPU tensor without TRITON_INTERPRET: falls back, saying so
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(backend, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn(tmp_path)
+    ours = [w for w in caught if message in str(w.message)]
+    lines = {line for _, _, line in warn.__code__.co_lines()}  # the case's own lines, not test code around it
+    assert ours and all(w.filename == __file__ and w.lineno in lines for w in ours), [(w.filename, w.lineno)
+                                                                                       for w in ours]
+
+
+def test_the_way_round_an_adapter_without_its_base_model_trains_the_adapter_as_load_pretrained_would(tmp_path):
+    """The error's suggestion, run as written, gave an adapter that did not train (PeftModel.from_pretrained's
+    default is_trainable=False), where load_pretrained gives a trainable one."""
+    from peft import PeftModel
+
+    folder = adapter(tmp_path, base_model_name_or_path=None)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(folder)
+    patching, adding = str(err.value).split("add the adapter: ")[1].split("; ")
+    base = tiny("gpt2")
+    exec(patching, {"patch_model": patch_model, "SpanAttentionConfig": SpanAttentionConfig, "base": base,
+                    "folder": folder})
+    model = eval(adding, {"PeftModel": PeftModel, "base": base, "folder": folder})
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(ids, labels=ids).loss.backward()
+    lora = [p for name, p in model.named_parameters() if "lora_" in name]
+    assert lora and all(p.grad is not None for p in lora)
+    assert config_of(base.config) == SpanAttentionConfig.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("at", [" 20% ", "20%\n", " 1ep"])
+def test_a_keyframe_time_with_spaces_around_is_read_as_a_label_is(at):
+    """' 20% ' was refused ("expected a step (int), a share ('20%') or an epoch ('2ep')") where '20 %' was taken."""
+    assert Keyframe(at, "score:1000").step(10, 4) == Keyframe(at.strip(), "score:1000").step(10, 4)
+
+
+@pytest.mark.parametrize("patched", [None, "score:1000"], ids=["into an unpatched model", "into other settings"])
+def test_the_call_a_plain_peft_load_of_an_adapter_with_settings_suggests_runs_as_written(patched, tmp_path):
+    """It read SpanAttentionConfig.from_pretrained(folder): a name not imported and a variable the user does not
+    hold."""
+    from peft import PeftModel
+
+    import hf_spanattn
+
+    folder = adapter(tmp_path)  # saved with score:1100
+    base = tiny("gpt2") if patched is None else patch_model(tiny("gpt2"), patched)
+    with pytest.warns(UserWarning, match="call hf_spanattn.patch_model") as caught:
+        model = PeftModel.from_pretrained(base, folder, is_trainable=True)
+    said = next(str(w.message) for w in caught if "call hf_spanattn.patch_model" in str(w.message))
+    call = re.search(r"call (hf_spanattn\.patch_model\(.*\)\))", said)[1]
+    eval(call, {"hf_spanattn": hf_spanattn, "model": model})
+    assert config_of(base.config) == SpanAttentionConfig.from_pretrained(folder)
+    assert base.config._attn_implementation == "span_attention"
+
+
+def test_a_label_that_does_not_read_as_settings_is_named():
+    """patch_model(model, 'score:100') said "alphas=(1.0, 0.0, 0.0): expected 4 values", not naming the label."""
+    with pytest.raises(ValueError, match=re.escape("label='score:100': alphas=(1.0, 0.0, 0.0): expected 4 values")):
+        patch_model(tiny("gpt2"), "score:100")
+    with pytest.raises(ValueError, match=re.escape("label='standard:1000': alphas=(1.0, 0.0, 0.0, 0.0): expected 0")):
+        SpanAttentionConfig.from_label("standard:1000")
 
 
 def test_a_settings_field_named_almost_right_warns(tmp_path):

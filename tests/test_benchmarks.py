@@ -68,8 +68,9 @@ RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "
     ("rule_check", ["--rule", "bogus"], "argument --rule: label='bogus': expected '<method>:<alphas>"),
     ("rule_check", ["--backends", "tiles,bogus"], "--backends 'tiles,bogus': 'bogus': allowed are auto, tiles"),
     ("attention", ["--memory", "--methods", "score:1000", "Score:1"], "argument --methods: label='Score:1'"),
-    ("train_step", ["--methods", "score:10"], "argument --methods: alphas=(1.0, 0.0): expected 4 values"),
-    ("diagnostics", ["--span", "simple:10@per_block"], "argument --span: score_grad='per_block': only method="),
+    ("train_step", ["--methods", "score:10"], "argument --methods: label='score:10': alphas=(1.0, 0.0): expected 4"),
+    ("diagnostics", ["--span", "simple:10@per_block"],
+     "argument --span: label='simple:10@per_block': score_grad='per_block'"),
     ("profile_attention", ["--device", "cpu", "--labels", "score:1000", "x"], "argument --labels: label='x'"),
     ("profile_attention", ["--device", "cpu", "--backends", "Tiles"], "argument --backends: invalid choice: 'Tiles'"),
     # was: SDPA's "flash attention: Currently do not support dropout > 0" (NaN), torch's dropout error (-1, 2)

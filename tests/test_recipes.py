@@ -130,6 +130,11 @@ def test_unigram_loss_counts_the_training_tokens():
     (["--span_layers", "1,x"], "comma-separated integers"),
     (["--overlap", "1.5"], "0 <= overlap < 1"),
     (["--no_such_flag", "1"], "not used by the HfArgumentParser"),
+    # named the field of the settings the flag sets (alphas=, layers=, score_grad=, diagnostics_every=), not the flag
+    (["--span", "score:100"], "--span: label='score:100': alphas=(1.0, 0.0, 0.0): expected 4 values"),
+    (["--span", "simple:10", "--span_grad", "per_block"], "--span_grad per_block: score_grad='per_block': only"),
+    (["--span_layers", "-1"], "--span_layers '-1': layers=(-1,): expected None (all layers) or a sequence"),
+    (["--span_diagnostics_every", "-1"], "--span_diagnostics_every -1: diagnostics_every=-1: expected an integer"),
 ])
 def test_bad_flags_fail_before_any_data_is_read(argv, message, monkeypatch, tmp_path):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
@@ -265,6 +270,8 @@ def test_schedule_and_diagnostics_flags_write_the_jsonl_and_the_plot(tmp_path):
     ('[{"at": 0, "span": "score:12"}]', "4 values"),
     ('{"at": 0}', "expected a list of keyframes"),
     ('[{"at": 0, "span": {"0-x": "score:1000"}}]', "layer spec"),
+    ('[{"at": 0, "spam": "score:1000"}]', r"^--span_schedule '\[.*\]': schedule keyframe \{'at': 0, 'spam'"),
+    ('[{"at": 0, "span": "score:12"}]', r"^--span_schedule '\[.*\]': keyframe at=0 span='score:12': label="),
     ('[{"at": 0.5, "span": "score:1000"}]', r"keyframe at=0.5: expected a step \(int\), a share"),
     ('[{"at": "150%", "span": "score:1000"}]', "keyframe at='150%': a share of training is at most '100%'"),
     ('[{"at": "-1ep", "span": "score:1000"}]', "keyframe at='-1ep': must be finite and not negative"),

@@ -1477,7 +1477,8 @@ def test_a_bad_run_clm_config_file_is_named(text, message, tmp_path, monkeypatch
      "is not one folder name (letters, digits and '._=+-'); give such values in args"),
     ({"seeds": [-1]}, "seeds: -1: allowed seeds are 0 to 4294967295"),
     ({"seeds": [2**32]}, "seeds: 4294967296: allowed seeds are 0 to 4294967295"),
-    ({"spans": ["score:1000", "score:12"]}, "sweep config: spans: alphas=(1.0, 2.0): expected 4 values"),  # no file
+    ({"spans": ["score:1000", "score:12"]},
+     "sweep config: spans: label='score:12': alphas=(1.0, 2.0): expected 4 values"),  # no file
     ({"args": {**TINY, "config_overrides": {"n_embd": 64}}},  # was: "--config_overrides={'n_embd': 64}"
      """--config_overrides '{"n_embd": 64}': expected comma-separated key=value pairs"""),
 ])
@@ -2028,6 +2029,8 @@ def test_plot_diagnostics_wraps_a_deep_models_layers_into_rows_and_draws_the_lay
     assert sizes["three"][1] == 2 * panel_width and sizes["three"][0] == 4 * panel_height + 60 + 30
     for argv, message in [(["--layers", "3,12"], "--layers: {file} has no records of layer 12; it has layers 0, 1,"),
                           (["--layers", "3,x"], "argument --layers: '3,x': expected comma-separated layer indices"),
+                          (["--layers", "-1"], "argument --layers: '-1': expected comma-separated layer indices (0 or "
+                                               "more)"),
                           (["--columns", "0"], "argument --columns: '0': expected a whole number of at least 1")]:
         with pytest.raises(SystemExit):
             plot_diagnostics.main([str(file), *argv])

@@ -603,6 +603,22 @@ def test_triton_tuning_warns_for_another_value_naming_the_variable(value):
     assert len(str(caught[0].message)) < 500  # a huge value is cut
 
 
+def test_the_tuning_warning_names_the_line_whose_call_imported_the_kernels():
+    """It named kernels.py, the module whose import read the variable."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch, hf_spanattn\n"
+            "q = torch.randn(1, 1, 3, 2, requires_grad=True)\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    hf_spanattn.span_attention(q, q, q, backend='triton')\n"
+            "print([(w.filename, w.lineno) for w in caught if 'HF_SPANATTN_TRITON_TUNE' in str(w.message)])\n")
+    env = {**os.environ, "HF_SPANATTN_TRITON_TUNE": "maybe", "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip().splitlines()[-1] == "[('<string>', 5)]", run.stdout + run.stderr
+
+
 def test_environment_picks_triton(monkeypatch):
     """HF_SPANATTN_BACKEND=triton selects it; auto does not (fused on CUDA, tiles on the CPU)."""
     seen = []

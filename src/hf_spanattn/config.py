@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 from packaging.version import Version
 
-from hf_spanattn.ops.inputs import as_float, as_int, shown
+from hf_spanattn.ops.inputs import as_float, as_int, shown, user_stacklevel
 from hf_spanattn.ops.rules import RULES, Rule
 
 CONFIG_NAME = "span_attention_config.json"
@@ -106,7 +106,8 @@ def _version_field(value: Any, source: str) -> None:
         shown_version = value if len(value) <= 60 else shown(value)
         warnings.warn(f"{source}{VERSION_KEY}={shown(value)}: the settings were written by hf_spanattn "
                       f"{shown_version}, newer than the installed {__version__}; a setting that version added would be "
-                      "ignored or refused here: upgrade hf_spanattn to read them as written", stacklevel=3)
+                      "ignored or refused here: upgrade hf_spanattn to read them as written",
+                      stacklevel=user_stacklevel())
 
 
 def as_config(config: Any, caller: str, none: str) -> SpanAttentionConfig | None:
@@ -282,9 +283,11 @@ class SpanAttentionConfig:
             fields["qkv_alphas"] = _parse_alphas(match["qkv"], label)
         if match["grad"]:
             fields["score_grad"] = match["grad"]
-        both = sorted(overrides.keys() & fields.keys())  # a keyword would silently replace the label's value
-        written = cls(**fields) if both else None
-        for name in both:
+        try:
+            written = cls(**fields)
+        except ValueError as err:  # named by the label the user wrote, not by the fields read from it
+            raise ValueError(f"label={shown(label)}: {err}") from None
+        for name in sorted(overrides.keys() & fields.keys()):  # a keyword would silently replace the label's value
             if getattr(written.replace(**{name: overrides[name]}), name) != getattr(written, name):
                 raise ValueError(f"label={shown(label)} sets {name}={shown(getattr(written, name))}, and the keyword "
                                  f"argument gives {name}={shown(overrides[name])}: give {name} in one of them")
@@ -325,7 +328,7 @@ class SpanAttentionConfig:
             version = data.get(VERSION_KEY, "?")
             version = version if isinstance(version, str) and len(version) <= 60 else shown(version, 60)  # a hand edit
             warnings.warn(f"{where}SpanAttentionConfig: ignoring unknown fields {shown(unknown)} (written by "
-                          f"hf_spanattn {version}; known fields are {known}){hints}", stacklevel=2)
+                          f"hf_spanattn {version}; known fields are {known}){hints}", stacklevel=user_stacklevel())
         try:
             return cls(**{k: v for k, v in fields.items() if k in known})
         except (TypeError, ValueError) as err:

@@ -31,7 +31,7 @@ from transformers import AutoConfig
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local
 from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
-from hf_spanattn.ops.inputs import shown
+from hf_spanattn.ops.inputs import shown, user_stacklevel
 
 ADAPTER_CONFIG = "adapter_config.json"
 SAVE_UNFINISHED = ".span_attention_save_unfinished"
@@ -104,7 +104,7 @@ def install() -> None:
                     warnings.warn(f"{os.path.join(folder, CONFIG_NAME)} is left from before: the model saved now is "
                                   "not patched, but hf_spanattn.load_pretrained of the adapter would patch it with "
                                   "those settings; remove the file if the adapter should load without span gradients",
-                                  stacklevel=2)
+                                  stacklevel=user_stacklevel())
         return result
 
     @functools.wraps(add)
@@ -129,14 +129,15 @@ def install() -> None:
         elif patched_with is None:
             warnings.warn(f"{folder} holds {described} but the model it was loaded into is not patched, so it trains "
                           f"with the standard gradient. Load it with hf_spanattn.load_pretrained("
-                          f"{os.fspath(folder)!r}), or call "
-                          "hf_spanattn.patch_model(model, SpanAttentionConfig.from_pretrained(folder)).",
-                          stacklevel=2)
+                          f"{os.fspath(folder)!r}), or call hf_spanattn.patch_model(model, "
+                          f"hf_spanattn.SpanAttentionConfig.from_pretrained({os.fspath(folder)!r})).",
+                          stacklevel=user_stacklevel())
         elif saved is not None and saved != patched_with:
             warnings.warn(f"{folder} holds {described}, other than those the model it was loaded into is patched "
                           f"with ({_described(patched_with)}): the model's settings win, it trains with "
                           f"{_described(patched_with)}. To train with the adapter's, call hf_spanattn.patch_model("
-                          "model, SpanAttentionConfig.from_pretrained(folder)) after loading it.", stacklevel=2)
+                          f"model, hf_spanattn.SpanAttentionConfig.from_pretrained({os.fspath(folder)!r})) after "
+                          "loading it.", stacklevel=user_stacklevel())
         return result
 
     setattr(save_pretrained, _WRAPPED, True)
@@ -180,7 +181,7 @@ def settings_beside_model(folder: str | os.PathLike, model_config: Any) -> SpanA
         warnings.warn(f"{os.path.join(folder, CONFIG_NAME)} holds {described}, other than those of the model saved "
                       f"beside it ({os.path.join(folder, 'config.json')}: {_described(ours)}), whose weights load with "
                       f"the adapter on top: the model's settings win, it trains with {_described(ours)}. Remove the "
-                      "file if it is left from an earlier save.", stacklevel=3)
+                      "file if it is left from an earlier save.", stacklevel=user_stacklevel())
     return ours
 
 
@@ -194,8 +195,8 @@ def _base_model_of(folder: str | os.PathLike, peft_config: Any) -> str:
     """The adapter's base model (`base_model_name_or_path`): a folder that exists here, or a Hub id."""
     name = peft_config.base_model_name_or_path
     source = f"{os.path.join(folder, ADAPTER_CONFIG)}, field 'base_model_name_or_path' = {shown(name)}"
-    by_hand = ("; or load the base model yourself, patch it and add the adapter: patch_model(base, "
-               "SpanAttentionConfig.from_pretrained(folder)); PeftModel.from_pretrained(base, folder)")
+    by_hand = ("; or load the base model yourself, patch it and add the adapter: patch_model(base, SpanAttentionConfig"
+               ".from_pretrained(folder)); PeftModel.from_pretrained(base, folder, is_trainable=True)")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{source}: expected the base model's folder or Hub repository id{by_hand}")
     if _looks_local(name) and not os.path.exists(name):

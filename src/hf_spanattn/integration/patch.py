@@ -47,7 +47,7 @@ from hf_spanattn.integration.registry import (
 )
 from hf_spanattn.ops.attention import span_attention
 from hf_spanattn.ops.backward import with_scaled_grads
-from hf_spanattn.ops.inputs import attended, shown
+from hf_spanattn.ops.inputs import attended, shown, user_stacklevel
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
             "Qwen2, Mistral, ...) and GPT-Neo"
@@ -155,7 +155,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         warnings.warn(f"{stored_source(base.config)}: not given, but {', '.join(f'{k}.{CONFIG_KEY}' for k in named)} "
                       f"{'is' if one else 'are'}: patching {'that tower' if one else 'those towers'} of "
                       f"{type(base).__name__} with {'its' if one else 'their'} settings, the others keep stock "
-                      "gradients (pass settings to patch_model to patch every tower)", stacklevel=2)
+                      "gradients (pass settings to patch_model to patch every tower)", stacklevel=user_stacklevel())
         for key in named:
             patch_model(towers[key])
         return model
@@ -198,7 +198,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
-                          "precision). unpatch_model restores it.", stacklevel=2)
+                          "precision). unpatch_model restores it.", stacklevel=user_stacklevel())
             original["reorder_and_upcast_attn"] = True
             _set_reorder(base, False)
     for part in _sharing_config(base):
@@ -224,7 +224,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                       f"{type(base).__name__} (both built from one config), so its settings change with it, from "
                       f"{adapters._described(config_of(base.config))} to {adapters._described(config)}: its layers "
                       "read the same settings. Build each model from its own config (copy.deepcopy(config)) to patch "
-                      "them otherwise.", stacklevel=2)
+                      "them otherwise.", stacklevel=user_stacklevel())
     if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
         setattr(base.config, CONFIG_KEY, config.to_dict())
     for tower in towers.values():  # a tower saved alone (model.language_model.save_pretrained) keeps them
@@ -250,7 +250,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                           "(a layer taken from it), so that model trains them with span gradients too, patched or "
                           "not; give this model its own copy of the layer pointing to its config (layer = "
                           "copy.deepcopy(layer), then set its attention module's .config to the model's)",
-                          stacklevel=2)
+                          stacklevel=user_stacklevel())
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
         _warn_modules_left_stock(base)
@@ -267,7 +267,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         if apart:
             warnings.warn(f"patch_model: {type(base).__name__} has settings of its own ({config.label}), but "
                           f"{'; '.join(apart)}: those towers train so, as they did when saved (pass settings to "
-                          "patch_model to patch every tower alike)", stacklevel=2)
+                          "patch_model to patch every tower alike)", stacklevel=user_stacklevel())
     return model
 
 
@@ -315,7 +315,8 @@ def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dic
                           f"replaces it with {ATTN_IMPLEMENTATION!r}, whose forward pass is SDPA's, so the model's "
                           f"outputs change unless {name!r} computes SDPA's attention (unpatch_model gives it back). "
                           "For span gradients inside an attention function of your own, call "
-                          "hf_spanattn.span_attention there and leave the model unpatched", stacklevel=3)
+                          "hf_spanattn.span_attention there and leave the model unpatched",
+                          stacklevel=user_stacklevel())
 
 
 def _warn_modules_left_stock(base: PreTrainedModel) -> None:
@@ -332,7 +333,7 @@ def _warn_modules_left_stock(base: PreTrainedModel) -> None:
                       "loaded with, which EncoderDecoderModel.from_encoder_decoder_pretrained replaces on the tower "
                       "but not on its layers), so they keep stock gradients. Set those modules' .config to the "
                       "config of the model (or tower) that holds them, on a copy of a layer taken from another model "
-                      "(layer = copy.deepcopy(layer)), and patch again", stacklevel=3)
+                      "(layer = copy.deepcopy(layer)), and patch again", stacklevel=user_stacklevel())
 
 
 def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
@@ -431,19 +432,19 @@ def _default_settings(model_config: Any) -> SpanAttentionConfig:
     such as 'span_atention') warns that it is not read."""
     if CONFIG_KEY in vars(model_config):  # "span_attention": null (unpatch_model removes the field)
         warnings.warn(f"{stored_source(model_config)}: null, which gives no settings; patching with the default "
-                      f"{SpanAttentionConfig().label}", stacklevel=4)
+                      f"{SpanAttentionConfig().label}", stacklevel=user_stacklevel())
         return SpanAttentionConfig()
     for key in getattr(model_config, "sub_configs", None) or {}:  # a composite model's text_config, by hand
         if getattr(getattr(model_config, key, None), CONFIG_KEY, None) is not None:
             warnings.warn(f"{stored_source(model_config)}: not given, but {key}.{CONFIG_KEY} is, which is not read: "
                           f"the settings of {type(model_config).__name__} are those of its own {CONFIG_KEY!r} field, "
                           f"for all its towers; patching with the default {SpanAttentionConfig().label} (move them "
-                          "there, or pass them to patch_model)", stacklevel=4)
+                          "there, or pass them to patch_model)", stacklevel=user_stacklevel())
     names = [name for name in vars(model_config) if isinstance(name, str)]
     for name in difflib.get_close_matches(CONFIG_KEY, names, n=1, cutoff=0.8):
         warnings.warn(f"{stored_source(model_config)}: not given, but a field {name!r} is, which is not read; "
                       f"patching with the default {SpanAttentionConfig().label} (name the field {CONFIG_KEY!r} to use "
-                      "its settings)", stacklevel=4)
+                      "its settings)", stacklevel=user_stacklevel())
     return SpanAttentionConfig()
 
 
@@ -467,7 +468,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         warnings.warn(f"unpatch_model: another model that patch_model was given shares the config object of "
                       f"{type(base).__name__} (both built from one config), and is unpatched with it: its layers read "
                       "the same settings. Build each model from its own config (copy.deepcopy(config)) to unpatch one "
-                      "alone.", stacklevel=2)
+                      "alone.", stacklevel=user_stacklevel())
     for model_config in [base.config, *(tower.config for tower in towers)]:
         if hasattr(model_config, CONFIG_KEY):
             delattr(model_config, CONFIG_KEY)

@@ -26,7 +26,7 @@ from transformers.utils import CONFIG_NAME, logging
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration import packing
 from hf_spanattn.ops.attention import requires_grad, span_attention
-from hf_spanattn.ops.inputs import attended, shown
+from hf_spanattn.ops.inputs import attended, shown, user_stacklevel
 
 ATTN_IMPLEMENTATION = "span_attention"
 CONFIG_KEY = "span_attention"
@@ -133,7 +133,7 @@ def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
     if outside:
         warnings.warn(f"{source}: layers={shown(list(config.layers))}: the model has layers 0..{n_layers - 1}, so "
                       f"layers {shown(outside)} do not exist and get no span gradients"
-                      + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=4)
+                      + ("; no layer does" if len(outside) == len(config.layers) else ""), stacklevel=user_stacklevel())
     return config
 
 
@@ -350,7 +350,8 @@ def _note_shared(module: torch.nn.Module) -> None:
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "
                   f"given, but its config object ({type(model_config).__name__}) is that of a model it was given "
                   "(both built from one config), so it trains with that model's span gradients too. Build each "
-                  "model from its own config (copy.deepcopy(config)) to keep one of them stock.", stacklevel=4)
+                  "model from its own config (copy.deepcopy(config)) to keep one of them stock.",
+                  stacklevel=user_stacklevel())
 
 
 # id(model config) → the model config whose model `_tag_trainers_model` tagged (held weakly).
@@ -415,7 +416,8 @@ def _drop_if_left_by_a_stopped_run(module: torch.nn.Module) -> None:
         warnings.warn(f"span_attention: {type(module).__name__} (layer {layer_index(module)}) still held the setting "
                       f"{override.label} of a SpanAttentionCallback schedule from a training run that stopped midway; "
                       f"{type(trainer).__name__} trains without that callback, so the layer trains with the model's "
-                      f"own settings ({own.label if own else 'stock gradients'}) from now on", stacklevel=4)
+                      f"own settings ({own.label if own else 'stock gradients'}) from now on",
+                      stacklevel=user_stacklevel())
 
 
 def trainer_on_stack(frame: Any) -> Any:
@@ -529,8 +531,8 @@ def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross:
         return True
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
-        "where they differ (a forward with past_key_values under autograd) and cross-attention, whatever its "
-        "lengths, get SDPA's result with the standard gradient.")
+        "where they differ (a forward with a cache, cache= or past_key_values=, under autograd) and cross-attention, "
+        "whatever its lengths, get SDPA's result with the standard gradient.")
     return True
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
 from hf_spanattn.integration.adapters import _described, is_adapter_folder, is_patched
 from hf_spanattn.integration.registry import CONFIG_KEY, config_of
-from hf_spanattn.ops.inputs import shown
+from hf_spanattn.ops.inputs import shown, user_stacklevel
 
 _WRAPPED = "_hf_spanattn_resume"
 _STOCK = "the standard gradient (the model is not patched)"
@@ -71,7 +71,8 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
         return
     except (OSError, ValueError, TypeError) as err:
         warnings.warn(f"resume_from_checkpoint: the span attention settings {checkpoint} was saved with cannot be "
-                      f"read ({shown(str(err), 300)}); the model given to the Trainer trains with {now}.", stacklevel=3)
+                      f"read ({shown(str(err), 300)}); the model given to the Trainer trains with {now}.",
+                      stacklevel=user_stacklevel())
         return
     if saved is not None and is_patched(base) and config_of(base.config) is None and is_adapter_folder(checkpoint):
         return  # PEFT's load_adapter, which the Trainer resumes with, patches it with the checkpoint's settings
@@ -83,7 +84,7 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
         else "unpatch it first: hf_spanattn.unpatch_model(model)"
     warnings.warn(f"resume_from_checkpoint: {checkpoint} was saved with {was}, but the model given to the Trainer "
                   f"trains with {now}: the model's settings win. To continue with the checkpoint's, {how}.",
-                  stacklevel=3)
+                  stacklevel=user_stacklevel())
 
 
 def same_on_every_rank(subject: str, mine: str, absent: str, why: str = _AVERAGED,
@@ -117,7 +118,7 @@ def same_on_every_rank(subject: str, mine: str, absent: str, why: str = _AVERAGE
     message = f"the ranks of this data-parallel run ({world} processes) hold other {subject}: {listed}. {why}"
     if len(said) < world and absent:  # a rank without this check cannot refuse: it would train on alone
         warnings.warn(f"{message}, where those that said nothing (hf_spanattn not imported there?) train with "
-                      f"{absent}", stacklevel=3)
+                      f"{absent}", stacklevel=user_stacklevel())
         return
     raise ValueError(f"{message}: give every rank the same")
 
@@ -170,7 +171,7 @@ def settings_not_in_force(trainer: Any) -> None:
                       f"its attention implementation is {shown(base.config._attn_implementation)}, not "
                       "span_attention, so it trains with the standard gradient (and save_pretrained still writes "
                       f"the settings). Call hf_spanattn.patch_model(model) to train with them, or {drop} to drop "
-                      "them.", stacklevel=3)
+                      "them.", stacklevel=user_stacklevel())
 
 
 def install() -> None:

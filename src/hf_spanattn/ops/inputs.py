@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import sys
 import weakref
 from collections.abc import Callable
@@ -33,6 +34,22 @@ def shown(value: Any, limit: int = 200) -> str:
         text = f"<{type(value).__name__}>" if not isinstance(value, (list, tuple)) else \
             f"[{', '.join(shown(v, 20) for v in value[:8])}{', ...' if len(value) > 8 else ''}]"
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning, given by the function that calls this, name the first caller outside
+    hf_spanattn and the libraries it runs under (Transformers, PEFT, Accelerate, torch) and of the import
+    machinery (a warning while a module of the package is imported): the user's line, however deep the call that
+    warns (as Python 3.12's `skip_file_prefixes`)."""
+    folders = tuple(os.path.dirname(module.__file__) + os.sep
+                    for name in ("hf_spanattn", "transformers", "peft", "accelerate", "torch")
+                    if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((*folders, "<frozen importlib")):
+        frame = frame.f_back
+        # warnings.warn passes over the import machinery's frames itself, uncounted
+        level += not frame.f_code.co_filename.startswith("<frozen importlib._bootstrap")
+    return level
 
 
 def capturing(x: torch.Tensor) -> bool:

@@ -52,7 +52,7 @@ from hf_spanattn.integration.registry import (
     trainer_on_stack,
 )
 from hf_spanattn.integration.train_checks import from_rank_zero, same_on_every_rank
-from hf_spanattn.ops.inputs import as_int, shown
+from hf_spanattn.ops.inputs import as_int, shown, user_stacklevel
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 from hf_spanattn.training.schedule import Schedule
 
@@ -213,13 +213,13 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                 warnings.warn(f"SpanAttentionCallback: {len(self._unnumbered)} attention modules of the model "
                               f"({', '.join(kinds)}) carry no layer index, so a layer table cannot name them; they "
                               "keep the model's settings throughout (a schedule of labels only sets them too)",
-                              stacklevel=3)
+                              stacklevel=user_stacklevel())
             notes = self.schedule.unreached(self._frames, state.max_steps)
             for note in notes[:5]:
-                warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=3)
+                warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=user_stacklevel())
             if len(notes) > 5:
                 warnings.warn(f"SpanAttentionCallback: {len(notes) - 5} more keyframes are never reached: training "
-                              f"ends after max_steps={state.max_steps}", stacklevel=3)
+                              f"ends after max_steps={state.max_steps}", stacklevel=user_stacklevel())
         self._path = _inside(args.output_dir, self.diagnostics_file or DIAGNOSTICS_FILE)
         if self.diagnostics_every and os.path.isdir(self._path):
             raise ValueError(f"SpanAttentionCallback: diagnostics_file={self.diagnostics_file!r}: {self._path} is a "
@@ -271,7 +271,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         if callbacks is None:
             warnings.warn("SpanAttentionCallback: found no transformers CallbackHandler calling it, so callbacks "
                           "listed before it (TensorBoard, W&B, ...) do not receive its logs; put it first in the "
-                          "trainer's callbacks", stacklevel=3)
+                          "trainer's callbacks", stacklevel=user_stacklevel())
         elif callbacks[0] is not self:
             callbacks.remove(self)  # safe while the handler iterates: only earlier entries shift
             callbacks.insert(0, self)
@@ -481,7 +481,7 @@ def _inside(output_dir: str, path: str) -> str:
     full = os.path.abspath(os.path.join(root, path))
     if os.path.commonpath([root, full]) != root:
         warnings.warn(f"SpanAttentionCallback: diagnostics_file={path!r} lies outside the output dir {root}; "
-                      f"writing {os.path.basename(full)} there instead", stacklevel=3)
+                      f"writing {os.path.basename(full)} there instead", stacklevel=user_stacklevel())
         full = os.path.join(root, os.path.basename(full))
     return full
 
@@ -539,7 +539,7 @@ def _start_records(path: str, step: int, log_history: list) -> None:
     if other:
         warnings.warn(f"SpanAttentionCallback: {path}: line(s) {', '.join(map(str, other[:10]))}"
                       f"{' ...' if len(other) > 10 else ''} are not diagnostics records; kept as they are",
-                      stacklevel=4)
+                      stacklevel=user_stacklevel())
     if data != whole:
         logger.info("%s: dropped %d records past step %d, where training resumes", path,
                     len(lines) - len(kept), step)
@@ -592,7 +592,7 @@ def _take_lock_file(path: str, lock: str) -> None:
             if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and os.access(path, os.W_OK):
                 warnings.warn(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
                               f"({err.strerror}); {path} is written without it, so a second run writing into it at "
-                              "the same time would not be stopped", stacklevel=4)
+                              "the same time would not be stopped", stacklevel=user_stacklevel())
                 return
             room = "make room there, or " if err.errno in _NO_ROOM else ""
             raise OSError(f"SpanAttentionCallback: {lock}: cannot write the lock of the diagnostics file "
@@ -731,4 +731,4 @@ def _move_aside(path: str, why: str) -> None:
         n += 1
     os.replace(path, f"{path}.replaced-{n}")
     warnings.warn(f"SpanAttentionCallback: {path} {why}, so they are moved to {path}.replaced-{n} and this run "
-                  "writes its own", stacklevel=5)
+                  "writes its own", stacklevel=user_stacklevel())

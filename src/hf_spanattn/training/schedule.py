@@ -57,7 +57,7 @@ class Keyframe:
         half up) (`steps_per_epoch`: optimizer steps in one pass over the training data, gradient accumulation
         included; None where the data has no length)."""
         _check_counts("keyframe", max_steps=max_steps, steps_per_epoch=steps_per_epoch)
-        at = self.at
+        at = self.at.strip() if isinstance(self.at, str) else self.at  # spaces around, as a label takes them
         epoch = isinstance(at, str) and at.endswith("ep")
         try:
             if isinstance(at, str) and at.endswith("%"):
@@ -90,7 +90,9 @@ class Keyframe:
             config = self._config(self.span)
             return dict.fromkeys(range(n_layers), config)
         if not isinstance(self.span, dict):
-            raise ValueError(f"keyframe span={shown(self.span)}: expected a label or a {{layers: label}} table")
+            label = f" (a SpanAttentionConfig: its .label, {self.span.label!r})" \
+                if isinstance(self.span, SpanAttentionConfig) and self.span.layers is None else ""
+            raise ValueError(f"keyframe span={shown(self.span)}: expected a label{label} or a {{layers: label}} table")
         table: LayerSettings = {}
         named_by: dict[int, Any] = {}
         for layers, indices in self.entries(n_layers).items():
@@ -108,7 +110,10 @@ class Keyframe:
         _check_counts("keyframe", n_layers=n_layers)
         if not isinstance(self.span, dict):
             return {}
-        return {layers: _layer_list(str(layers), n_layers) for layers in self.span}
+        try:
+            return {layers: _layer_list(str(layers), n_layers) for layers in self.span}
+        except ValueError as err:  # one layer spec of many keyframes: named by its keyframe
+            raise ValueError(f"keyframe at={shown(self.at)} span={shown(self.span)}: {err}") from None
 
     def _config(self, label: Any) -> SpanAttentionConfig:
         """A label of this keyframe parsed; a bad one names the keyframe (one of many)."""

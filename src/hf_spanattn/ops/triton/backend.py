@@ -26,7 +26,7 @@ import torch
 from hf_spanattn.ops import backward, rules
 from hf_spanattn.ops.backward import Probe, grouped
 from hf_spanattn.ops.fused import _spans, fused_attention, key_support
-from hf_spanattn.ops.inputs import attended, capturing
+from hf_spanattn.ops.inputs import attended, capturing, user_stacklevel
 from hf_spanattn.ops.tile_engine import tile_attention
 from hf_spanattn.ops.triton import flash, interpreting, masks, missing
 
@@ -53,7 +53,7 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         fallback = "tiles" if query.dtype == torch.float64 or probe is not None else "fused"
         if reason not in _warned:
             _warned.add(reason)
-            warnings.warn(f"backend='triton' runs on backend='{fallback}' here: {reason}", stacklevel=3)
+            warnings.warn(f"backend='triton' runs on backend='{fallback}' here: {reason}", stacklevel=user_stacklevel())
         run = tile_attention if fallback == "tiles" else fused_attention
         return run(query, key, value, attn_mask, dropout_p, is_causal, scale, config, probe)
     h_q, h_kv = query.shape[1], key.shape[1]

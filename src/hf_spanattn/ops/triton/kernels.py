@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_spanattn.ops.inputs import shown
+from hf_spanattn.ops.inputs import shown, user_stacklevel
 from hf_spanattn.ops.triton import interpreting
 
 INTERPRET = interpreting()
@@ -53,7 +53,7 @@ def tuning(value: str | None) -> bool:
     word = (value or "").strip().lower()
     if word not in _TUNE_OFF + _TUNE_ON:
         warnings.warn(f"HF_SPANATTN_TRITON_TUNE={shown(value)} is not one of 0, off, false, no (no autotuning) or "
-                      "1, on, true, yes (autotuning, the default): the kernels autotune", stacklevel=2)
+                      "1, on, true, yes (autotuning, the default): the kernels autotune", stacklevel=user_stacklevel())
     return word not in _TUNE_OFF
 
 
