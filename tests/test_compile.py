@@ -125,7 +125,8 @@ def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_packag
         got = gradients(model, ids, compiled)
     files = {path.name for path in Path(hf_spanattn.__file__).parent.rglob("*.py")}
     ours = [str(w.message) for w in caught if any(f"{name}:" in str(w.message) for name in files)
-            or Path(hf_spanattn.__file__).parent in Path(w.filename).parents]
+            or Path(hf_spanattn.__file__).parent in Path(w.filename).parents
+            or w.filename == __file__]  # the package's warnings name the user's line
     assert not ours, ours
     want, plain = gradients(expected, ids), gradients(stock, ids)
     assert got.keys() == want.keys()
