@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 import inspect
 import os
 import warnings
@@ -22,8 +21,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _path_argument, as_config
-from hf_spanattn.integration import adapters, card, packing, registry, train_checks
+from hf_spanattn.integration import adapters, card, gpt_neo, registry, train_checks
 from hf_spanattn.integration.adapters import is_patched
+from hf_spanattn.integration.gpt_neo import neo_attn as _neo_attn  # noqa: F401 (models pickled before name it here)
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
     CONFIG_KEY,
@@ -35,19 +35,13 @@ from hf_spanattn.integration.registry import (
     REGISTERS_ATTR,
     SETTINGS_FROM_ATTR,
     attention_modules,
-    call_settings,
     calls_the_registry,
     config_of,
-    documents_of,
-    keeps_sdpa,
     layer_count,
     register,
-    splits_documents,
     stored_source,
 )
-from hf_spanattn.ops.attention import span_attention
-from hf_spanattn.ops.backward import with_scaled_grads
-from hf_spanattn.ops.inputs import attended, shown, user_stacklevel
+from hf_spanattn.ops.inputs import shown, user_stacklevel
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
             "Qwen2, Mistral, ...) and GPT-Neo"
@@ -66,60 +60,6 @@ def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTraine
         raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module "
                         f"or DistributedDataParallel around one), got {type(model).__name__}")
     return base
-
-
-def _neo_attentions(model: PreTrainedModel) -> list[torch.nn.Module]:
-    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
-
-    return [m for m in model.modules() if isinstance(m, GPTNeoSelfAttention)]
-
-
-# The configs of the GPT-Neo models patch_model gave its adapter (by id, held weakly), until unpatch_model.
-_NEO_CONFIGS: weakref.WeakValueDictionary[int, PretrainedConfig] = weakref.WeakValueDictionary()
-
-
-def _install_neo_class() -> None:
-    """GPT-Neo's `_attn` through the adapter for a module that a patched model's config reaches but patch_model did
-    not see (put into the model after it), as a registry model's module reads its config's implementation; any
-    other module calls the stock code."""
-    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
-
-    stock = GPTNeoSelfAttention._attn
-    if hasattr(stock, "__wrapped__"):
-        return
-
-    @functools.wraps(stock)
-    def _attn(self, query, key, value, attention_mask=None, *head_mask):  # Transformers 4 passes a head_mask too
-        if getattr(self.config, CONFIG_KEY, None) is not None and _NEO_CONFIGS.get(id(self.config)) is self.config:
-            return _neo_attn(self, query, key, value, attention_mask, *head_mask)
-        return stock(self, query, key, value, attention_mask, *head_mask)
-
-    GPTNeoSelfAttention._attn = _attn
-
-
-# GPT-Neo's attention modules note whether their caller asked for the attention weights (output_attentions)
-_WEIGHTS_HOOK, _WEIGHTS_WANTED = "_span_weights_hook", "_span_weights_wanted"
-
-
-def _note_weights_wanted(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    module.__dict__[_WEIGHTS_WANTED] = bool(kwargs.get("output_attentions", False))
-
-
-def _neo_weights(self, query, key, value, attention_mask):
-    """The attention weights P the stock code returns, where output_attentions asks for them; under attention
-    dropout P would need the forward pass's dropout mask, so none are returned (with a warning), as by SDPA."""
-    if not self.__dict__.get(_WEIGHTS_WANTED):
-        return None
-    if self.training and self.attn_dropout.p > 0:
-        registry.logger.warning_once("span_attention: GPT-Neo under attention dropout returns no attention weights "
-                                     "with span gradients (output_attentions=True), as SDPA attention")
-        return None
-    return _stock_neo_attn(self, query, key, value, attention_mask)[1]
-
-
-def _stock_neo_attn(self, query, key, value, attention_mask=None, *head_mask):
-    attn = type(self)._attn
-    return getattr(attn, "__wrapped__", attn)(self, query, key, value, attention_mask, *head_mask)
 
 
 def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
@@ -164,7 +104,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         config = config_of(base.config) or _default_settings(base.config)
     if layers is not None:
         config = config.replace(layers=layers)
-    neo = _neo_attentions(base)
+    neo = gpt_neo.attentions(base)
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
     # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
@@ -236,13 +176,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     card.set_tags(base, config)
     train_checks.install()
     if neo:
-        _install_neo_class()
-        _NEO_CONFIGS[id(base.config)] = base.config
-        for module in neo:
-            module._attn = functools.partial(_neo_attn, module)  # pickles by name, unlike a bound method
-            if _WEIGHTS_HOOK not in module.__dict__:  # `_attn` is not told whether the weights are wanted
-                module.__dict__[_WEIGHTS_HOOK] = module.register_forward_pre_hook(_note_weights_wanted,
-                                                                                  with_kwargs=True)
+        gpt_neo.adapt(base.config, neo)
         inside = _own_configs(base)
         foreign = [path for path, module in base.named_modules() if module in neo and id(module.config) not in inside]
         if foreign:
@@ -377,7 +311,7 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     a layer removed from the model (its config still counting it), or a hybrid model's convolution or state-space
     layer, which carries a layer index too."""
     present = attention_modules(base)
-    neo = _neo_attentions(base)
+    neo = gpt_neo.attentions(base)
     attending = {i for i, modules in present.items() if any(m in neo or calls_the_registry(m) for m in modules)}
     attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
     cross = {m for path, m in base.named_modules() if _under_cross_attention(path) or registry.is_cross_attention(m)}
@@ -480,11 +414,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         for part in sharing:
             part.__dict__.pop(_ORIGINAL, None)
         return model
-    for module in _neo_attentions(base):
-        module.__dict__.pop("_attn", None)
-        if _WEIGHTS_HOOK in module.__dict__:
-            module.__dict__.pop(_WEIGHTS_HOOK).remove()
-    _NEO_CONFIGS.pop(id(base.config), None)
+    gpt_neo.restore(base.config, gpt_neo.attentions(base))
     implementation = original["attn_implementation"] if original else "sdpa"
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
@@ -548,57 +478,6 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
     for module in model.modules():
         if hasattr(module, "reorder_and_upcast_attn"):
             module.reorder_and_upcast_attn = value
-
-
-def _neo_attn(self, query, key, value, attention_mask=None, head_mask=None):
-    """GPTNeoSelfAttention._attn through span_attention: unscaled scores, the layer's global or
-    local causal window, the padding mask added on top, as in the stock eager code. `head_mask` is
-    Transformers 4's argument (which passes it, None or not): a mask of heads, which scales P, runs the
-    stock code with the standard gradient."""
-    if head_mask is not None:
-        registry.logger.warning_once("span_attention: GPT-Neo was given a head_mask, which scales the attention "
-                                     "probabilities: its attention runs the stock code, with the standard gradient")
-        return _stock_neo_attn(self, query, key, value, attention_mask, head_mask)
-    if attention_mask is not None:  # Transformers 4 builds it a key wider than the keys, and the stock code cuts it so
-        attention_mask = attention_mask[..., : key.shape[-2]]
-    config = call_settings(self, (query, key, value), self.attn_dropout.p if self.training else 0.0)
-    if config is None:
-        return _stock_neo_attn(self, query, key, value, attention_mask)
-    q_len, k_len = query.shape[-2], key.shape[-2]
-    probe = getattr(self, PROBE_ATTR, None) if q_len == k_len else None
-    if keeps_sdpa(config, q_len, k_len):
-        return _stock_neo_attn(self, query, key, value, attention_mask)
-    if config.method == "standard" and probe is None:  # the stock code bit for bit, each gradient times its α
-        return _stock_neo_attn(self, *with_scaled_grads((query, key, value), config.qkv_alphas), attention_mask)
-    # as the stock code: the window's mask value float32's minimum, the padding mask added in its own dtype (float64's
-    # minimum stays finite), scores in float32 for half precision; in float64 for a float64 model (where the stock code
-    # rounds Q and K to float32 first: within float32's rounding of it)
-    dtype = torch.promote_types(value.dtype, torch.float32)
-    window = self.bias[:, :, k_len - q_len : k_len, :k_len]
-    mask = torch.zeros(window.shape, dtype=dtype, device=query.device).masked_fill_(~window,
-                                                                                     torch.finfo(torch.float32).min)
-    if attention_mask is not None:
-        mask = mask + attention_mask.to(dtype)
-    run = functools.partial(span_attention, scale=1.0, dropout_p=self.attn_dropout.p if self.training else 0.0,
-                            config=config, probe=probe)
-    packed = attention_mask is not None and splits_documents(config, probe, q_len, k_len)  # packing comes with a mask
-    docs = documents_of(query, mask, True, {}) if packed else None
-    if docs is not None:
-        with packing.rows_dropout(query, docs, run.keywords["dropout_p"]):
-            out = run(*(packing.unpack(x.to(dtype), docs) for x in (query, key, value)), attn_mask=docs.mask)
-        out = packing.repack(out, docs, query.shape[0], q_len).transpose(1, 2)
-        return out.to(value.dtype), _neo_weights(self, query, key, value, attention_mask)
-    out = run(query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask)
-    # rows that attend no key (left padding) get the stock code's softmax over the mask-rounded scores, and so its
-    # gradient into Q and K (span_attention would pass them gradient to V only): where the loss reads them (the last
-    # pad predicts the first token), the gradient is stock's, and score:1111 stays the standard gradient
-    # (the causal mask alone leaves none: only a padding mask does, and only one there to read)
-    if attention_mask is not None and run.keywords["dropout_p"] == 0 and mask.device.type != "meta" and \
-            not torch.compiler.is_compiling() and not packing.capturing(mask):
-        idle = ~attended(mask).any(-1, keepdim=True)
-        if idle.any():
-            out = torch.where(idle, _stock_neo_attn(self, query, key, value, attention_mask)[0].to(out.dtype), out)
-    return out.to(value.dtype), _neo_weights(self, query, key, value, attention_mask)
 
 
 def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig | str | None = None,
