@@ -268,7 +268,7 @@ def test_under_graph_capture_the_mask_is_used_as_it_is(packed, monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger="hf_spanattn"), graph_capture():
         captured_reads, captured = step()
         step()
-    assert reads == ["tolist"] and captured_reads == []
+    assert reads == ["tolist", "equal"] and captured_reads == []  # layer 1 compares a CPU mask with the copy read
     assert max(rel(c, a) for c, a in zip(captured, as_is)) <= 1e-6
     assert packed == (max(rel(c, r) for c, r in zip(captured, read)) > 1e-3)
     assert len([r for r in caplog.records if "CUDA graph capture" in r.getMessage()]) == 1
