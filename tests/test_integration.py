@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from models import FAMILIES, VOCAB, tiny
@@ -904,3 +906,26 @@ def test_legacy_onnx_export_with_gradients_on_records_the_stock_graph():
         torch.onnx.export(_Logits(model), (ids, mask), file, dynamo=False)
         graphs.append([node.op_type for node in onnx.load_from_string(file.getvalue()).graph.node])
     assert graphs[0] == graphs[1]
+
+
+@pytest.mark.parametrize("array", ["tensor", "numpy"])
+def test_settings_of_arrays_that_print_alike_each_train_with_their_own_alphas(array):
+    """Sections set by hand with α as a tensor or a NumPy array, two of them printing alike (a tensor prints four
+    decimals, an array eight): each model trains with its own α, as patched with them, and keeps them."""
+    alphas = [(1.0, 0.1234567891, 0.0, 0.0), (1.0, 0.1234567892, 0.0, 0.0)]
+    if array == "tensor":
+        alphas = [(1.0, 0.12341, 0.0, 0.0), (1.0, 0.12344, 0.0, 0.0)]
+    array = functools.partial(torch.tensor, dtype=torch.float64) if array == "tensor" else np.array
+    ids = tokens()
+
+    def grads(model):
+        model.double().train()(ids, labels=ids).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    for alpha in alphas:
+        by_hand = patch_model(tiny("gpt2"), "score:1000")
+        by_hand.config.span_attention = {**by_hand.config.span_attention, "alphas": array(alpha)}
+        patched = patch_model(tiny("gpt2"), SpanAttentionConfig(alphas=alpha))
+        for got, want in zip(grads(by_hand), grads(patched)):
+            assert torch.equal(got, want)
+        assert by_hand.config.span_attention == patched.config.span_attention

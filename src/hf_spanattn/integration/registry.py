@@ -76,9 +76,9 @@ def _registered() -> _Registers:
 
 # The settings parsed from each distinct stored section, keyed by its content (repr tells True from 1 and 1.0,
 # which compare equal) and the folder it was loaded from (whose config.json is checked and named), so that the
-# per-call lookup is one dict read and a changed dict, or one read from another file, is parsed afresh; with
-# whether the section saves as JSON as it is.
-_PARSED: dict[tuple[str, str], tuple[SpanAttentionConfig, bool]] = {}
+# per-call lookup is one dict read and a changed dict, or one read from another file, is parsed afresh. Sections
+# of JSON types only: their repr is exact (a section with a tensor or NumPy array is stored back as JSON at once).
+_PARSED: dict[tuple[str, str], SpanAttentionConfig] = {}
 
 
 def config_of(model_config: Any) -> SpanAttentionConfig | None:
@@ -90,13 +90,15 @@ def config_of(model_config: Any) -> SpanAttentionConfig | None:
     if isinstance(data, SpanAttentionConfig):
         return _store(model_config, data)
     key = (repr(data), str(getattr(model_config, "_name_or_path", "")))  # and the file it may come from
-    entry = _PARSED.get(key)
-    if entry is None:
+    config = _PARSED.get(key)
+    if config is None:
+        config = _parse(data, model_config)
+        if not _saves_as_json(data):  # never kept: a tensor's or an array's repr rounds, so it names no one value
+            return _store(model_config, config)
         if len(_PARSED) >= 64:
             _PARSED.clear()
-        entry = _PARSED[key] = (_parse(data, model_config), _saves_as_json(data))
-    config, saves = entry
-    return config if saves else _store(model_config, config)
+        _PARSED[key] = config
+    return config
 
 
 @torch.compiler.disable  # once, outside any graph

@@ -66,12 +66,16 @@ class LastMaskRead:
 
     While a graph is captured (`capturing`) nothing is read and nothing remembered is used: the call
     gives `while_capturing`. A read during capture would fail, and one remembered from before it would
-    be frozen into the graph while each replay fills the captured mask tensor anew."""
+    be frozen into the graph while each replay fills the captured mask tensor anew.
+
+    A CPU mask is compared with a copy of the one read, where a comparison costs no synchronisation: a
+    write the version counter does not see (through `.data`, or a NumPy array sharing its memory)
+    changes it too. On an accelerator only the version counter is checked."""
 
     def __init__(self, while_capturing: Any) -> None:
-        # (key, value), read and written as one object: threads sharing it (nn.DataParallel's replicas) never pair
-        # one call's key with another's value
-        self._last: tuple[tuple, Any] | None = None
+        # (key, value, copy), read and written as one object: threads sharing it (nn.DataParallel's replicas) never
+        # pair one call's key with another's value
+        self._last: tuple[tuple, Any, torch.Tensor | None] | None = None
         self._while_capturing = while_capturing
 
     def __call__(self, mask: torch.Tensor, read: Callable[[], Any], *extra: Any) -> Any:
@@ -80,9 +84,10 @@ class LastMaskRead:
         if mask.is_inference():  # no version counter: changed in place under inference_mode, it would look the same
             return read()
         last = self._last
-        if last is None or last[0][0]() is not mask or last[0][1:] != (mask._version, *extra):
-            value = read()
-            last = self._last = ((weakref.ref(mask), mask._version, *extra), value)
+        if last is None or last[0][0]() is not mask or last[0][1:] != (mask._version, *extra) or \
+                (last[2] is not None and not torch.equal(last[2], mask)):
+            copy = mask.detach().clone() if mask.device.type == "cpu" else None
+            last = self._last = ((weakref.ref(mask), mask._version, *extra), read(), copy)
         return last[1]
 
 
