@@ -584,3 +584,14 @@ def test_a_callback_kept_after_training_holds_none_of_the_models_modules(tmp_pat
     del trainer, model
     gc.collect()
     assert not [ref() for ref in modules if ref() is not None]
+
+
+def test_a_composite_whose_vision_tower_alone_is_patched_is_refused_naming_the_tower(tmp_path):
+    """The vision tower patched alone: the callback said "the model is not patched", as if nothing were, without the
+    way to train that tower under the schedule."""
+    model = tiny_llava(patch_size=4)
+    patch_model(model.model.vision_tower, "score:1100")
+    with pytest.raises(ValueError, match=r"the model is not patched, only its tower model.vision_tower \(patch_model "
+                                         r"given the tower\).*call hf_spanattn.patch_model\(model, config\) before "
+                                         r"training \(then patch_model\(model.model.vision_tower, ...\) again"):
+        train(model, tmp_path, [SpanAttentionCallback([Keyframe(0, "score:1000")])], max_steps=1)

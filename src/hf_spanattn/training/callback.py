@@ -190,8 +190,13 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._towers = _towers(base, self._layers, self._unnumbered)
         config = config_of(base.config)
         if config is None:
-            raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
-                             "config) before training")
+            towers = _towers_patched_alone(base)
+            alone = (f", only its tower{'s' if len(towers) > 1 else ''} {', '.join(towers)} (patch_model given the "
+                     "tower), and the callback sets the layers of a patched model" if towers else "")
+            again = (f" (then patch_model(model.{towers[0]}, ...) again for a tower of settings of its own)"
+                     if towers else "")
+            raise ValueError(f"SpanAttentionCallback: the model is not patched{alone}; call "
+                             f"hf_spanattn.patch_model(model, config) before training{again}")
         for module in self._modules():  # what a training run stopped midway left on the layers
             module.__dict__.pop(PROBE_ATTR, None)
         self._applied, self._recorders = None, {}
@@ -449,6 +454,13 @@ def _towers(model: torch.nn.Module, layers: dict[int, list], unnumbered: list) -
     if len({tower for _, tower in towers}) == 1:
         return {(index, ""): modules for (index, _), modules in towers.items()}
     return towers
+
+
+def _towers_patched_alone(model: torch.nn.Module) -> list[str]:
+    """The paths of the towers of a composite model patched alone (the outermost model holding settings)."""
+    named = [name for name, module in model.named_modules() if module is not model
+             and config_of(getattr(module, "config", None)) is not None]
+    return [name for name in named if not any(name.startswith(f"{other}.") for other in named)]
 
 
 def log_prefix(layer: int, tower: str = "") -> str:
