@@ -595,3 +595,33 @@ def test_a_composite_whose_vision_tower_alone_is_patched_is_refused_naming_the_t
                                          r"given the tower\).*call hf_spanattn.patch_model\(model, config\) before "
                                          r"training \(then patch_model\(model.model.vision_tower, ...\) again"):
         train(model, tmp_path, [SpanAttentionCallback([Keyframe(0, "score:1000")])], max_steps=1)
+
+
+def test_a_run_resumed_with_another_schedule_than_its_checkpoints_says_so(tmp_path):
+    """A checkpoint trained under one schedule, resumed with a callback of another (or none): the new one took over
+    at the step without a word. Resumed with the same schedule, or the checkpoint's callback restored: nothing said."""
+    schedule = [Keyframe(0, "standard:QKV111"), Keyframe(1, {0: "score:1000"})]
+    quick = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    train(patch_model(tiny("gpt2"), "score:1100"), tmp_path, [SpanAttentionCallback(schedule)], **quick)
+    checkpoint = str(tmp_path / "checkpoint-1")
+
+    def resumed(callbacks, restore=False):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=0.0,
+                                 report_to=[], use_cpu=True, disable_tqdm=True, **quick,
+                                 restore_callback_states_from_checkpoint=restore)
+        Trainer(model=patch_model(tiny("gpt2"), "score:1100"), train_dataset=Same(), args=args,
+                callbacks=callbacks).train(resume_from_checkpoint=checkpoint)
+
+    for other, named in [([Keyframe(0, "score:1111")], r"the schedule \[\{'at': 0, 'span': 'score:1111'"),
+                         (None, "no schedule")]:
+        recorder = RuleRecorder()
+        with pytest.warns(UserWarning, match=r"SpanAttentionCallback: the run resumes at step 1 from a checkpoint "
+                                             r"trained with the schedule \[\{'at': 0, .*'span': \{'0': 'score:1000'\}"
+                                             rf".*\], and follows this callback's, {named}"):
+            resumed([SpanAttentionCallback(other), recorder])
+        assert recorder.labels[1] == ("score:1111" if other else "score:1100")  # what the callback given sets
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpanAttentionCallback: the run resumes")
+        for callback, restore in [(SpanAttentionCallback(copy.deepcopy(schedule)), False),
+                                  (SpanAttentionCallback(), True)]:
+            resumed([callback], restore)

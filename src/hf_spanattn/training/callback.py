@@ -180,6 +180,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             {k: saved[k] for k in ("schedule", "diagnostics_every")}, sort_keys=True, default=repr), "",
             "A schedule sets the α of the gradient averaged over the ranks, and the ranks reduce the diagnostics "
             "together at the steps diagnostics_every names")
+        _say_if_resumed_with_another_schedule(saved["schedule"], state)
         self._start_afresh()
         self._move_first()
         base = base_model(model)
@@ -454,6 +455,22 @@ def _towers(model: torch.nn.Module, layers: dict[int, list], unnumbered: list) -
     if len({tower for _, tower in towers}) == 1:
         return {(index, ""): modules for (index, _), modules in towers.items()}
     return towers
+
+
+def _say_if_resumed_with_another_schedule(schedule: list | None, state: Any) -> None:
+    """Warn where a run resumed from a checkpoint (its trainer_state.json, field stateful_callbacks) follows another
+    schedule than the one the checkpoint was trained with: the Trainer restores a callback only where asked."""
+    saved = (getattr(state, "stateful_callbacks", None) or {}).get(SpanAttentionCallback.__name__)
+    saved = saved[0] if isinstance(saved, list) and saved else saved
+    if not state.global_step or not isinstance(saved, dict) or not isinstance(saved.get("args"), dict):
+        return
+    was, now = saved["args"].get("schedule"), json.loads(json.dumps(schedule, default=repr))  # keys as JSON's
+    if was != now:
+        named = lambda keyframes: "no schedule" if keyframes is None else f"the schedule {shown(keyframes, 300)}"  # noqa: E731
+        warnings.warn(f"SpanAttentionCallback: the run resumes at step {state.global_step} from a checkpoint trained "
+                      f"with {named(was)}, and follows this callback's, {named(now)}, from "
+                      "there; to continue the checkpoint's, give the callback that one (or "
+                      "TrainingArguments(restore_callback_states_from_checkpoint=True))", stacklevel=user_stacklevel())
 
 
 def _towers_patched_alone(model: torch.nn.Module) -> list[str]:
