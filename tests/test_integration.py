@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from models import FAMILIES, VOCAB, tiny
+from models import FAMILIES, VOCAB, tiny, tiny_bert2gpt2
 from reference import reference
 from transformers import AttentionInterface
 
@@ -904,3 +904,18 @@ def test_legacy_onnx_export_with_gradients_on_records_the_stock_graph():
         torch.onnx.export(_Logits(model), (ids, mask), file, dynamo=False)
         graphs.append([node.op_type for node in onnx.load_from_string(file.getvalue()).graph.node])
     assert graphs[0] == graphs[1]
+
+
+def test_layers_of_an_encoder_deeper_than_its_decoder_patch_without_a_warning():
+    """layers=[2] selects the encoder's layer 2, yet reading the settings warned "the model has layers 0..1, so
+    layers [2] do not exist and get no span gradients; no layer does" (the decoder's count). A layer past both
+    towers still warns, naming the encoder's count."""
+    from models import tiny_bert2gpt2
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*do not exist")
+        model = patch_model(tiny_bert2gpt2(encoder_layers=3), "score:1000", layers=[2])
+        assert registry.settings_for(model.encoder.encoder.layer[2].attention.self).label == "score:1000"
+    model.config.span_attention = {**model.config.span_attention, "layers": [2, 3]}  # as edited in a config.json
+    with pytest.warns(UserWarning, match=r"layers=\[2, 3\]: the model has layers 0..2, so layers \[3\] do not exist"):
+        registry.config_of(model.config)
