@@ -910,8 +910,6 @@ def test_layers_of_an_encoder_deeper_than_its_decoder_patch_without_a_warning():
     """layers=[2] selects the encoder's layer 2, yet reading the settings warned "the model has layers 0..1, so
     layers [2] do not exist and get no span gradients; no layer does" (the decoder's count). A layer past both
     towers still warns, naming the encoder's count."""
-    from models import tiny_bert2gpt2
-
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*do not exist")
         model = patch_model(tiny_bert2gpt2(encoder_layers=3), "score:1000", layers=[2])
