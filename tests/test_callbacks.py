@@ -625,3 +625,22 @@ def test_a_run_resumed_with_another_schedule_than_its_checkpoints_says_so(tmp_pa
         for callback, restore in [(SpanAttentionCallback(copy.deepcopy(schedule)), False),
                                   (SpanAttentionCallback(), True)]:
             resumed([callback], restore)
+
+
+def test_a_schedules_label_over_a_tower_patched_apart_says_it_sets_that_tower_too(tmp_path):
+    """The vision tower patched with settings of its own, then a schedule of labels: the label replaced the tower's
+    settings for the steps it was in force without a word. A layer table, which leaves the layers it does not name
+    as they are, and a model patched alike throughout, are not warned about."""
+    def model(apart=True):
+        model = patch_model(tiny_llava(patch_size=4), "standard:QKV111")
+        return patch_model(model.model.vision_tower, "score:1100") and model if apart else model
+
+    with pytest.warns(UserWarning, match=r"SpanAttentionCallback: the schedule's labels \(keyframes at=0, '50%'\) set "
+                                         r"every layer, also those of the towers patched with settings of their own, "
+                                         r"model.vision_tower \(score:1100\), while they are in force"):
+        train(model(), tmp_path, [SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe("50%", "score:1111"),
+                                                         Keyframe(3, {"1": "score:1000"})])], max_steps=4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpanAttentionCallback: the schedule's labels")
+        train(model(), tmp_path / "table", [SpanAttentionCallback([Keyframe(0, {"0": "score:1000"})])], max_steps=1)
+        train(model(apart=False), tmp_path / "alike", [SpanAttentionCallback([Keyframe(0, "score:1000")])], max_steps=1)

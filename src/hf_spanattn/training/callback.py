@@ -191,7 +191,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._towers = _towers(base, self._layers, self._unnumbered)
         config = config_of(base.config)
         if config is None:
-            towers = _towers_patched_alone(base)
+            towers = list(_towers_patched_alone(base))
             alone = (f", only its tower{'s' if len(towers) > 1 else ''} {', '.join(towers)} (patch_model given the "
                      "tower), and the callback sets the layers of a patched model" if towers else "")
             again = (f" (then patch_model(model.{towers[0]}, ...) again for a tower of settings of its own)"
@@ -220,6 +220,14 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                               f"({', '.join(kinds)}) carry no layer index, so a layer table cannot name them; they "
                               "keep the model's settings throughout (a schedule of labels only sets them too)",
                               stacklevel=user_stacklevel())
+            labels = [k for k in self.schedule.keyframes if isinstance(k.span, str)]
+            own = {name: settings for name, settings in _towers_patched_alone(base).items() if settings != config}
+            if labels and own:
+                towers = ", ".join(f"{name} ({settings.label})" for name, settings in own.items())
+                warnings.warn(f"SpanAttentionCallback: the schedule's labels (keyframes at="
+                              f"{', '.join(shown(k.at) for k in labels)}) set every layer, also those of the towers "
+                              f"patched with settings of their own, {towers}, while they are in force; a layer table "
+                              "sets only the layers it names", stacklevel=user_stacklevel())
             notes = self.schedule.unreached(self._frames, state.max_steps)
             for note in notes[:5]:
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=user_stacklevel())
@@ -473,11 +481,13 @@ def _say_if_resumed_with_another_schedule(schedule: list | None, state: Any) -> 
                       "TrainingArguments(restore_callback_states_from_checkpoint=True))", stacklevel=user_stacklevel())
 
 
-def _towers_patched_alone(model: torch.nn.Module) -> list[str]:
-    """The paths of the towers of a composite model patched alone (the outermost model holding settings)."""
-    named = [name for name, module in model.named_modules() if module is not model
-             and config_of(getattr(module, "config", None)) is not None]
-    return [name for name in named if not any(name.startswith(f"{other}.") for other in named)]
+def _towers_patched_alone(model: torch.nn.Module) -> dict[str, SpanAttentionConfig]:
+    """The towers of a composite model that hold settings (the outermost model of each), by path, with those
+    settings: those patched alone, and those patch_model gave the model's."""
+    named = {name: config_of(module.config) for name, module in model.named_modules()
+             if getattr(module, "config", model.config) is not model.config and config_of(module.config) is not None}
+    return {name: settings for name, settings in named.items()
+            if not any(name.startswith(f"{other}.") for other in named)}
 
 
 def log_prefix(layer: int, tower: str = "") -> str:
