@@ -644,3 +644,20 @@ def test_a_schedules_label_over_a_tower_patched_apart_says_it_sets_that_tower_to
         warnings.filterwarnings("error", message="SpanAttentionCallback: the schedule's labels")
         train(model(), tmp_path / "table", [SpanAttentionCallback([Keyframe(0, {"0": "score:1000"})])], max_steps=1)
         train(model(apart=False), tmp_path / "alike", [SpanAttentionCallback([Keyframe(0, "score:1000")])], max_steps=1)
+
+
+def test_a_run_trained_without_the_callback_resumes_with_it_and_saves_its_state(tmp_path):
+    """A checkpoint trained without the callback, resumed with one: the Trainer's next save failed with
+    KeyError: 'SpanAttentionCallback' (its state read back from the checkpoint had no entry for it). The run trains
+    on under the schedule, and its checkpoints hold the callback's state."""
+    quick = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    train(patch_model(tiny("gpt2"), "score:1100"), tmp_path, [], **quick)
+    recorder = RuleRecorder()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=0.0, report_to=[],
+                             use_cpu=True, disable_tqdm=True, **quick)
+    Trainer(model=patch_model(tiny("gpt2"), "score:1100"), train_dataset=Same(), args=args,
+            callbacks=[SpanAttentionCallback([Keyframe(0, "score:1000")]), recorder]).train(
+        resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert recorder.labels == {1: "score:1000"}
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["SpanAttentionCallback"]["args"]["schedule"] == [{"at": 0, "span": "score:1000", "ramp": False}]

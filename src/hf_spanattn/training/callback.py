@@ -181,6 +181,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             "A schedule sets the α of the gradient averaged over the ranks, and the ranks reduce the diagnostics "
             "together at the steps diagnostics_every names")
         _say_if_resumed_with_another_schedule(saved["schedule"], state)
+        if isinstance(getattr(state, "stateful_callbacks", None), dict):  # a checkpoint trained without this callback
+            state.stateful_callbacks.setdefault(type(self).__name__, self.state())  # where the Trainer saves it
         self._start_afresh()
         self._move_first()
         base = base_model(model)
