@@ -661,3 +661,28 @@ def test_a_run_trained_without_the_callback_resumes_with_it_and_saves_its_state(
     assert recorder.labels == {1: "score:1000"}
     saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
     assert saved["SpanAttentionCallback"]["args"]["schedule"] == [{"at": 0, "span": "score:1000", "ramp": False}]
+
+
+def test_the_labels_of_a_schedule_with_a_table_reach_a_vision_tower_whose_attention_carries_no_layer_index(tmp_path):
+    """LLaVA under a label, then a layer table: CLIP's attention kept the model's settings throughout, the label
+    reaching it only in a schedule of labels alone. It now follows the labels (its gradients those of the model patched
+    with the label), keeping the last one's setting while the table is in force, and the warning says so."""
+    recorder = GradRecorder()
+    schedule = [Keyframe(0, "score:1000"), Keyframe(1, {"0": "score:1111"})]
+    with pytest.warns(UserWarning, match=r"\(CLIPAttention\) carry no layer index, so a layer table cannot name them; "
+                                         r"they follow the schedule's labels \(keyframes at=0\), keeping the setting "
+                                         "the last one gave them while a table is in force"):
+        trainer = Trainer(model=patch_model(tiny_llava(patch_size=4), "score:1100"), train_dataset=Pictures(),
+                          callbacks=[SpanAttentionCallback(schedule, diagnostics_every=1), recorder],
+                          args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                                                 learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                                 disable_tqdm=True, max_grad_norm=0.0))
+        trainer.train()
+    model = patch_model(tiny_llava(patch_size=4), "score:1000").train()
+    rows = [Pictures()[i] for i in range(2)]
+    model(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}).loss.backward()
+    assert_same(recorder.grads[0], {n: p.grad for n, p in model.named_parameters()
+                                    if p.grad is not None and "vision_tower" in n})
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["span"]) for r in records if "vision_tower" in r["tower"]} == {(1, "score:1000"),
+                                                                                          (2, "score:1000")}

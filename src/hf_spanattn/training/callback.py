@@ -138,7 +138,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._unnumbered: list = []  # attention without a layer index beside attention with one (a vision tower)
         self._towers: dict[tuple[int, str], list] = {}  # the modules of each layer, per tower (`_towers`)
         self._per_layer = False
-        self._applied: dict | None = None
+        self._applied: tuple | None = None  # the settings of the numbered layers, and of the others
+        self._label_frames: list = []  # the frames of the schedule's labels, which attention without an index follows
         self._recorders: dict[tuple[int, str], OrderRecorder] = {}
         self._pending: dict[str, float] = {}
         self._alphas_logged_at: int | None = None
@@ -211,18 +212,21 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
+            self._label_frames = _label_frames(self.schedule, self._frames)
             for keyframe in self.schedule.keyframes if self._layers else ():  # else numbered nowhere (said on use)
                 for layers, indices in keyframe.entries(n_layers).items():
                     refuse_layers_without_attention(base, indices, f"SpanAttentionCallback: keyframe "
                                                     f"at={shown(keyframe.at)} span={shown(keyframe.span)}: layers "
                                                     f"{shown(layers)}", every=False)
+            labels = [k for k in self.schedule.keyframes if isinstance(k.span, str)]
             if self._unnumbered and any(isinstance(k.span, dict) for k in self.schedule.keyframes):
                 kinds = sorted({type(module).__name__ for module in self._unnumbered})
+                follow = (f"follow the schedule's labels (keyframes at={', '.join(shown(k.at) for k in labels)}), "
+                          "keeping the setting the last one gave them while a table is in force" if labels else
+                          "keep the model's settings throughout (a label sets them too)")
                 warnings.warn(f"SpanAttentionCallback: {len(self._unnumbered)} attention modules of the model "
                               f"({', '.join(kinds)}) carry no layer index, so a layer table cannot name them; they "
-                              "keep the model's settings throughout (a schedule of labels only sets them too)",
-                              stacklevel=user_stacklevel())
-            labels = [k for k in self.schedule.keyframes if isinstance(k.span, str)]
+                              f"{follow}", stacklevel=user_stacklevel())
             own = {name: settings for name, settings in _towers_patched_alone(base).items() if settings != config}
             if labels and own:
                 towers = ", ".join(f"{name} ({settings.label})" for name, settings in own.items())
@@ -380,7 +384,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     def _apply(self, step: int) -> None:
         settings = self.settings_at(step)
-        if settings == self._applied:
+        everywhere = Schedule.at_step(self._label_frames, step).get(0) if self._label_frames else None
+        if (settings, everywhere) == self._applied:
             return
         for index, modules in self._layers.items():
             for module in modules:
@@ -389,15 +394,13 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
                 else:
                     module.__dict__.pop(OVERRIDE_ATTR, None)
-        labels_only = self.schedule is not None and all(isinstance(k.span, str) for k in self.schedule.keyframes)
-        everywhere = next(iter(settings.values()), None) if labels_only else None  # a label sets every layer
         for module in self._unnumbered:
             if everywhere is not None:
                 setattr(module, OVERRIDE_ATTR, everywhere)
                 setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
             else:
                 module.__dict__.pop(OVERRIDE_ATTR, None)
-        self._applied = settings
+        self._applied = (settings, everywhere)
 
     def _modules(self) -> list:
         """Every attention module of the model in training."""
@@ -481,6 +484,18 @@ def _say_if_resumed_with_another_schedule(schedule: list | None, state: Any) -> 
                       f"with {named(was)}, and follows this callback's, {named(now)}, from "
                       "there; to continue the checkpoint's, give the callback that one (or "
                       "TrainingArguments(restore_callback_states_from_checkpoint=True))", stacklevel=user_stacklevel())
+
+
+def _label_frames(schedule: Schedule, frames: list) -> list:
+    """The frames of `schedule` (`Schedule.resolve`'s) as attention that carries no layer index follows them: its
+    setting as "layer 0" at each label (which sets every layer), none at a table (which cannot name it). A ramp to the
+    first label, from a table, has no start for it: it takes that label at its step."""
+    labels = [(at, {0: next(iter(table.values()))} if isinstance(k.span, str) and table else {}, ramp)
+              for k, (at, table, ramp) in zip(schedule.keyframes, frames)]
+    first = next((i for i, (_, table, _) in enumerate(labels) if table), None)
+    if first is not None and labels[first][2]:
+        labels[first] = (*labels[first][:2], False)
+    return labels
 
 
 def _towers_patched_alone(model: torch.nn.Module) -> dict[str, SpanAttentionConfig]:
