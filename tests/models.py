@@ -69,3 +69,19 @@ def tiny_llava(patch_size: int = 8, dtype: torch.dtype = torch.float32) -> torch
 
 
 FAMILIES = ["gpt2", "gpt_neo", "gpt_neox", "llama", "qwen2"]
+
+
+def tiny_bert2gpt2(encoder_layers: int = 2, decoder_layers: int = 2) -> torch.nn.Module:
+    """An EncoderDecoderModel of a BERT encoder and a GPT-2 decoder with cross-attention, without dropout."""
+    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+
+    torch.manual_seed(0)
+    encoder = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=encoder_layers, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+    decoder = GPT2Config(n_embd=16, n_head=2, n_layer=decoder_layers, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, add_cross_attention=True, is_decoder=True, bos_token_id=0,
+                         eos_token_id=0)
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return EncoderDecoderModel(config)

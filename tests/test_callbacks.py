@@ -584,3 +584,105 @@ def test_a_callback_kept_after_training_holds_none_of_the_models_modules(tmp_pat
     del trainer, model
     gc.collect()
     assert not [ref() for ref in modules if ref() is not None]
+
+
+def test_a_composite_whose_vision_tower_alone_is_patched_is_refused_naming_the_tower(tmp_path):
+    """The vision tower patched alone: the callback said "the model is not patched", as if nothing were, without the
+    way to train that tower under the schedule."""
+    model = tiny_llava(patch_size=4)
+    patch_model(model.model.vision_tower, "score:1100")
+    with pytest.raises(ValueError, match=r"the model is not patched, only its tower model.vision_tower \(patch_model "
+                                         r"given the tower\).*call hf_spanattn.patch_model\(model, config\) before "
+                                         r"training \(then patch_model\(model.model.vision_tower, ...\) again"):
+        train(model, tmp_path, [SpanAttentionCallback([Keyframe(0, "score:1000")])], max_steps=1)
+
+
+def test_a_run_resumed_with_another_schedule_than_its_checkpoints_says_so(tmp_path):
+    """A checkpoint trained under one schedule, resumed with a callback of another (or none): the new one took over
+    at the step without a word. Resumed with the same schedule, or the checkpoint's callback restored: nothing said."""
+    schedule = [Keyframe(0, "standard:QKV111"), Keyframe(1, {0: "score:1000"})]
+    quick = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    train(patch_model(tiny("gpt2"), "score:1100"), tmp_path, [SpanAttentionCallback(schedule)], **quick)
+    checkpoint = str(tmp_path / "checkpoint-1")
+
+    def resumed(callbacks, restore=False):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=0.0,
+                                 report_to=[], use_cpu=True, disable_tqdm=True, **quick,
+                                 restore_callback_states_from_checkpoint=restore)
+        Trainer(model=patch_model(tiny("gpt2"), "score:1100"), train_dataset=Same(), args=args,
+                callbacks=callbacks).train(resume_from_checkpoint=checkpoint)
+
+    for other, named in [([Keyframe(0, "score:1111")], r"the schedule \[\{'at': 0, 'span': 'score:1111'"),
+                         (None, "no schedule")]:
+        recorder = RuleRecorder()
+        with pytest.warns(UserWarning, match=r"SpanAttentionCallback: the run resumes at step 1 from a checkpoint "
+                                             r"trained with the schedule \[\{'at': 0, .*'span': \{'0': 'score:1000'\}"
+                                             rf".*\], and follows this callback's, {named}"):
+            resumed([SpanAttentionCallback(other), recorder])
+        assert recorder.labels[1] == ("score:1111" if other else "score:1100")  # what the callback given sets
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpanAttentionCallback: the run resumes")
+        for callback, restore in [(SpanAttentionCallback(copy.deepcopy(schedule)), False),
+                                  (SpanAttentionCallback(), True)]:
+            resumed([callback], restore)
+
+
+def test_a_schedules_label_over_a_tower_patched_apart_says_it_sets_that_tower_too(tmp_path):
+    """The vision tower patched with settings of its own, then a schedule of labels: the label replaced the tower's
+    settings for the steps it was in force without a word. A layer table, which leaves the layers it does not name
+    as they are, and a model patched alike throughout, are not warned about."""
+    def model(apart=True):
+        model = patch_model(tiny_llava(patch_size=4), "standard:QKV111")
+        return patch_model(model.model.vision_tower, "score:1100") and model if apart else model
+
+    with pytest.warns(UserWarning, match=r"SpanAttentionCallback: the schedule's labels \(keyframes at=0, '50%'\) set "
+                                         r"every layer, also those of the towers patched with settings of their own, "
+                                         r"model.vision_tower \(score:1100\), while they are in force"):
+        train(model(), tmp_path, [SpanAttentionCallback([Keyframe(0, "score:1000"), Keyframe("50%", "score:1111"),
+                                                         Keyframe(3, {"1": "score:1000"})])], max_steps=4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpanAttentionCallback: the schedule's labels")
+        train(model(), tmp_path / "table", [SpanAttentionCallback([Keyframe(0, {"0": "score:1000"})])], max_steps=1)
+        train(model(apart=False), tmp_path / "alike", [SpanAttentionCallback([Keyframe(0, "score:1000")])], max_steps=1)
+
+
+def test_a_run_trained_without_the_callback_resumes_with_it_and_saves_its_state(tmp_path):
+    """A checkpoint trained without the callback, resumed with one: the Trainer's next save failed with
+    KeyError: 'SpanAttentionCallback' (its state read back from the checkpoint had no entry for it). The run trains
+    on under the schedule, and its checkpoints hold the callback's state."""
+    quick = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    train(patch_model(tiny("gpt2"), "score:1100"), tmp_path, [], **quick)
+    recorder = RuleRecorder()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=0.0, report_to=[],
+                             use_cpu=True, disable_tqdm=True, **quick)
+    Trainer(model=patch_model(tiny("gpt2"), "score:1100"), train_dataset=Same(), args=args,
+            callbacks=[SpanAttentionCallback([Keyframe(0, "score:1000")]), recorder]).train(
+        resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert recorder.labels == {1: "score:1000"}
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["SpanAttentionCallback"]["args"]["schedule"] == [{"at": 0, "span": "score:1000", "ramp": False}]
+
+
+def test_the_labels_of_a_schedule_with_a_table_reach_a_vision_tower_whose_attention_carries_no_layer_index(tmp_path):
+    """LLaVA under a label, then a layer table: CLIP's attention kept the model's settings throughout, the label
+    reaching it only in a schedule of labels alone. It now follows the labels (its gradients those of the model patched
+    with the label), keeping the last one's setting while the table is in force, and the warning says so."""
+    recorder = GradRecorder()
+    schedule = [Keyframe(0, "score:1000"), Keyframe(1, {"0": "score:1111"})]
+    with pytest.warns(UserWarning, match=r"\(CLIPAttention\) carry no layer index, so a layer table cannot name them; "
+                                         r"they follow the schedule's labels \(keyframes at=0\), keeping the setting "
+                                         "the last one gave them while a table is in force"):
+        trainer = Trainer(model=patch_model(tiny_llava(patch_size=4), "score:1100"), train_dataset=Pictures(),
+                          callbacks=[SpanAttentionCallback(schedule, diagnostics_every=1), recorder],
+                          args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                                                 learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                                 disable_tqdm=True, max_grad_norm=0.0))
+        trainer.train()
+    model = patch_model(tiny_llava(patch_size=4), "score:1000").train()
+    rows = [Pictures()[i] for i in range(2)]
+    model(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}).loss.backward()
+    assert_same(recorder.grads[0], {n: p.grad for n, p in model.named_parameters()
+                                    if p.grad is not None and "vision_tower" in n})
+    records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["span"]) for r in records if "vision_tower" in r["tower"]} == {(1, "score:1000"),
+                                                                                          (2, "score:1000")}

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from models import FAMILIES, VOCAB, tiny
+from models import FAMILIES, VOCAB, tiny, tiny_bert2gpt2
 from reference import reference
 from transformers import AttentionInterface
 
@@ -929,3 +929,16 @@ def test_settings_of_arrays_that_print_alike_each_train_with_their_own_alphas(ar
         for got, want in zip(grads(by_hand), grads(patched)):
             assert torch.equal(got, want)
         assert by_hand.config.span_attention == patched.config.span_attention
+
+
+def test_layers_of_an_encoder_deeper_than_its_decoder_patch_without_a_warning():
+    """layers=[2] selects the encoder's layer 2, yet reading the settings warned "the model has layers 0..1, so
+    layers [2] do not exist and get no span gradients; no layer does" (the decoder's count). A layer past both
+    towers still warns, naming the encoder's count."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*do not exist")
+        model = patch_model(tiny_bert2gpt2(encoder_layers=3), "score:1000", layers=[2])
+        assert registry.settings_for(model.encoder.encoder.layer[2].attention.self).label == "score:1000"
+    model.config.span_attention = {**model.config.span_attention, "layers": [2, 3]}  # as edited in a config.json
+    with pytest.warns(UserWarning, match=r"layers=\[2, 3\]: the model has layers 0..2, so layers \[3\] do not exist"):
+        registry.config_of(model.config)

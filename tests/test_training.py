@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from models import VOCAB, tiny
+from models import VOCAB, tiny, tiny_bert2gpt2
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, unpatch_model
@@ -131,6 +131,25 @@ def test_a_run_resumed_with_other_settings_than_its_checkpoints_says_so(tmp_path
                                          "with score:1100@per_block on layers") as caught:
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert max(len(str(w.message)) for w in caught) < 1000
+
+
+def test_a_run_resumed_with_a_tower_patched_otherwise_than_in_its_checkpoint_says_so(tmp_path):
+    """An encoder-decoder saved at score:1100 on every tower, resumed with its decoder patched with score:1000: the
+    decoder trained on with score:1000 without a word, the model's own settings being those of the checkpoint."""
+    quick = dict(max_steps=2, save_steps=1, gradient_accumulation_steps=1, logging_steps=2)
+    Trainer(model=patch_model(tiny_bert2gpt2(), "score:1100"), args=args(tmp_path, **quick),
+            train_dataset=Tokens(4)).train()
+    model = patch_model(tiny_bert2gpt2(), "score:1100")
+    patch_model(model.decoder, "score:1000")
+    with pytest.warns(UserWarning, match=r"checkpoint-2 was saved with span attention settings score:1100 on the "
+                                         r"tower decoder \(config.json, field decoder.span_attention\), but the model "
+                                         "given to the Trainer trains it with score:1000: the model's settings win. "
+                                         r".*hf_spanattn.patch_model\(model.decoder, 'score:1100'\)"):
+        Trainer(model=model, args=args(tmp_path, **quick), train_dataset=Tokens(4)).train(resume_from_checkpoint=True)
+    with warnings.catch_warnings():  # the same settings on every tower: nothing to say
+        warnings.filterwarnings("error", message="resume_from_checkpoint")
+        Trainer(model=patch_model(tiny_bert2gpt2(), "score:1100"), args=args(tmp_path, **quick),
+                train_dataset=Tokens(4)).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -125,7 +125,10 @@ def _parse(data: Any, model_config: Any) -> SpanAttentionConfig:
     source = f"{path}, field {CONFIG_KEY!r}" if path else f"model config field {CONFIG_KEY!r}"
     if twice:  # Transformers read the file keeping the last of the two; which one was meant is not known
         raise ValueError(f"{source}: the key {twice[0]!r} is given twice in one object; keep one")
-    n_layers = getattr(model_config.get_text_config(), "num_hidden_layers", None)
+    # an encoder-decoder's text config is its decoder's, and its encoder may have more layers
+    counts = [getattr(c, "num_hidden_layers", None) for c in (model_config.get_text_config(),
+                                                               getattr(model_config, "encoder", None))]
+    n_layers = max((n for n in counts if isinstance(n, int)), default=None)
     if not isinstance(data, dict):
         raise TypeError(f"{source} = {shown(data)}: expected a dict of SpanAttentionConfig fields as patch_model "
                         f"writes it, e.g. {SpanAttentionConfig().to_dict()}; to set a label, call "

@@ -77,6 +77,7 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
     if saved is not None and is_patched(base) and config_of(base.config) is None and is_adapter_folder(checkpoint):
         return  # PEFT's load_adapter, which the Trainer resumes with, patches it with the checkpoint's settings
     if saved == current:
+        _check_towers(base, checkpoint, saved, current)
         return
     was = f"span attention settings {_described(saved)}" if saved else "no span attention settings"
     layers = f", layers={list(saved.layers)}" if saved and saved.layers is not None else ""
@@ -85,6 +86,39 @@ def check(trainer: Any, resume_from_checkpoint: Any) -> None:
     warnings.warn(f"resume_from_checkpoint: {checkpoint} was saved with {was}, but the model given to the Trainer "
                   f"trains with {now}: the model's settings win. To continue with the checkpoint's, {how}.",
                   stacklevel=user_stacklevel())
+
+
+def _check_towers(base: Any, checkpoint: str, saved: SpanAttentionConfig | None,
+                  current: SpanAttentionConfig | None) -> None:
+    """Warn where a tower of a composite model (an encoder-decoder's decoder, a vision tower) trains with other
+    settings than those it was saved with in the checkpoint's config.json: a tower patched alone holds its own
+    (`patch_model(model.decoder, ...)`), else it trains with the model's."""
+    path = os.path.join(checkpoint, "config.json")
+    if current is None or not os.path.isfile(path):  # not patched (said by the caller), or an adapter's folder
+        return
+    data = _read_json(path)
+    keys = {id(getattr(base.config, key, None)): key for key in getattr(base.config, "sub_configs", None) or {}}
+    towers: dict[str, tuple[str, Any]] = {}  # sub-config name -> the outermost model reading it, and its path
+    for name, module in base.named_modules():
+        if module is not base and id(getattr(module, "config", None)) in keys:
+            towers.setdefault(keys[id(module.config)], (name, module))
+    for key, (name, tower) in towers.items():
+        section = data.get(key) if isinstance(data, dict) else None
+        stored = section.get(CONFIG_KEY) if isinstance(section, dict) else None
+        try:
+            was = saved if stored is None else SpanAttentionConfig.from_dict(stored, source=f"{path}, field {key}")
+            now = config_of(tower.config) or current
+        except (ValueError, TypeError) as err:
+            warnings.warn(f"resume_from_checkpoint: the span attention settings {checkpoint} was saved with on the "
+                          f"tower {name} cannot be read ({shown(str(err), 300)}).", stacklevel=user_stacklevel())
+            continue
+        if was != now:
+            layers = f", layers={list(was.layers)}" if was.layers is not None else ""
+            warnings.warn(f"resume_from_checkpoint: {checkpoint} was saved with span attention settings "
+                          f"{_described(was)} on the tower {name} (config.json, field {key}.{CONFIG_KEY}), but the "
+                          f"model given to the Trainer trains it with {_described(now)}: the model's settings win. To "
+                          "continue with the checkpoint's, patch that tower with them first: hf_spanattn.patch_model("
+                          f"model.{name}, {was.label!r}{layers}).", stacklevel=user_stacklevel())
 
 
 def same_on_every_rank(subject: str, mine: str, absent: str, why: str = _AVERAGED,

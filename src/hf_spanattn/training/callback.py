@@ -138,7 +138,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._unnumbered: list = []  # attention without a layer index beside attention with one (a vision tower)
         self._towers: dict[tuple[int, str], list] = {}  # the modules of each layer, per tower (`_towers`)
         self._per_layer = False
-        self._applied: dict | None = None
+        self._applied: tuple | None = None  # the settings of the numbered layers, and of the others
+        self._label_frames: list = []  # the frames of the schedule's labels, which attention without an index follows
         self._recorders: dict[tuple[int, str], OrderRecorder] = {}
         self._pending: dict[str, float] = {}
         self._alphas_logged_at: int | None = None
@@ -180,6 +181,9 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             {k: saved[k] for k in ("schedule", "diagnostics_every")}, sort_keys=True, default=repr), "",
             "A schedule sets the α of the gradient averaged over the ranks, and the ranks reduce the diagnostics "
             "together at the steps diagnostics_every names")
+        _say_if_resumed_with_another_schedule(saved["schedule"], state)
+        if isinstance(getattr(state, "stateful_callbacks", None), dict):  # a checkpoint trained without this callback
+            state.stateful_callbacks.setdefault(type(self).__name__, self.state())  # where the Trainer saves it
         self._start_afresh()
         self._move_first()
         base = base_model(model)
@@ -190,8 +194,13 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
         self._towers = _towers(base, self._layers, self._unnumbered)
         config = config_of(base.config)
         if config is None:
-            raise ValueError("SpanAttentionCallback: the model is not patched; call hf_spanattn.patch_model(model, "
-                             "config) before training")
+            towers = list(_towers_patched_alone(base))
+            alone = (f", only its tower{'s' if len(towers) > 1 else ''} {', '.join(towers)} (patch_model given the "
+                     "tower), and the callback sets the layers of a patched model" if towers else "")
+            again = (f" (then patch_model(model.{towers[0]}, ...) again for a tower of settings of its own)"
+                     if towers else "")
+            raise ValueError(f"SpanAttentionCallback: the model is not patched{alone}; call "
+                             f"hf_spanattn.patch_model(model, config) before training{again}")
         for module in self._modules():  # what a training run stopped midway left on the layers
             module.__dict__.pop(PROBE_ATTR, None)
         self._applied, self._recorders = None, {}
@@ -203,17 +212,28 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             if train_dataloader is not None and has_length(train_dataloader):
                 steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             self._frames = self.schedule.resolve(state.max_steps, steps_per_epoch, n_layers)
+            self._label_frames = _label_frames(self.schedule, self._frames)
             for keyframe in self.schedule.keyframes if self._layers else ():  # else numbered nowhere (said on use)
                 for layers, indices in keyframe.entries(n_layers).items():
                     refuse_layers_without_attention(base, indices, f"SpanAttentionCallback: keyframe "
                                                     f"at={shown(keyframe.at)} span={shown(keyframe.span)}: layers "
                                                     f"{shown(layers)}", every=False)
+            labels = [k for k in self.schedule.keyframes if isinstance(k.span, str)]
             if self._unnumbered and any(isinstance(k.span, dict) for k in self.schedule.keyframes):
                 kinds = sorted({type(module).__name__ for module in self._unnumbered})
+                follow = (f"follow the schedule's labels (keyframes at={', '.join(shown(k.at) for k in labels)}), "
+                          "keeping the setting the last one gave them while a table is in force" if labels else
+                          "keep the model's settings throughout (a label sets them too)")
                 warnings.warn(f"SpanAttentionCallback: {len(self._unnumbered)} attention modules of the model "
                               f"({', '.join(kinds)}) carry no layer index, so a layer table cannot name them; they "
-                              "keep the model's settings throughout (a schedule of labels only sets them too)",
-                              stacklevel=user_stacklevel())
+                              f"{follow}", stacklevel=user_stacklevel())
+            own = {name: settings for name, settings in _towers_patched_alone(base).items() if settings != config}
+            if labels and own:
+                towers = ", ".join(f"{name} ({settings.label})" for name, settings in own.items())
+                warnings.warn(f"SpanAttentionCallback: the schedule's labels (keyframes at="
+                              f"{', '.join(shown(k.at) for k in labels)}) set every layer, also those of the towers "
+                              f"patched with settings of their own, {towers}, while they are in force; a layer table "
+                              "sets only the layers it names", stacklevel=user_stacklevel())
             notes = self.schedule.unreached(self._frames, state.max_steps)
             for note in notes[:5]:
                 warnings.warn(f"SpanAttentionCallback: {note}", stacklevel=user_stacklevel())
@@ -364,7 +384,8 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
 
     def _apply(self, step: int) -> None:
         settings = self.settings_at(step)
-        if settings == self._applied:
+        everywhere = Schedule.at_step(self._label_frames, step).get(0) if self._label_frames else None
+        if (settings, everywhere) == self._applied:
             return
         for index, modules in self._layers.items():
             for module in modules:
@@ -373,15 +394,13 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
                     setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
                 else:
                     module.__dict__.pop(OVERRIDE_ATTR, None)
-        labels_only = self.schedule is not None and all(isinstance(k.span, str) for k in self.schedule.keyframes)
-        everywhere = next(iter(settings.values()), None) if labels_only else None  # a label sets every layer
         for module in self._unnumbered:
             if everywhere is not None:
                 setattr(module, OVERRIDE_ATTR, everywhere)
                 setattr(module, OWNER_ATTR, getattr(self, OWNER_ATTR))
             else:
                 module.__dict__.pop(OVERRIDE_ATTR, None)
-        self._applied = settings
+        self._applied = (settings, everywhere)
 
     def _modules(self) -> list:
         """Every attention module of the model in training."""
@@ -449,6 +468,43 @@ def _towers(model: torch.nn.Module, layers: dict[int, list], unnumbered: list) -
     if len({tower for _, tower in towers}) == 1:
         return {(index, ""): modules for (index, _), modules in towers.items()}
     return towers
+
+
+def _say_if_resumed_with_another_schedule(schedule: list | None, state: Any) -> None:
+    """Warn where a run resumed from a checkpoint (its trainer_state.json, field stateful_callbacks) follows another
+    schedule than the one the checkpoint was trained with: the Trainer restores a callback only where asked."""
+    saved = (getattr(state, "stateful_callbacks", None) or {}).get(SpanAttentionCallback.__name__)
+    saved = saved[0] if isinstance(saved, list) and saved else saved
+    if not state.global_step or not isinstance(saved, dict) or not isinstance(saved.get("args"), dict):
+        return
+    was, now = saved["args"].get("schedule"), json.loads(json.dumps(schedule, default=repr))  # keys as JSON's
+    if was != now:
+        named = lambda keyframes: "no schedule" if keyframes is None else f"the schedule {shown(keyframes, 300)}"  # noqa: E731
+        warnings.warn(f"SpanAttentionCallback: the run resumes at step {state.global_step} from a checkpoint trained "
+                      f"with {named(was)}, and follows this callback's, {named(now)}, from "
+                      "there; to continue the checkpoint's, give the callback that one (or "
+                      "TrainingArguments(restore_callback_states_from_checkpoint=True))", stacklevel=user_stacklevel())
+
+
+def _label_frames(schedule: Schedule, frames: list) -> list:
+    """The frames of `schedule` (`Schedule.resolve`'s) as attention that carries no layer index follows them: its
+    setting as "layer 0" at each label (which sets every layer), none at a table (which cannot name it). A ramp to the
+    first label, from a table, has no start for it: it takes that label at its step."""
+    labels = [(at, {0: next(iter(table.values()))} if isinstance(k.span, str) and table else {}, ramp)
+              for k, (at, table, ramp) in zip(schedule.keyframes, frames)]
+    first = next((i for i, (_, table, _) in enumerate(labels) if table), None)
+    if first is not None and labels[first][2]:
+        labels[first] = (*labels[first][:2], False)
+    return labels
+
+
+def _towers_patched_alone(model: torch.nn.Module) -> dict[str, SpanAttentionConfig]:
+    """The towers of a composite model that hold settings (the outermost model of each), by path, with those
+    settings: those patched alone, and those patch_model gave the model's."""
+    named = {name: config_of(module.config) for name, module in model.named_modules()
+             if getattr(module, "config", model.config) is not model.config and config_of(module.config) is not None}
+    return {name: settings for name, settings in named.items()
+            if not any(name.startswith(f"{other}.") for other in named)}
 
 
 def log_prefix(layer: int, tower: str = "") -> str:
