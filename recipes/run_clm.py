@@ -629,11 +629,18 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     if data.tokenizer_name is not None and not data.tokenizer_name.strip():
         raise ValueError("--tokenizer_name is empty: give a Hub id or a local folder, or leave the flag out (the "
                          "model's tokenizer)")
+    flag = "--tokenizer_name"
     if data.tokenizer_name is None:
         data.tokenizer_name = model.model_name_or_path or DEFAULT_TOKENIZER
+        flag = "--model_name_or_path" if model.model_name_or_path else flag
     elif looks_local(data.tokenizer_name) and not os.path.isdir(data.tokenizer_name):
         raise ValueError(f"--tokenizer_name {data.tokenizer_name}: no such folder (a local path; a Hub id reads "
                          "'owner/name')")
+    if os.path.isdir(data.tokenizer_name) and not any(
+            name in TOKENIZER_FILES or name == "vocab.txt" or name.endswith(".model")
+            for name in os.listdir(data.tokenizer_name)):  # Transformers would make a tokenizer of no words of it
+        raise ValueError(f"{flag} {data.tokenizer_name}: holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, "
+                         "...); pass --tokenizer_name with the folder or Hub id of the model's tokenizer")
 
 
 def load_texts(data: DataArguments, splits: Sequence[str]) -> dict[str, datasets.Dataset]:

@@ -60,6 +60,8 @@ def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     folder = tmp_path_factory.mktemp("shared")
     files = data_files(folder / "data", "txt")
     (folder / "data" / "train.parquet").write_text("x")
+    GPT2LMHeadModel(GPT2Config(n_embd=8, n_head=2, n_layer=1, n_positions=64, vocab_size=64)).save_pretrained(
+        folder / "bare")  # a model saved without its tokenizer
     return folder, pretrained(folder / "start", "gpt2"), files
 
 
@@ -168,6 +170,8 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
     ({"output_dir": "{tmp}/data/train.parquet/run"}, "{tmp}/data/train.parquet is a file"),
     ({"fsdp": None, "fsdp_config": '{"fsdp_version": 2}'}, "--fsdp: Accelerate shards only on GPUs"),
     ({"tokenizer_name": "./no-such-tokenizer"}, "--tokenizer_name ./no-such-tokenizer: no such folder"),
+    ({"tokenizer_name": "{tmp}/data"}, "--tokenizer_name {tmp}/data: holds no tokenizer"),
+    ({"model_name_or_path": "{tmp}/bare"}, "--model_name_or_path {tmp}/bare: holds no tokenizer"),
 ])
 def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
