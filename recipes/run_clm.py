@@ -717,13 +717,16 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     return rows.map(lambda row: {"text": row["text"] or ""})  # an empty CSV cell is None
 
 
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def cache_of(path: str) -> str:
     """The datasets cache folder for the data file `path`, named by its contents: `datasets` tells a local file's
     versions apart by its modification time alone, so a file replaced by another of the same time (cp -p, rsync -t,
     tar) was read from the cache of the one before."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return os.path.join(datasets.config.HF_DATASETS_CACHE, "run_clm", digest[:32])
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "run_clm", sha256(path)[:32])
 
 
 def json_line_problem(path: str) -> str | None:
@@ -1089,10 +1092,12 @@ def device_name(device: torch.device) -> str:
 
 
 def run_config(all_args, world_size: int | None) -> dict:
-    """Everything that configures a run (run_identity.py says which parts make its result)."""
+    """Everything that configures a run (run_identity.py says which parts make its result), the contents of its
+    data files included: a file edited between a run and its rerun makes another run."""
     model_args, data_args, span_args, training_args, stop_args = all_args
     return {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
             "training": training_args.to_dict(), "stopping": asdict(stop_args), "world_size": world_size,
+            "data_sha256": {split: sha256(path) for split, path in (data_args.files() or {}).items()} or None,
             "hf_spanattn": hf_spanattn.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__}
 

@@ -1019,6 +1019,23 @@ def test_a_rerun_after_a_stop_past_the_last_checkpoint_makes_the_last_evaluation
     assert again["eval_history"] == full["eval_history"] and again["min_val_loss"] == full["min_val_loss"]
 
 
+@needs_data
+def test_a_data_file_edited_since_a_run_makes_another_run(tmp_path):
+    """A rerun after the data file was edited returned the finished run's metrics of the text before (and a stopped
+    run resumed its checkpoint on the other text): the settings recorded only the file's path."""
+    start = pretrained(tmp_path / "start", "gpt2")
+    out = tmp_path / "out"
+    files = data_files(tmp_path / "data", "txt")
+    args = flags({**SMALL, **files, "model_name_or_path": start, "output_dir": out})
+    first = run_clm.main(args)
+    with open(files["train_file"], "a") as f:
+        f.write(" One more line .\n")
+    with pytest.raises(ValueError, match=r"holds a run made with other settings \(data_sha256.train: "):
+        run_clm.main(args)
+    assert run_clm.main([*args, "--overwrite_output_dir"])["config"]["data_sha256"] != first["config"]["data_sha256"]
+    assert run_identity.differences(first["config"], {**first["config"], "data_sha256": None}) == []  # older records
+
+
 @pytest.mark.parametrize("group,value,message", [
     ("data", "wikitext", "data='wikitext': expected an object of settings"),  # was: AttributeError, no file named
     ("span", {"span": "score:12"}, "alphas=(1.0, 2.0): expected 4 values"),
