@@ -235,7 +235,8 @@ def setting(metrics: dict) -> dict:
     config = metrics["config"]
     training = config.get("training") or {}
     return folded({"model": config.get("model") or {}, "data": config.get("data") or {},
-                   "training": {k: training.get(k) for k in TRAINING_KEYS if k not in ("seed", "data_seed")}})
+                   "training": {k: training.get(k) for k in TRAINING_KEYS if k not in ("seed", "data_seed")},
+                   "data_sha256": config.get("data_sha256")})
 
 
 def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> str:

@@ -758,6 +758,19 @@ def test_report_names_runs_that_differ_in_more_than_the_span(tmp_path, capsys):
     assert f"report: H1xL1: runs of other settings than the span: {said}\n" in capsys.readouterr().err
 
 
+def test_report_names_runs_of_data_files_edited_between_them(tmp_path, capsys):
+    """Runs of the same data paths whose contents differed (a file edited between runs) went into one Δ %."""
+    runs = tmp_path / "runs"
+    for label, digest in (("standard:QKV111", "a" * 64), ("score:1000", "b" * 64)):
+        metrics_file(runs, label, 0, 6.0, config={"training": {"seed": 0}, "data": {"block_size": 8},
+                                                  "data_sha256": {"train": digest}})
+    metrics_file(runs, "score:1100", 0, 5.9)  # recorded before the contents were: compared by the rest
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    assert f"score:1000 seed 0 (data_sha256.train: '{'a' * 64}' → '{'b' * 64}')." in \
+        (tmp_path / "out" / "report.md").read_text()
+    assert "score:1100" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("split,said", [((64, 2), None), ((32, 2), "training.per_device_train_batch_size × "
                                                                     "gradient_accumulation_steps: 128 → 64")])
 def test_report_takes_the_batch_split_for_no_other_setting(split, said, tmp_path):
