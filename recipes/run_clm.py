@@ -629,18 +629,29 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     if data.tokenizer_name is not None and not data.tokenizer_name.strip():
         raise ValueError("--tokenizer_name is empty: give a Hub id or a local folder, or leave the flag out (the "
                          "model's tokenizer)")
-    flag = "--tokenizer_name"
     if data.tokenizer_name is None:
         data.tokenizer_name = model.model_name_or_path or DEFAULT_TOKENIZER
-        flag = "--model_name_or_path" if model.model_name_or_path else flag
     elif looks_local(data.tokenizer_name) and not os.path.isdir(data.tokenizer_name):
         raise ValueError(f"--tokenizer_name {data.tokenizer_name}: no such folder (a local path; a Hub id reads "
                          "'owner/name')")
-    if os.path.isdir(data.tokenizer_name) and not any(
-            name in TOKENIZER_FILES or name == "vocab.txt" or name.endswith(".model")
-            for name in os.listdir(data.tokenizer_name)):  # Transformers would make a tokenizer of no words of it
-        raise ValueError(f"{flag} {data.tokenizer_name}: holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, "
-                         "...); pass --tokenizer_name with the folder or Hub id of the model's tokenizer")
+
+
+def load_tokenizer(name: str, model_name_or_path: str | None):
+    """The tokenizer of `name` (--tokenizer_name, else the model's folder). Transformers makes one of no words of a
+    folder without a vocabulary (a model saved without its tokenizer), which reads every text as no tokens."""
+    flag = "--model_name_or_path" if name == model_name_or_path else "--tokenizer_name"
+    advice = "pass --tokenizer_name with the folder or Hub id of the model's tokenizer"
+    try:
+        tokenizer = from_hub(AutoTokenizer.from_pretrained, name)
+    except ValueError as err:  # "Couldn't instantiate the backend tokenizer ...", naming no folder
+        if not os.path.isdir(name):
+            raise
+        raise ValueError(f"{flag} {name}: no tokenizer could be read from it ({str(err).splitlines()[0][:200]}); "
+                         f"{advice}") from None
+    if len(tokenizer.get_vocab()) <= len(set(tokenizer.all_special_ids)):
+        raise ValueError(f"{flag} {name}: holds no tokenizer vocabulary (such as {', '.join(TOKENIZER_FILES[:4])}); "
+                         f"{advice}")
+    return tokenizer
 
 
 def load_texts(data: DataArguments, splits: Sequence[str]) -> dict[str, datasets.Dataset]:
@@ -975,7 +986,7 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
     if not training_args.do_train:
         resume = None
     set_seed(training_args.seed)
-    tokenizer = from_hub(AutoTokenizer.from_pretrained, data_args.tokenizer_name)
+    tokenizer = load_tokenizer(data_args.tokenizer_name, model_args.model_name_or_path)
     model = build_model(model_args, data_args, tokenizer)
     patch(model, model_args, span)
     splits = build_datasets(data_args, tokenizer, training_args)

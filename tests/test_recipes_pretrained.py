@@ -4,6 +4,7 @@ folder (built from configs, nothing downloaded), fine-tuned, saved and reloaded 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,10 +60,13 @@ def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     """(scratch folder, a tiny pretrained GPT-2, its data files), made once for the tests that only read them."""
     folder = tmp_path_factory.mktemp("shared")
     files = data_files(folder / "data", "txt")
+    start = pretrained(folder / "start", "gpt2")
     (folder / "data" / "train.parquet").write_text("x")
     GPT2LMHeadModel(GPT2Config(n_embd=8, n_head=2, n_layer=1, n_positions=64, vocab_size=64)).save_pretrained(
         folder / "bare")  # a model saved without its tokenizer
-    return folder, pretrained(folder / "start", "gpt2"), files
+    (folder / "config_only").mkdir()
+    shutil.copy(start / "tokenizer_config.json", folder / "config_only")
+    return folder, start, files
 
 
 def flags(args: dict) -> list[str]:
@@ -170,8 +174,9 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
     ({"output_dir": "{tmp}/data/train.parquet/run"}, "{tmp}/data/train.parquet is a file"),
     ({"fsdp": None, "fsdp_config": '{"fsdp_version": 2}'}, "--fsdp: Accelerate shards only on GPUs"),
     ({"tokenizer_name": "./no-such-tokenizer"}, "--tokenizer_name ./no-such-tokenizer: no such folder"),
-    ({"tokenizer_name": "{tmp}/data"}, "--tokenizer_name {tmp}/data: holds no tokenizer"),
-    ({"model_name_or_path": "{tmp}/bare"}, "--model_name_or_path {tmp}/bare: holds no tokenizer"),
+    ({"tokenizer_name": "{tmp}/data"}, "--tokenizer_name {tmp}/data: no tokenizer could be read from it"),
+    ({"tokenizer_name": "{tmp}/config_only"}, "--tokenizer_name {tmp}/config_only: holds no tokenizer vocabulary"),
+    ({"model_name_or_path": "{tmp}/bare"}, "--model_name_or_path {tmp}/bare: holds no tokenizer vocabulary"),
 ])
 def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
