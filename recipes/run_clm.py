@@ -860,6 +860,9 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
         raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
                          f"--block_size {positions} or less")
     dtype = {None: torch.float32, "auto": "auto"}.get(model_args.dtype) or getattr(torch, model_args.dtype)
+    # the attention the config was saved with (flash_attention_2, say, where its package is not installed) is
+    # replaced by the patch, so it is not loaded; SDPA is the forward the patch keeps
+    config._attn_implementation = "sdpa"
     if model_args.model_name_or_path:
         try:
             model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,

@@ -199,3 +199,17 @@ def test_config_overrides_that_reshape_a_pretrained_model_name_the_flag(gpt2_and
         run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="n_embd=64"), data, tokenizer)
     model = run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="resid_pdrop=0.3"), data, tokenizer)
     assert model.config.resid_pdrop == 0.3
+
+
+def test_a_start_saved_with_an_attention_not_installed_here_loads_as_sdpa(gpt2_and_data, tmp_path):
+    """A config.json naming flash_attention_2 (saved so by another machine, or by hand) stopped the run with
+    Transformers' ImportError, though the patch replaces that attention."""
+    _, start, _ = gpt2_and_data
+    shutil.copytree(start, tmp_path / "start")
+    config = json.loads((start / "config.json").read_text())
+    (tmp_path / "start" / "config.json").write_text(json.dumps({**config, "_attn_implementation": "flash_attention_2"}))
+    tokenizer, data = AutoTokenizer.from_pretrained(start), run_clm.DataArguments(block_size=32)
+    model, stock = (run_clm.build_model(run_clm.ModelArguments(model_name_or_path=str(s)), data, tokenizer).eval()
+                    for s in (tmp_path / "start", start))
+    ids = torch.randint(len(tokenizer), (2, 16))
+    assert torch.equal(model(ids).logits, stock(ids).logits)
