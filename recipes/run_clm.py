@@ -80,6 +80,7 @@ import torch
 import transformers
 import yaml
 from datasets.fingerprint import Hasher
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -861,12 +862,22 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                          f"--block_size {positions} or less")
     dtype = {None: torch.float32, "auto": "auto"}.get(model_args.dtype) or getattr(torch, model_args.dtype)
     # the attention the config was saved with (flash_attention_2, say, where its package is not installed) is
-    # replaced by the patch, so it is not loaded; SDPA is the forward the patch keeps
-    config._attn_implementation = "sdpa"
+    # replaced by the patch, so it is not asked for: Transformers' default (SDPA), as for a config saved without one
+    config._attn_implementation = None
+    causal = AutoModelForCausalLM._model_mapping
+    if type(config) not in causal:  # Transformers' error names the config class, not the flag
+        flag = "--config_name" if model_args.config_name else "--model_name_or_path"
+        raise ValueError(f"{flag} {model_args.config_name or model_args.model_name_or_path}: a {config.model_type} "
+                         f"model, which has no causal language model class ({type(config).__name__} is not one of "
+                         "AutoModelForCausalLM's); run_clm.py trains causal language models (GPT-2, Llama, ...)")
     if model_args.model_name_or_path:
         try:
             model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,
                              dtype=dtype)
+        except SafetensorError as err:  # "incomplete metadata, file not fully covered": names no file
+            raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: its weights could not be read "
+                             f"(SafetensorError: {shown(str(err), 200)}); a file cut short or damaged: save or copy "
+                             "them again") from None
         except RuntimeError as err:  # Transformers' report names the weights, not the flag that reshaped them
             if not model_args.config_overrides or "ignore_mismatched_sizes" not in str(err):
                 raise

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 import hf_spanattn
 from hf_spanattn.integration.registry import config_of
@@ -66,6 +74,11 @@ def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
         folder / "bare")  # a model saved without its tokenizer
     (folder / "config_only").mkdir()
     shutil.copy(start / "tokenizer_config.json", folder / "config_only")
+    T5ForConditionalGeneration(T5Config(d_model=8, d_ff=16, d_kv=4, num_heads=2, num_layers=1, vocab_size=64)
+                               ).save_pretrained(folder / "t5")  # not a causal language model
+    shutil.copytree(start, folder / "cut")
+    weights = (folder / "cut" / "model.safetensors").read_bytes()
+    (folder / "cut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a copy stopped halfway
     return folder, start, files
 
 
@@ -177,6 +190,10 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
     ({"tokenizer_name": "{tmp}/data"}, "--tokenizer_name {tmp}/data: no tokenizer could be read from it"),
     ({"tokenizer_name": "{tmp}/config_only"}, "--tokenizer_name {tmp}/config_only: holds no tokenizer vocabulary"),
     ({"model_name_or_path": "{tmp}/bare"}, "--model_name_or_path {tmp}/bare: holds no tokenizer vocabulary"),
+    ({"model_name_or_path": "{tmp}/t5", "tokenizer_name": "{tmp}/start"},
+     "--model_name_or_path {tmp}/t5: a t5 model, which has no causal language model class"),
+    ({"config_name": "{tmp}/t5"}, "--config_name {tmp}/t5: a t5 model"),
+    ({"model_name_or_path": "{tmp}/cut"}, "--model_name_or_path {tmp}/cut: its weights could not be read"),
 ])
 def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
