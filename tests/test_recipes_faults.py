@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -704,6 +705,8 @@ def metrics_file(runs: Path, label: str, seed: int, val: float, **changes) -> Pa
     ({"config": {"training": {"seed": 0}, "data": {"block_size": "128"}}},
      "config.data.block_size='128': expected an integer"),
     ({"unigram_val_loss": "low"}, "unigram_val_loss is 'low': expected a finite number"),
+    ({"min_val_loss": math.nan, "eval_history": [{"step": 10, "loss": math.nan}]},  # a run that diverged
+     "min_val_loss is nan: expected a finite number; eval_history[0].loss is nan"),
     ({"world_size": "2"}, "world_size='2': expected an integer >= 1"),
     # counts the report multiplies into "about N tokens": it said "about inf tokens", "blocks of 2.5", "100.0 tokens"
     ({"config": {"training": {"seed": 0}, "data": {"block_size": 1e308}}},
@@ -728,6 +731,7 @@ def test_report_leaves_out_a_metrics_json_it_cannot_use_and_names_it(changes, me
     assert f"report: leaving out {bad}: " in said and message in said
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| standard:QKV111 | 1 |" in text and "| score:1000 |" not in text
+    assert f"**Left out** (a metrics.json the report cannot use):\n\n- {bad}: " in text and message in text
 
 
 @pytest.mark.parametrize("base,value,said", [
