@@ -138,6 +138,13 @@ def looks_local(name: str) -> bool:
     return name.startswith((".", "~", os.sep)) or name.count("/") > 1 or os.path.exists(name.split("/")[0])
 
 
+def no_folder(path: str) -> str:
+    """Why the local `path` given for a model or tokenizer folder is none, in words."""
+    if os.path.isfile(path):
+        return f"a file, not a folder; give the folder that holds it ({os.path.dirname(path) or '.'})"
+    return "no such folder (a local path; a Hub id reads 'owner/name')"
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={
@@ -172,7 +179,7 @@ class ModelArguments:
                 raise ValueError(f"--{flag} is empty: give a Hub id or a local folder, or leave the flag out"
                                  + (" (the paper's GPT-2 from scratch)" if flag == "model_name_or_path" else ""))
             if name is not None and looks_local(name) and not os.path.isdir(name):
-                raise ValueError(f"--{flag} {name}: no such folder (a local path; a Hub id reads 'owner/name')")
+                raise ValueError(f"--{flag} {name}: {no_folder(name)}")
         if self.config_overrides is not None:
             overrides(self.config_overrides)  # the syntax; the keys are checked on the config
         shape = {k: getattr(self, k) for k in PAPER_GPT2}
@@ -633,8 +640,7 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     if data.tokenizer_name is None:
         data.tokenizer_name = model.model_name_or_path or DEFAULT_TOKENIZER
     elif looks_local(data.tokenizer_name) and not os.path.isdir(data.tokenizer_name):
-        raise ValueError(f"--tokenizer_name {data.tokenizer_name}: no such folder (a local path; a Hub id reads "
-                         "'owner/name')")
+        raise ValueError(f"--tokenizer_name {data.tokenizer_name}: {no_folder(data.tokenizer_name)}")
 
 
 def load_tokenizer(name: str, model_name_or_path: str | None):
