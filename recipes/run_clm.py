@@ -857,8 +857,8 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
         config = from_hub(AutoConfig.from_pretrained, name)
     else:
         m = model_args
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=data.block_size, n_embd=m.n_embd, n_head=m.n_head,
-                            n_layer=m.n_layer, n_inner=m.ffn_mult * m.n_embd, activation_function="gelu",
+        config = GPT2Config(vocab_size=vocab_rows(tokenizer), n_positions=data.block_size, n_embd=m.n_embd,
+                            n_head=m.n_head, n_layer=m.n_layer, n_inner=m.ffn_mult * m.n_embd, activation_function="gelu",
                             resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
     if model_args.config_overrides:
         apply_overrides(config, model_args.config_overrides)
@@ -902,9 +902,15 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
         if dtype != "auto":
             model.to(dtype)
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(len(tokenizer))
+    if vocab_rows(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(vocab_rows(tokenizer))
     return stock_causal_lm(model)
+
+
+def vocab_rows(tokenizer) -> int:
+    """The embedding rows `tokenizer`'s ids need: len(tokenizer), or more where its ids leave gaps (a vocabulary
+    trimmed by hand), whose highest id would index past len(tokenizer) rows."""
+    return max(len(tokenizer), 1 + max(tokenizer.get_vocab().values(), default=-1))
 
 
 def apply_overrides(config, text: str) -> None:
@@ -1026,7 +1032,7 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
         if training_args.do_eval and not evaluated_to_the_end(trainer):
             trainer.evaluate()
         metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
-        metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
+        metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], vocab_rows(tokenizer)) \
             if len(splits) == 2 else None
         if trainer.is_world_process_zero():
             if training_args.do_train:

@@ -233,3 +233,20 @@ def test_a_start_saved_with_an_attention_not_installed_here_loads_as_sdpa(gpt2_a
                     for s in (tmp_path / "start", start))
     ids = torch.randint(len(tokenizer), (2, 16))
     assert torch.equal(model(ids).logits, stock(ids).logits)
+
+
+def test_a_tokenizer_whose_ids_leave_gaps_gets_rows_for_its_highest_id(gpt2_and_data):
+    """A vocabulary trimmed by hand (ids 0, 1 and 60000) has 3 tokens but needs 60001 rows: the model was resized to
+    len(tokenizer) only, and the first batch holding the highest id stopped with "IndexError: index out of range"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _, start, _ = gpt2_and_data
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 60000}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    for args in ({"model_name_or_path": str(start)}, {}):  # pretrained (50257 rows), and from scratch
+        shape = run_clm.ModelArguments(**args, n_layer=None if args else 1)
+        model = run_clm.build_model(shape, run_clm.DataArguments(block_size=32), tokenizer)
+        ids = torch.tensor([tokenizer("a b a b").input_ids])
+        assert model.get_input_embeddings().weight.shape[0] == 60001 and model(ids).logits.shape == (1, 4, 60001)
