@@ -858,8 +858,9 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
     else:
         m = model_args
         config = GPT2Config(vocab_size=vocab_rows(tokenizer), n_positions=data.block_size, n_embd=m.n_embd,
-                            n_head=m.n_head, n_layer=m.n_layer, n_inner=m.ffn_mult * m.n_embd, activation_function="gelu",
-                            resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
+                            n_head=m.n_head, n_layer=m.n_layer, n_inner=m.ffn_mult * m.n_embd,
+                            activation_function="gelu", resid_pdrop=m.dropout, embd_pdrop=m.dropout,
+                            attn_pdrop=m.dropout)
     if model_args.config_overrides:
         apply_overrides(config, model_args.config_overrides)
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
