@@ -740,6 +740,17 @@ def sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def input_digests(data: DataArguments) -> dict[str, str] | None:
+    """{split: sha256} of the local data files, and {"tokenizer": sha256} of a local tokenizer folder's files: what a
+    run's tokens are made of, where its settings name only paths."""
+    out = {split: sha256(path) for split, path in (data.files() or {}).items()}
+    if data.tokenizer_name and os.path.isdir(data.tokenizer_name):
+        files = sorted(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(data.tokenizer_name, name)))
+        out["tokenizer"] = hashlib.sha256(" ".join(
+            f"{name}:{sha256(os.path.join(data.tokenizer_name, name))}" for name in files).encode()).hexdigest()
+    return out or None
+
+
 def cache_of(path: str) -> str:
     """The datasets cache folder for the data file `path`, named by its contents: `datasets` tells a local file's
     versions apart by its modification time alone, so a file replaced by another of the same time (cp -p, rsync -t,
@@ -1131,11 +1142,11 @@ def device_name(device: torch.device) -> str:
 
 def run_config(all_args, world_size: int | None) -> dict:
     """Everything that configures a run (run_identity.py says which parts make its result), the contents of its
-    data files included: a file edited between a run and its rerun makes another run."""
+    data files and tokenizer included: a file edited between a run and its rerun makes another run."""
     model_args, data_args, span_args, training_args, stop_args = all_args
     return {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
             "training": training_args.to_dict(), "stopping": asdict(stop_args), "world_size": world_size,
-            "data_sha256": {split: sha256(path) for split, path in (data_args.files() or {}).items()} or None,
+            "data_sha256": input_digests(data_args),
             "hf_spanattn": hf_spanattn.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__}
 

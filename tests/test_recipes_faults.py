@@ -1037,17 +1037,26 @@ def test_a_rerun_after_a_stop_past_the_last_checkpoint_makes_the_last_evaluation
 
 
 @needs_data
-def test_a_data_file_edited_since_a_run_makes_another_run(tmp_path):
-    """A rerun after the data file was edited returned the finished run's metrics of the text before (and a stopped
-    run resumed its checkpoint on the other text): the settings recorded only the file's path."""
+@pytest.mark.parametrize("edited", ["train", "tokenizer"])
+def test_a_data_file_or_tokenizer_edited_since_a_run_makes_another_run(edited, tmp_path):
+    """A rerun after the data file or the tokenizer was edited returned the finished run's metrics of the tokens
+    before; a stopped run resumed its checkpoint on the other tokens, or stopped in the Trainer's "Error(s) in loading
+    state_dict" (a token added): the settings recorded only the paths."""
+    from transformers import AutoTokenizer
+
     start = pretrained(tmp_path / "start", "gpt2")
     out = tmp_path / "out"
     files = data_files(tmp_path / "data", "txt")
     args = flags({**SMALL, **files, "model_name_or_path": start, "output_dir": out})
     first = run_clm.main(args)
-    with open(files["train_file"], "a") as f:
-        f.write(" One more line .\n")
-    with pytest.raises(ValueError, match=r"holds a run made with other settings \(data_sha256.train: "):
+    if edited == "train":
+        with open(files["train_file"], "a") as f:
+            f.write(" One more line .\n")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(start)
+        tokenizer.add_tokens(["<new>"])
+        tokenizer.save_pretrained(start)
+    with pytest.raises(ValueError, match=rf"holds a run made with other settings \(data_sha256.{edited}: "):
         run_clm.main(args)
     assert run_clm.main([*args, "--overwrite_output_dir"])["config"]["data_sha256"] != first["config"]["data_sha256"]
     assert run_identity.differences(first["config"], {**first["config"], "data_sha256": None}) == []  # older records
