@@ -43,9 +43,9 @@ Writes `metrics.json` (the full configuration, per-epoch losses and learning rat
 validation loss, perplexity, next-token accuracy, the validation loss of the training tokens'
 unigram frequencies, the device, and with --early_stopping_patience whether and at which epoch
 training stopped early) into --output_dir. A run resumes the newest complete checkpoint in
---output_dir only where `run_config.json` there records the same settings (see run_identity.py),
-and a finished run (its metrics.json there) is not run again; while it runs, `<output_dir>.lock`
-keeps a second run out of the same folder.
+--output_dir only where `run_config.json` there records the same settings and the same contents of
+the local data files and tokenizer (see run_identity.py), and a finished run (its metrics.json
+there) is not run again; while it runs, `<output_dir>.lock` keeps a second run out of the same folder.
 """
 
 from __future__ import annotations
