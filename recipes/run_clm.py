@@ -834,7 +834,10 @@ def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) 
     samples = {"train": data.max_train_samples, "validation": data.max_eval_samples}
     for split in splits:
         with training.main_process_first(desc=f"tokenizing {split}"):  # cached: later runs read it back
-            tokenized = raw[split].map(lambda rows: tokenizer(rows["text"]), batched=True, remove_columns=["text"],
+            # not verbose: Transformers warns of "indexing errors" for a text longer than model_max_length, which
+            # blocks() cuts into blocks of --block_size
+            tokenized = raw[split].map(lambda rows: tokenizer(rows["text"], verbose=False), batched=True,
+                                       remove_columns=["text"],
                                        new_fingerprint=tokenized_fingerprint(raw[split], tokenizer))
         ids = pyarrow.compute.list_flatten(tokenized.data.column("input_ids")).to_numpy()
         if limits[split] and data.token_subset == "spread":
