@@ -693,6 +693,8 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     builder = FILE_BUILDERS[Path(path).suffix.lower()]
     # text: a byte order mark (as some editors write) is not text; the json and csv loaders read past it too
     extra = {"keep_linebreaks": True, "encoding": "utf-8-sig"} if builder == "text" else {}
+    if builder == "csv":  # pandas would read a cell of None, NA, nan, null (words of the text) as a missing value
+        extra = {"keep_default_na": False}
     if builder == "json":  # rows: objects or a list; the loader ends the process on a file of null
         with open(path, "rb") as f:
             head = f.read(1 << 16).decode("utf-8-sig", errors="replace").lstrip()

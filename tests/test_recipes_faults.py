@@ -1235,6 +1235,14 @@ def test_a_data_file_replaced_by_another_of_the_same_time_is_read_anew(name, tmp
         assert [t.strip() for t in run_clm.load_file(str(path), "--train_file")["text"]] == [text]
 
 
+def test_csv_cells_that_pandas_reads_as_missing_are_text(tmp_path):
+    """A CSV row whose text was None, NA, nan or null (pandas' missing values) was trained as an empty text."""
+    words = ["None", "NA", "nan", "null", "N/A", "", "some text"]
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\n" + "".join(f"{w},{i}\n" for i, w in enumerate(words)))
+    assert run_clm.load_file(str(path), "--train_file")["text"][:] == words
+
+
 @pytest.mark.parametrize("mode", [0o600, 0o644])
 def test_a_file_written_again_keeps_the_permissions_given_it(mode, tmp_path):
     """run_config.json made private by hand (chmod 600) was readable by all after a resumed run wrote it again."""
