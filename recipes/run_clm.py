@@ -902,8 +902,13 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                              f"(SafetensorError: {shown(str(err), 200)}); a file cut short or damaged: save or copy "
                              "them again") from None
         except RuntimeError as err:  # Transformers' report names the weights, not the flag that reshaped them
-            if not model_args.config_overrides or "ignore_mismatched_sizes" not in str(err):
+            if "ignore_mismatched_sizes" not in str(err):
                 raise
+            if not model_args.config_overrides:  # "You set `ignore_mismatched_sizes` to `False`", which no one did
+                name = model_args.config_name or model_args.model_name_or_path
+                raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: its weights do not fit the "
+                                 f"config of {name} (the load report above names them): a config.json edited, or one "
+                                 "of other weights") from None
             raise ValueError(f"--config_overrides {model_args.config_overrides}: the weights of "
                              f"{model_args.model_name_or_path} do not fit the model it shapes (the load report above "
                              "names them); a setting that shapes the model (widths, layers, heads) needs one from "

@@ -72,6 +72,9 @@ def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     (folder / "data" / "train.parquet").write_text("x")
     GPT2LMHeadModel(GPT2Config(n_embd=8, n_head=2, n_layer=1, n_positions=64, vocab_size=64)).save_pretrained(
         folder / "bare")  # a model saved without its tokenizer
+    shutil.copytree(start, folder / "edited")
+    config = json.loads((start / "config.json").read_text())
+    (folder / "edited" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 7}))
     (folder / "config_only").mkdir()
     shutil.copy(start / "tokenizer_config.json", folder / "config_only")
     T5ForConditionalGeneration(T5Config(d_model=8, d_ff=16, d_kv=4, num_heads=2, num_layers=1, vocab_size=64)
@@ -197,6 +200,7 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
      "--model_name_or_path {tmp}/t5: a t5 model, which has no causal language model class"),
     ({"config_name": "{tmp}/t5"}, "--config_name {tmp}/t5: a t5 model"),
     ({"model_name_or_path": "{tmp}/cut"}, "--model_name_or_path {tmp}/cut: its weights could not be read"),
+    ({"model_name_or_path": "{tmp}/edited"}, "--model_name_or_path {tmp}/edited: its weights do not fit the config of"),
 ])
 def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
