@@ -746,7 +746,7 @@ def sha256(path: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def file_sha256(path: str, *version) -> str:
+def file_sha256(path: str, *version: int) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
