@@ -25,6 +25,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -235,7 +236,8 @@ def setting(metrics: dict) -> dict:
     config = metrics["config"]
     training = config.get("training") or {}
     return folded({"model": config.get("model") or {}, "data": config.get("data") or {},
-                   "training": {k: training.get(k) for k in TRAINING_KEYS if k not in ("seed", "data_seed")}})
+                   "training": {k: training.get(k) for k in TRAINING_KEYS if k not in ("seed", "data_seed")},
+                   "data_sha256": config.get("data_sha256")})
 
 
 def verdict(shape: str, spans: dict[str, dict[int, dict]], rows: list[dict]) -> str:
@@ -305,8 +307,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"report: {args.runs_dir}: {what}")
     if out.exists() and not out.is_dir():
         raise SystemExit(f"report: --out {out}: exists and is not a folder")
+    left_out = []
+
+    def say(message: str, **kwargs) -> None:
+        print(message, **kwargs)
+        left_out.append(message.removeprefix("report: leaving out "))
+
     try:
-        runs = load_runs(args.runs_dir)
+        runs = load_runs(args.runs_dir, say)
     except ValueError as err:
         raise SystemExit(f"report: {err}") from None
     if not runs:
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
             what = "a folder" if path.is_dir() else "a link to nothing"
             raise SystemExit(f"report: {path} is {what}, where the report writes a file; move it away")
     try:
-        text = write_report(runs, out)
+        text = write_report(runs, out, left_out)
     except OSError as err:  # matplotlib and the OS name no file, or the figure alone
         where = f"{err.filename}: " if err.filename else ""
         room = "make room there" if err.errno in NO_ROOM else "make it writable"
@@ -331,9 +339,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(text))
 
 
-def write_report(runs: dict, out: Path) -> list[str]:
-    """report.md, report.csv and the figures of `runs` in `out`; the lines of report.md. Each of the two files is
-    written whole or not at all (a full disk leaves the report before)."""
+def write_report(runs: dict, out: Path, left_out: Sequence[str] = ()) -> list[str]:
+    """report.md, report.csv and the figures of `runs` in `out`; the lines of report.md, which end with the runs
+    `left_out` ('path: why'; a diverged run, its losses NaN, among them). Each of the two files is written whole or
+    not at all (a full disk leaves the report before)."""
     out.mkdir(parents=True, exist_ok=True)
     text, records = ["## Results", "", "Δ %: (baseline − value) / baseline · 100 against standard:QKV111 of the "
                      "same shape (positive is better); ± is the standard deviation over seeds.", ""], []
@@ -345,6 +354,8 @@ def write_report(runs: dict, out: Path) -> list[str]:
         text.extend(f"![{f.stem}]({f.name})" for f in figures)
         text.append("")
         records += [{"shape": shape, **{k: v for k, v in r.items() if k != "val_delta_paired"}} for r in rows]
+    if left_out:
+        text += ["**Left out** (a metrics.json the report cannot use):", "", *(f"- {why}" for why in left_out), ""]
     table_text = io.StringIO(newline="")
     writer = csv.DictWriter(table_text, fieldnames=list(records[0]))
     writer.writeheader()

@@ -43,9 +43,9 @@ Writes `metrics.json` (the full configuration, per-epoch losses and learning rat
 validation loss, perplexity, next-token accuracy, the validation loss of the training tokens'
 unigram frequencies, the device, and with --early_stopping_patience whether and at which epoch
 training stopped early) into --output_dir. A run resumes the newest complete checkpoint in
---output_dir only where `run_config.json` there records the same settings (see run_identity.py),
-and a finished run (its metrics.json there) is not run again; while it runs, `<output_dir>.lock`
-keeps a second run out of the same folder.
+--output_dir only where `run_config.json` there records the same settings and the same contents of
+the local data files and tokenizer (see run_identity.py), and a finished run (its metrics.json
+there) is not run again; while it runs, `<output_dir>.lock` keeps a second run out of the same folder.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import argparse
 import codecs
 import contextlib
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -80,6 +81,7 @@ import torch
 import transformers
 import yaml
 from datasets.fingerprint import Hasher
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -137,6 +139,13 @@ def looks_local(name: str) -> bool:
     return name.startswith((".", "~", os.sep)) or name.count("/") > 1 or os.path.exists(name.split("/")[0])
 
 
+def no_folder(path: str) -> str:
+    """Why the local `path` given for a model or tokenizer folder is none, in words."""
+    if os.path.isfile(path):
+        return f"a file, not a folder; give the folder that holds it ({os.path.dirname(path) or '.'})"
+    return "no such folder (a local path; a Hub id reads 'owner/name')"
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={
@@ -171,7 +180,7 @@ class ModelArguments:
                 raise ValueError(f"--{flag} is empty: give a Hub id or a local folder, or leave the flag out"
                                  + (" (the paper's GPT-2 from scratch)" if flag == "model_name_or_path" else ""))
             if name is not None and looks_local(name) and not os.path.isdir(name):
-                raise ValueError(f"--{flag} {name}: no such folder (a local path; a Hub id reads 'owner/name')")
+                raise ValueError(f"--{flag} {name}: {no_folder(name)}")
         if self.config_overrides is not None:
             overrides(self.config_overrides)  # the syntax; the keys are checked on the config
         shape = {k: getattr(self, k) for k in PAPER_GPT2}
@@ -632,8 +641,25 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
     if data.tokenizer_name is None:
         data.tokenizer_name = model.model_name_or_path or DEFAULT_TOKENIZER
     elif looks_local(data.tokenizer_name) and not os.path.isdir(data.tokenizer_name):
-        raise ValueError(f"--tokenizer_name {data.tokenizer_name}: no such folder (a local path; a Hub id reads "
-                         "'owner/name')")
+        raise ValueError(f"--tokenizer_name {data.tokenizer_name}: {no_folder(data.tokenizer_name)}")
+
+
+def load_tokenizer(name: str, model_name_or_path: str | None):
+    """The tokenizer of `name` (--tokenizer_name, else the model's folder). Transformers makes one of no words of a
+    folder without a vocabulary (a model saved without its tokenizer), which reads every text as no tokens."""
+    flag = "--model_name_or_path" if name == model_name_or_path else "--tokenizer_name"
+    advice = "pass --tokenizer_name with the folder or Hub id of the model's tokenizer"
+    try:
+        tokenizer = from_hub(AutoTokenizer.from_pretrained, name)
+    except ValueError as err:  # "Couldn't instantiate the backend tokenizer ...", naming no folder
+        if not os.path.isdir(name):
+            raise
+        raise ValueError(f"{flag} {name}: no tokenizer could be read from it ({str(err).splitlines()[0][:200]}); "
+                         f"{advice}") from None
+    if len(tokenizer.get_vocab()) <= len(set(tokenizer.all_special_ids)):
+        raise ValueError(f"{flag} {name}: holds no tokenizer vocabulary (such as {', '.join(TOKENIZER_FILES[:4])}); "
+                         f"{advice}")
+    return tokenizer
 
 
 def load_texts(data: DataArguments, splits: Sequence[str]) -> dict[str, datasets.Dataset]:
@@ -668,6 +694,8 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     builder = FILE_BUILDERS[Path(path).suffix.lower()]
     # text: a byte order mark (as some editors write) is not text; the json and csv loaders read past it too
     extra = {"keep_linebreaks": True, "encoding": "utf-8-sig"} if builder == "text" else {}
+    if builder == "csv":  # pandas would read a cell of None, NA, nan, null (words of the text) as a missing value
+        extra = {"keep_default_na": False}
     if builder == "json":  # rows: objects or a list; the loader ends the process on a file of null
         with open(path, "rb") as f:
             head = f.read(1 << 16).decode("utf-8-sig", errors="replace").lstrip()
@@ -710,13 +738,35 @@ def load_file(path: str, flag: str) -> datasets.Dataset:
     return rows.map(lambda row: {"text": row["text"] or ""})  # an empty CSV cell is None
 
 
+def sha256(path: str) -> str:
+    """The sha256 of the file `path`, read once per version of it in a process (a sweep checks every run's data);
+    its status-change time tells apart versions written with the same modification time."""
+    stat = os.stat(path)
+    return file_sha256(os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def file_sha256(path: str, *version: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def input_digests(data: DataArguments) -> dict[str, str] | None:
+    """{split: sha256} of the local data files, and {"tokenizer": sha256} of a local tokenizer folder's files: what a
+    run's tokens are made of, where its settings name only paths."""
+    out = {split: sha256(path) for split, path in (data.files() or {}).items()}
+    if data.tokenizer_name and os.path.isdir(data.tokenizer_name):
+        files = sorted(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(data.tokenizer_name, name)))
+        out["tokenizer"] = hashlib.sha256(" ".join(
+            f"{name}:{sha256(os.path.join(data.tokenizer_name, name))}" for name in files).encode()).hexdigest()
+    return out or None
+
+
 def cache_of(path: str) -> str:
     """The datasets cache folder for the data file `path`, named by its contents: `datasets` tells a local file's
     versions apart by its modification time alone, so a file replaced by another of the same time (cp -p, rsync -t,
     tar) was read from the cache of the one before."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return os.path.join(datasets.config.HF_DATASETS_CACHE, "run_clm", digest[:32])
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "run_clm", sha256(path)[:32])
 
 
 def json_line_problem(path: str) -> str | None:
@@ -795,7 +845,10 @@ def build_datasets(data: DataArguments, tokenizer, training: TrainingArguments) 
     samples = {"train": data.max_train_samples, "validation": data.max_eval_samples}
     for split in splits:
         with training.main_process_first(desc=f"tokenizing {split}"):  # cached: later runs read it back
-            tokenized = raw[split].map(lambda rows: tokenizer(rows["text"]), batched=True, remove_columns=["text"],
+            # not verbose: Transformers warns of "indexing errors" for a text longer than model_max_length, which
+            # blocks() cuts into blocks of --block_size
+            tokenized = raw[split].map(lambda rows: tokenizer(rows["text"], verbose=False), batched=True,
+                                       remove_columns=["text"],
                                        new_fingerprint=tokenized_fingerprint(raw[split], tokenizer))
         ids = pyarrow.compute.list_flatten(tokenized.data.column("input_ids")).to_numpy()
         if limits[split] and data.token_subset == "spread":
@@ -829,9 +882,10 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
         config = from_hub(AutoConfig.from_pretrained, name)
     else:
         m = model_args
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=data.block_size, n_embd=m.n_embd, n_head=m.n_head,
-                            n_layer=m.n_layer, n_inner=m.ffn_mult * m.n_embd, activation_function="gelu",
-                            resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
+        config = GPT2Config(vocab_size=vocab_rows(tokenizer), n_positions=data.block_size, n_embd=m.n_embd,
+                            n_head=m.n_head, n_layer=m.n_layer, n_inner=m.ffn_mult * m.n_embd,
+                            activation_function="gelu", resid_pdrop=m.dropout, embd_pdrop=m.dropout,
+                            attn_pdrop=m.dropout)
     if model_args.config_overrides:
         apply_overrides(config, model_args.config_overrides)
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
@@ -839,13 +893,31 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
         raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
                          f"--block_size {positions} or less")
     dtype = {None: torch.float32, "auto": "auto"}.get(model_args.dtype) or getattr(torch, model_args.dtype)
+    # the attention the config was saved with (flash_attention_2, say, where its package is not installed) is
+    # replaced by the patch, so it is not asked for: Transformers' default (SDPA), as for a config saved without one
+    config._attn_implementation = None
+    causal = AutoModelForCausalLM._model_mapping
+    if type(config) not in causal:  # Transformers' error names the config class, not the flag
+        flag = "--config_name" if model_args.config_name else "--model_name_or_path"
+        raise ValueError(f"{flag} {model_args.config_name or model_args.model_name_or_path}: a {config.model_type} "
+                         f"model, which has no causal language model class ({type(config).__name__} is not one of "
+                         "AutoModelForCausalLM's); run_clm.py trains causal language models (GPT-2, Llama, ...)")
     if model_args.model_name_or_path:
         try:
             model = from_hub(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, config=config,
                              dtype=dtype)
+        except SafetensorError as err:  # "incomplete metadata, file not fully covered": names no file
+            raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: its weights could not be read "
+                             f"(SafetensorError: {shown(str(err), 200)}); a file cut short or damaged: save or copy "
+                             "them again") from None
         except RuntimeError as err:  # Transformers' report names the weights, not the flag that reshaped them
-            if not model_args.config_overrides or "ignore_mismatched_sizes" not in str(err):
+            if "ignore_mismatched_sizes" not in str(err):
                 raise
+            if not model_args.config_overrides:  # "You set `ignore_mismatched_sizes` to `False`", which no one did
+                name = model_args.config_name or model_args.model_name_or_path
+                raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: its weights do not fit the "
+                                 f"config of {name} (the load report above names them): a config.json edited, or one "
+                                 "of other weights") from None
             raise ValueError(f"--config_overrides {model_args.config_overrides}: the weights of "
                              f"{model_args.model_name_or_path} do not fit the model it shapes (the load report above "
                              "names them); a setting that shapes the model (widths, layers, heads) needs one from "
@@ -861,9 +933,15 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
         if dtype != "auto":
             model.to(dtype)
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(len(tokenizer))
+    if vocab_rows(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(vocab_rows(tokenizer))
     return stock_causal_lm(model)
+
+
+def vocab_rows(tokenizer) -> int:
+    """The embedding rows `tokenizer`'s ids need: len(tokenizer), or more where its ids leave gaps (a vocabulary
+    trimmed by hand), whose highest id would index past len(tokenizer) rows."""
+    return max(len(tokenizer), 1 + max(tokenizer.get_vocab().values(), default=-1))
 
 
 def apply_overrides(config, text: str) -> None:
@@ -965,7 +1043,7 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
     if not training_args.do_train:
         resume = None
     set_seed(training_args.seed)
-    tokenizer = from_hub(AutoTokenizer.from_pretrained, data_args.tokenizer_name)
+    tokenizer = load_tokenizer(data_args.tokenizer_name, model_args.model_name_or_path)
     model = build_model(model_args, data_args, tokenizer)
     patch(model, model_args, span)
     splits = build_datasets(data_args, tokenizer, training_args)
@@ -985,7 +1063,7 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
         if training_args.do_eval and not evaluated_to_the_end(trainer):
             trainer.evaluate()
         metrics = summarize(trainer, train_result, span, all_args, time.time() - start, resumed_from=resume)
-        metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], len(tokenizer)) \
+        metrics["unigram_val_loss"] = unigram_loss(splits["train"], splits["validation"], vocab_rows(tokenizer)) \
             if len(splits) == 2 else None
         if trainer.is_world_process_zero():
             if training_args.do_train:
@@ -1082,10 +1160,12 @@ def device_name(device: torch.device) -> str:
 
 
 def run_config(all_args, world_size: int | None) -> dict:
-    """Everything that configures a run (run_identity.py says which parts make its result)."""
+    """Everything that configures a run (run_identity.py says which parts make its result), the contents of its
+    data files and tokenizer included: a file edited between a run and its rerun makes another run."""
     model_args, data_args, span_args, training_args, stop_args = all_args
     return {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
             "training": training_args.to_dict(), "stopping": asdict(stop_args), "world_size": world_size,
+            "data_sha256": input_digests(data_args),
             "hf_spanattn": hf_spanattn.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__}
 

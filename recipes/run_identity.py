@@ -235,17 +235,20 @@ def identity(config: dict) -> dict:
     schedule = span.get("span_schedule")
     if schedule and os.path.isfile(schedule):
         span["span_schedule"] = Path(schedule).read_text()
-    if config.get("world_size") is not None:
-        groups["world_size"] = config["world_size"]
+    for key in ("world_size", "data_sha256"):
+        if config.get(key) is not None:
+            groups[key] = config[key]
     return groups
 
 
 def differences(saved: dict, wanted: dict, limit: int = 6) -> list[str]:
-    """'group.key: saved → wanted' for each setting that differs (world_size only where both record it)."""
+    """'group.key: saved → wanted' for each setting that differs (world_size and the data files' contents only
+    where both record them)."""
     a, b = identity(saved), identity(wanted)
-    if "world_size" not in a or "world_size" not in b:
-        a.pop("world_size", None)
-        b.pop("world_size", None)
+    for key in ("world_size", "data_sha256"):
+        if key not in a or key not in b:
+            a.pop(key, None)
+            b.pop(key, None)
     out = []
     for group in sorted(set(a) | set(b)):
         x, y = a.get(group), b.get(group)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -704,6 +705,8 @@ def metrics_file(runs: Path, label: str, seed: int, val: float, **changes) -> Pa
     ({"config": {"training": {"seed": 0}, "data": {"block_size": "128"}}},
      "config.data.block_size='128': expected an integer"),
     ({"unigram_val_loss": "low"}, "unigram_val_loss is 'low': expected a finite number"),
+    ({"min_val_loss": math.nan, "eval_history": [{"step": 10, "loss": math.nan}]},  # a run that diverged
+     "min_val_loss is nan: expected a finite number; eval_history[0].loss is nan"),
     ({"world_size": "2"}, "world_size='2': expected an integer >= 1"),
     # counts the report multiplies into "about N tokens": it said "about inf tokens", "blocks of 2.5", "100.0 tokens"
     ({"config": {"training": {"seed": 0}, "data": {"block_size": 1e308}}},
@@ -728,6 +731,7 @@ def test_report_leaves_out_a_metrics_json_it_cannot_use_and_names_it(changes, me
     assert f"report: leaving out {bad}: " in said and message in said
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| standard:QKV111 | 1 |" in text and "| score:1000 |" not in text
+    assert f"**Left out** (a metrics.json the report cannot use):\n\n- {bad}: " in text and message in text
 
 
 @pytest.mark.parametrize("base,value,said", [
@@ -756,6 +760,19 @@ def test_report_names_runs_that_differ_in_more_than_the_span(tmp_path, capsys):
     assert f"these runs differ from standard:QKV111 seed 0 in more than the span, so their Δ % measures that too: " \
            f"{said}." in (tmp_path / "out" / "report.md").read_text()
     assert f"report: H1xL1: runs of other settings than the span: {said}\n" in capsys.readouterr().err
+
+
+def test_report_names_runs_of_data_files_edited_between_them(tmp_path, capsys):
+    """Runs of the same data paths whose contents differed (a file edited between runs) went into one Δ %."""
+    runs = tmp_path / "runs"
+    for label, digest in (("standard:QKV111", "a" * 64), ("score:1000", "b" * 64)):
+        metrics_file(runs, label, 0, 6.0, config={"training": {"seed": 0}, "data": {"block_size": 8},
+                                                  "data_sha256": {"train": digest}})
+    metrics_file(runs, "score:1100", 0, 5.9)  # recorded before the contents were: compared by the rest
+    report.main([str(runs), "--out", str(tmp_path / "out")])
+    assert f"score:1000 seed 0 (data_sha256.train: '{'a' * 64}' → '{'b' * 64}')." in \
+        (tmp_path / "out" / "report.md").read_text()
+    assert "score:1100" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("split,said", [((64, 2), None), ((32, 2), "training.per_device_train_batch_size × "
@@ -1019,6 +1036,32 @@ def test_a_rerun_after_a_stop_past_the_last_checkpoint_makes_the_last_evaluation
     assert again["eval_history"] == full["eval_history"] and again["min_val_loss"] == full["min_val_loss"]
 
 
+@needs_data
+@pytest.mark.parametrize("edited", ["train", "tokenizer"])
+def test_a_data_file_or_tokenizer_edited_since_a_run_makes_another_run(edited, tmp_path):
+    """A rerun after the data file or the tokenizer was edited returned the finished run's metrics of the tokens
+    before; a stopped run resumed its checkpoint on the other tokens, or stopped in the Trainer's "Error(s) in loading
+    state_dict" (a token added): the settings recorded only the paths."""
+    from transformers import AutoTokenizer
+
+    start = pretrained(tmp_path / "start", "gpt2")
+    out = tmp_path / "out"
+    files = data_files(tmp_path / "data", "txt")
+    args = flags({**SMALL, **files, "model_name_or_path": start, "output_dir": out})
+    first = run_clm.main(args)
+    if edited == "train":
+        with open(files["train_file"], "a") as f:
+            f.write(" One more line .\n")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(start)
+        tokenizer.add_tokens(["<new>"])
+        tokenizer.save_pretrained(start)
+    with pytest.raises(ValueError, match=rf"holds a run made with other settings \(data_sha256.{edited}: "):
+        run_clm.main(args)
+    assert run_clm.main([*args, "--overwrite_output_dir"])["config"]["data_sha256"] != first["config"]["data_sha256"]
+    assert run_identity.differences(first["config"], {**first["config"], "data_sha256": None}) == []  # older records
+
+
 @pytest.mark.parametrize("group,value,message", [
     ("data", "wikitext", "data='wikitext': expected an object of settings"),  # was: AttributeError, no file named
     ("span", {"span": "score:12"}, "alphas=(1.0, 2.0): expected 4 values"),
@@ -1190,6 +1233,14 @@ def test_a_data_file_replaced_by_another_of_the_same_time_is_read_anew(name, tmp
         path.write_text(texts(text))
         os.utime(path, (2e9, 2e9))
         assert [t.strip() for t in run_clm.load_file(str(path), "--train_file")["text"]] == [text]
+
+
+def test_csv_cells_that_pandas_reads_as_missing_are_text(tmp_path):
+    """A CSV row whose text was None, NA, nan or null (pandas' missing values) was trained as an empty text."""
+    words = ["None", "NA", "nan", "null", "N/A", "", "some text"]
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\n" + "".join(f"{w},{i}\n" for i, w in enumerate(words)))
+    assert run_clm.load_file(str(path), "--train_file")["text"][:] == words
 
 
 @pytest.mark.parametrize("mode", [0o600, 0o644])

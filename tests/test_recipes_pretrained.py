@@ -4,13 +4,22 @@ folder (built from configs, nothing downloaded), fine-tuned, saved and reloaded 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 import hf_spanattn
 from hf_spanattn.integration.registry import config_of
@@ -59,8 +68,21 @@ def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     """(scratch folder, a tiny pretrained GPT-2, its data files), made once for the tests that only read them."""
     folder = tmp_path_factory.mktemp("shared")
     files = data_files(folder / "data", "txt")
+    start = pretrained(folder / "start", "gpt2")
     (folder / "data" / "train.parquet").write_text("x")
-    return folder, pretrained(folder / "start", "gpt2"), files
+    GPT2LMHeadModel(GPT2Config(n_embd=8, n_head=2, n_layer=1, n_positions=64, vocab_size=64)).save_pretrained(
+        folder / "bare")  # a model saved without its tokenizer
+    shutil.copytree(start, folder / "edited")
+    config = json.loads((start / "config.json").read_text())
+    (folder / "edited" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 7}))
+    (folder / "config_only").mkdir()
+    shutil.copy(start / "tokenizer_config.json", folder / "config_only")
+    T5ForConditionalGeneration(T5Config(d_model=8, d_ff=16, d_kv=4, num_heads=2, num_layers=1, vocab_size=64)
+                               ).save_pretrained(folder / "t5")  # not a causal language model
+    shutil.copytree(start, folder / "cut")
+    weights = (folder / "cut" / "model.safetensors").read_bytes()
+    (folder / "cut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a copy stopped halfway
+    return folder, start, files
 
 
 def flags(args: dict) -> list[str]:
@@ -168,6 +190,17 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
     ({"output_dir": "{tmp}/data/train.parquet/run"}, "{tmp}/data/train.parquet is a file"),
     ({"fsdp": None, "fsdp_config": '{"fsdp_version": 2}'}, "--fsdp: Accelerate shards only on GPUs"),
     ({"tokenizer_name": "./no-such-tokenizer"}, "--tokenizer_name ./no-such-tokenizer: no such folder"),
+    ({"tokenizer_name": "{tmp}/start/tokenizer.json"},
+     "--tokenizer_name {tmp}/start/tokenizer.json: a file, not a folder; give the folder that holds it ({tmp}/start)"),
+    ({"model_name_or_path": "{tmp}/start/config.json"}, "--model_name_or_path {tmp}/start/config.json: a file, not"),
+    ({"tokenizer_name": "{tmp}/data"}, "--tokenizer_name {tmp}/data: no tokenizer could be read from it"),
+    ({"tokenizer_name": "{tmp}/config_only"}, "--tokenizer_name {tmp}/config_only: holds no tokenizer vocabulary"),
+    ({"model_name_or_path": "{tmp}/bare"}, "--model_name_or_path {tmp}/bare: holds no tokenizer vocabulary"),
+    ({"model_name_or_path": "{tmp}/t5", "tokenizer_name": "{tmp}/start"},
+     "--model_name_or_path {tmp}/t5: a t5 model, which has no causal language model class"),
+    ({"config_name": "{tmp}/t5"}, "--config_name {tmp}/t5: a t5 model"),
+    ({"model_name_or_path": "{tmp}/cut"}, "--model_name_or_path {tmp}/cut: its weights could not be read"),
+    ({"model_name_or_path": "{tmp}/edited"}, "--model_name_or_path {tmp}/edited: its weights do not fit the config of"),
 ])
 def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
@@ -190,3 +223,50 @@ def test_config_overrides_that_reshape_a_pretrained_model_name_the_flag(gpt2_and
         run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="n_embd=64"), data, tokenizer)
     model = run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="resid_pdrop=0.3"), data, tokenizer)
     assert model.config.resid_pdrop == 0.3
+
+
+def test_a_start_saved_with_an_attention_not_installed_here_loads_as_sdpa(gpt2_and_data, tmp_path):
+    """A config.json naming flash_attention_2 (saved so by another machine, or by hand) stopped the run with
+    Transformers' ImportError, though the patch replaces that attention."""
+    _, start, _ = gpt2_and_data
+    shutil.copytree(start, tmp_path / "start")
+    config = json.loads((start / "config.json").read_text())
+    (tmp_path / "start" / "config.json").write_text(json.dumps({**config, "_attn_implementation": "flash_attention_2"}))
+    tokenizer, data = AutoTokenizer.from_pretrained(start), run_clm.DataArguments(block_size=32)
+    model, stock = (run_clm.build_model(run_clm.ModelArguments(model_name_or_path=str(s)), data, tokenizer).eval()
+                    for s in (tmp_path / "start", start))
+    ids = torch.randint(len(tokenizer), (2, 16))
+    assert torch.equal(model(ids).logits, stock(ids).logits)
+
+
+def test_a_tokenizer_whose_ids_leave_gaps_gets_rows_for_its_highest_id(gpt2_and_data):
+    """A vocabulary trimmed by hand (ids 0, 1 and 60000) has 3 tokens but needs 60001 rows: the model was resized to
+    len(tokenizer) only, and the first batch holding the highest id stopped with "IndexError: index out of range"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _, start, _ = gpt2_and_data
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 60000}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    for args in ({"model_name_or_path": str(start)}, {}):  # pretrained (50257 rows), and from scratch
+        shape = run_clm.ModelArguments(**args, n_layer=None if args else 1)
+        model = run_clm.build_model(shape, run_clm.DataArguments(block_size=32), tokenizer)
+        ids = torch.tensor([tokenizer("a b a b").input_ids])
+        assert model.get_input_embeddings().weight.shape[0] == 60001 and model(ids).logits.shape == (1, 4, 60001)
+
+
+def test_a_tokenizer_of_a_short_model_max_length_reads_long_texts_without_a_false_warning(tmp_path, caplog,
+                                                                                          monkeypatch):
+    """Transformers warned that texts longer than the tokenizer's model_max_length "will result in indexing errors",
+    which the blocks of --block_size never give."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(DATA / "gpt2-tokenizer", model_max_length=8)
+    (tmp_path / "train.txt").write_text(" ".join(TEXT) + "\n")
+    data = run_clm.DataArguments(train_file=str(tmp_path / "train.txt"), block_size=32, overlap=0)
+    blocks = run_clm.build_datasets(data, tokenizer, run_clm.TrainingArguments(str(tmp_path), do_train=True))["train"]
+    ids = tokenizer(" ".join(TEXT) + "\n", verbose=False)["input_ids"]
+    assert blocks[0]["input_ids"].tolist() == ids[:32] and len(blocks) == len(ids) // 32
+    assert "indexing errors" not in caplog.text
