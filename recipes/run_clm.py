@@ -933,8 +933,9 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
         if dtype != "auto":
             model.to(dtype)
-    if vocab_rows(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(vocab_rows(tokenizer))
+    rows = vocab_rows(tokenizer)
+    if rows > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(rows)
     return stock_causal_lm(model)
 
 

@@ -38,12 +38,12 @@ class GradRecorder(TrainerCallback):
         self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def train(model, tmp_path, callbacks, **overrides):
+def train(model, tmp_path, callbacks, dataset=None, **overrides):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=0.0,
                 report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
                 max_grad_norm=0.0)  # the recorded gradients are the raw ones
-    trainer = Trainer(model=model, args=TrainingArguments(**{**base, **overrides}), train_dataset=Same(),
-                      callbacks=callbacks)
+    trainer = Trainer(model=model, args=TrainingArguments(**{**base, **overrides}),
+                      train_dataset=Same() if dataset is None else dataset, callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -513,26 +513,24 @@ class Pictures(torch.utils.data.Dataset):
                 "pixel_values": torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(i))}
 
 
+def _vision_tower_grads(label):
+    """The vision tower's parameter gradients of a tiny LLaVA patched with `label`, on both Pictures."""
+    model = patch_model(tiny_llava(patch_size=4), label).train()
+    rows = [Pictures()[i] for i in range(2)]
+    model(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "vision_tower" in n}
+
+
 def test_a_schedule_of_labels_reaches_a_vision_tower_whose_attention_carries_no_layer_index(tmp_path):
     """LLaVA: CLIP's attention carries no layer index, Llama's does. A schedule's label (all layers) reached the
     text layers only, the vision tower training with the model's setting. Its gradients are now those of the model
     patched by hand with the label, its diagnostics are recorded per tower, and a layer table says what it leaves."""
     recorder = GradRecorder()
     schedule = [Keyframe(0, "score:1000")]
-    trainer = Trainer(model=patch_model(tiny_llava(patch_size=4), "score:1100"), train_dataset=Pictures(),
-                      callbacks=[SpanAttentionCallback(schedule, diagnostics_every=1), recorder],
-                      args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
-                                             learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
-                                             disable_tqdm=True, max_grad_norm=0.0))
-    trainer.train()
-
-    def by_hand(label):
-        model = patch_model(tiny_llava(patch_size=4), label).train()
-        rows = [Pictures()[i] for i in range(2)]
-        model(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}).loss.backward()
-        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "vision_tower" in n}
-
-    want, other = by_hand("score:1000"), by_hand("score:1100")
+    train(patch_model(tiny_llava(patch_size=4), "score:1100"), tmp_path,
+          [SpanAttentionCallback(schedule, diagnostics_every=1), recorder], Pictures(), per_device_train_batch_size=2,
+          max_steps=1)
+    want, other = _vision_tower_grads("score:1000"), _vision_tower_grads("score:1100")
     assert any(not torch.allclose(want[n], other[n], rtol=1e-4) for n in want)  # the rule shows in the vision tower
     assert_same(recorder.grads[0], want)
     records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
@@ -672,17 +670,10 @@ def test_the_labels_of_a_schedule_with_a_table_reach_a_vision_tower_whose_attent
     with pytest.warns(UserWarning, match=r"\(CLIPAttention\) carry no layer index, so a layer table cannot name them; "
                                          r"they follow the schedule's labels \(keyframes at=0\), keeping the setting "
                                          "the last one gave them while a table is in force"):
-        trainer = Trainer(model=patch_model(tiny_llava(patch_size=4), "score:1100"), train_dataset=Pictures(),
-                          callbacks=[SpanAttentionCallback(schedule, diagnostics_every=1), recorder],
-                          args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
-                                                 learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
-                                                 disable_tqdm=True, max_grad_norm=0.0))
-        trainer.train()
-    model = patch_model(tiny_llava(patch_size=4), "score:1000").train()
-    rows = [Pictures()[i] for i in range(2)]
-    model(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}).loss.backward()
-    assert_same(recorder.grads[0], {n: p.grad for n, p in model.named_parameters()
-                                    if p.grad is not None and "vision_tower" in n})
+        train(patch_model(tiny_llava(patch_size=4), "score:1100"), tmp_path,
+              [SpanAttentionCallback(schedule, diagnostics_every=1), recorder], Pictures(),
+              per_device_train_batch_size=2, max_steps=2)
+    assert_same(recorder.grads[0], _vision_tower_grads("score:1000"))
     records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
     assert {(r["step"], r["span"]) for r in records if "vision_tower" in r["tower"]} == {(1, "score:1000"),
                                                                                           (2, "score:1000")}

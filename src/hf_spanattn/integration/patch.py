@@ -221,12 +221,21 @@ def _rejoin_copies(base: PreTrainedModel) -> None:
                     module.config = configs[name]
 
 
-def _towers(base: PreTrainedModel) -> dict[str, PreTrainedModel]:
+def tower_paths(base: PreTrainedModel) -> dict[str, tuple[str, PreTrainedModel]]:
     """The models inside a composite model (a vision-language model's vision tower and language model, an
-    encoder-decoder's encoder and decoder) that read one of its sub-configs, by the sub-config's name."""
+    encoder-decoder's encoder and decoder) that read one of its sub-configs, by the sub-config's name: the path and
+    the outermost model reading it."""
     parts = {id(getattr(base.config, key, None)): key for key in getattr(base.config, "sub_configs", None) or {}}
-    return {parts[id(m.config)]: m for m in base.modules()
-            if isinstance(m, PreTrainedModel) and m is not base and id(m.config) in parts}
+    found: dict[str, tuple[str, PreTrainedModel]] = {}
+    for path, m in base.named_modules():
+        if isinstance(m, PreTrainedModel) and m is not base and id(m.config) in parts:
+            found.setdefault(parts[id(m.config)], (path, m))
+    return found
+
+
+def _towers(base: PreTrainedModel) -> dict[str, PreTrainedModel]:
+    """`tower_paths` without the paths."""
+    return {key: m for key, (_, m) in tower_paths(base).items()}
 
 
 def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:

@@ -96,13 +96,10 @@ def _check_towers(base: Any, checkpoint: str, saved: SpanAttentionConfig | None,
     path = os.path.join(checkpoint, "config.json")
     if current is None or not os.path.isfile(path):  # not patched (said by the caller), or an adapter's folder
         return
+    from hf_spanattn.integration.patch import tower_paths
+
     data = _read_json(path)
-    keys = {id(getattr(base.config, key, None)): key for key in getattr(base.config, "sub_configs", None) or {}}
-    towers: dict[str, tuple[str, Any]] = {}  # sub-config name -> the outermost model reading it, and its path
-    for name, module in base.named_modules():
-        if module is not base and id(getattr(module, "config", None)) in keys:
-            towers.setdefault(keys[id(module.config)], (name, module))
-    for key, (name, tower) in towers.items():
+    for key, (name, tower) in tower_paths(base).items():
         section = data.get(key) if isinstance(data, dict) else None
         stored = section.get(CONFIG_KEY) if isinstance(section, dict) else None
         try:
