@@ -99,7 +99,7 @@ from transformers.hf_argparser import string_to_bool
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
-from hf_spanattn.integration.registry import config_of
+from hf_spanattn.integration.registry import config_of, layer_count
 from hf_spanattn.ops import backend_for
 from hf_spanattn.ops.inputs import shown
 from hf_spanattn.training import Schedule, SpanAttentionCallback
@@ -336,15 +336,22 @@ class SpanArguments:
                 raise ValueError(f"--span_schedule {shown(self.span_schedule)}: expected a list of keyframes")
             try:
                 schedule = Schedule(keyframes)
-                for keyframe in schedule.keyframes:  # checked now (the steps of a run of 10^6); again at the start
-                    keyframe.settings(n_layers=10**6)
-                    keyframe.step(max_steps=10**6, steps_per_epoch=1)
             except ValueError as err:
                 raise ValueError(f"--span_schedule {shown(self.span_schedule, 120)}: {err}") from None
+            self.check_schedule(schedule, n_layers=10**6)  # checked now (a run of 10^6 steps); again with the model
         try:
             return SpanAttentionCallback(schedule, self.span_diagnostics_every, self.span_diagnostics_per_head)
         except ValueError as err:  # named by the flag, not by the callback's argument
             raise ValueError(f"--span_diagnostics_every {self.span_diagnostics_every}: {err}") from None
+
+    def check_schedule(self, schedule: Schedule, n_layers: int) -> None:
+        """Refuses, naming --span_schedule, a keyframe that names layers past `n_layers` or steps no run has."""
+        try:
+            for keyframe in schedule.keyframes:
+                keyframe.settings(n_layers=n_layers)
+                keyframe.step(max_steps=10**6, steps_per_epoch=1)
+        except ValueError as err:
+            raise ValueError(f"--span_schedule {shown(self.span_schedule, 120)}: {err}") from None
 
     def config(self) -> SpanAttentionConfig:
         """The settings of --span, --span_grad and --span_layers; a bad one is named by its flag."""
@@ -1047,6 +1054,9 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
     tokenizer = load_tokenizer(data_args.tokenizer_name, model_args.model_name_or_path)
     model = build_model(model_args, data_args, tokenizer)
     patch(model, model_args, span)
+    callback = span_args.callback()  # it moves an earlier start's diagnostics aside, and keeps a resumed run's
+    if callback is not None and callback.schedule is not None:  # layers past the model's, before the data is read
+        span_args.check_schedule(callback.schedule, layer_count(model))
     splits = build_datasets(data_args, tokenizer, training_args)
     logger.info("span %s, %s blocks of %d tokens", span.label,
                 " and ".join(f"{len(d)} {s}" for s, d in splits.items()), data_args.block_size)
@@ -1055,7 +1065,6 @@ def run(model_args, data_args, span_args, training_args, stop_args, output_args,
                       eval_dataset=splits.get("validation"), data_collator=default_data_collator,
                       compute_metrics=make_compute_metrics(), preprocess_logits_for_metrics=token_scores,
                       callbacks=stop_callbacks)
-    callback = span_args.callback()  # it moves an earlier start's diagnostics aside, and keeps a resumed run's
     if callback is not None:
         callback.add_to(trainer)
     start = time.time()

@@ -287,6 +287,13 @@ def test_bad_schedules_fail_before_any_data_is_read(schedule, message, monkeypat
         run_clm.main(["--span_schedule", schedule, "--output_dir", str(tmp_path)])
 
 
+def test_a_schedule_naming_layers_past_the_models_fails_by_its_flag_before_any_data_is_read(monkeypatch, tmp_path):
+    monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
+    with pytest.raises(ValueError, match=r"^--span_schedule '\[.*\]': keyframe .*layers 1 are outside 0\.\.0"):
+        run_clm.main(flags({**TINY, "span_schedule": '[{"at": 0, "span": {"1": "score:1000"}}]',
+                            "output_dir": tmp_path}))
+
+
 def test_sweep_runs_one_setting_once_and_redoes_a_run_made_otherwise(tmp_path, capsys):
     spans = ["score:1000", "score:1,0,0,0", "standard:QKV111"]
     config = yaml.safe_load(write_sweep(tmp_path, spans, [0, 0]).read_text())
