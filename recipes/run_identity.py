@@ -29,7 +29,7 @@ import yaml
 
 from hf_spanattn.config import KeyGivenTwice, unique_keys
 from hf_spanattn.ops.inputs import shown
-from hf_spanattn.training.callback import process_start
+from hf_spanattn.training.diagnostics_file import process_start
 
 RUN_CONFIG = "run_config.json"
 # TrainingArguments that do not change what a run computes

@@ -1608,7 +1608,7 @@ def test_a_diagnostics_lock_whose_process_id_was_given_to_another_process_is_tak
     import socket
     import subprocess
 
-    from hf_spanattn.training.callback import process_start
+    from hf_spanattn.training.diagnostics_file import process_start
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     lock = tmp_path / "span_diagnostics.jsonl.lock"
