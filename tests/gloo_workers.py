@@ -49,20 +49,28 @@ def _run(rank: int, world_size: int, port: int, worker, args) -> None:
     worker(*args)
 
 
-def train_with_diagnostics(output_dir: str, per_device: int, max_steps: int) -> list[dict]:
-    """Train a patched tiny GPT-2 with the Trainer (DDP over gloo where started by `spawn`), recording the
-    diagnostics every step; returns the log history and writes it to log_history-{rank}.json."""
+def train_with_diagnostics(output_dir: str, per_device: int, max_steps: int, zero_stage: int | None = None,
+                           schedule: list | None = None) -> list[dict]:
+    """Train a patched tiny GPT-2 with the Trainer (DDP over gloo where started by `spawn`, or DeepSpeed ZeRO
+    `zero_stage` on DeepSpeed's CPU backend), recording the diagnostics every step; returns the log history and writes
+    it to log_history-{rank}.json. Where a schedule is given, the model is saved at the end (`Trainer.save_model`)."""
     from transformers import Trainer, TrainingArguments
 
     from hf_spanattn.training import SpanAttentionCallback
 
+    deepspeed = None if zero_stage is None else {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,  # the Trainer's torch AdamW
+        "zero_optimization": {"stage": zero_stage, "stage3_gather_16bit_weights_on_model_save": True}}
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=per_device, max_steps=max_steps,
                              learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
                              report_to=[], use_cpu=True, ddp_find_unused_parameters=False, disable_tqdm=True,
-                             seed=0)
+                             seed=0, deepspeed=deepspeed)
     trainer = Trainer(model=patch_model(tiny("gpt2"), "score:1100"), args=args, train_dataset=Rows(),
-                      callbacks=[SpanAttentionCallback(diagnostics_every=1)])
+                      callbacks=[SpanAttentionCallback(schedule, diagnostics_every=1)])
     trainer.train()
+    if schedule is not None:
+        trainer.save_model()
     history = trainer.state.log_history
     (Path(output_dir) / f"log_history-{trainer.args.process_index}.json").write_text(json.dumps(history))
     return history

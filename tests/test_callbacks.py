@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import warnings
 
@@ -392,6 +393,45 @@ def test_diagnostics_under_ddp_are_those_of_one_process_over_the_global_batch(tm
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-12), key
         for key in ("cos_q", "cos_k", "rank_k", "rank_v"):
             assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage,processes", [(3, 1), pytest.param(2, 2, marks=pytest.mark.slow),
+                                             pytest.param(3, 2, marks=pytest.mark.slow)])
+def test_deepspeed_zero_trains_as_one_process_without_it(stage, processes, tmp_path):
+    """The Trainer with DeepSpeed ZeRO on its CPU backend (gloo), `processes` ranks over the 4 rows, against one
+    process without DeepSpeed, two steps under a schedule (a layer table at step 1): the same losses, α and
+    diagnostics in the logs and the records, and a saved model (ZeRO-3: gathered) with the same weights and settings."""
+    from gloo_workers import spawn, train_with_diagnostics
+
+    import hf_spanattn
+
+    schedule = [{"at": 0, "span": "score:1100"}, {"at": 1, "span": {"1": "score:1000"}}]
+    one = train_with_diagnostics(str(tmp_path / "one"), 4, 2, None, schedule)
+    spawn(train_with_diagnostics, processes, str(tmp_path / "ds"), 4 // processes, 2, stage, schedule)
+    ranks = [json.loads((tmp_path / "ds" / f"log_history-{r}.json").read_text()) for r in range(processes)]
+    steps = [[e for e in history if "loss" in e] for history in (one, *ranks)]
+    assert len(steps[0]) == 2 and all(len(s) == 2 for s in steps)
+    assert steps[0][0]["span/layer1/alpha1"] == 1.0 and steps[0][1]["span/layer1/alpha1"] == 0.0  # the table's
+    for want, got in zip(steps[0], steps[1]):
+        assert got.keys() == want.keys()
+        for key in [k for k in want if k == "loss" or k.startswith("span/")]:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+    records = [[json.loads(line) for line in (tmp_path / d / "span_diagnostics.jsonl").read_text().splitlines()]
+               for d in ("one", "ds")]
+    assert len(records[0]) == len(records[1]) == 4
+    for want, got in zip(*records):
+        assert got["span"] == want["span"]
+        assert got["dq_share"] == pytest.approx(want["dq_share"], rel=1e-5, abs=1e-12)
+    saved = [hf_spanattn.load_pretrained(tmp_path / d) for d in ("one", "ds")]
+    assert saved[1].config.span_attention == saved[0].config.span_attention
+    assert hf_spanattn.SpanAttentionConfig.from_dict(saved[1].config.span_attention).label == "score:1100"
+    # the same weights, within 1e-3 of how far training moved them: Adam's step m/√v moves an entry whose gradient
+    # is near 0 by up to the learning rate on rounding alone
+    weights, start = [model.state_dict() for model in saved], tiny("gpt2").state_dict()
+    for name, want in weights[0].items():
+        moved = (want - start[name]).abs().max()
+        assert moved > 0 and (weights[1][name] - want).abs().max() <= 1e-3 * moved, name
 
 
 @pytest.mark.parametrize("keyframe,message", [
