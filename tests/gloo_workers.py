@@ -191,3 +191,20 @@ def ddp_patched_after_wrapping(output_dir: str) -> None:
     dist.barrier()
     del wrapper  # before the process group: its reducer holds the group
     dist.destroy_process_group()
+
+
+def deepspeed_engine_patched(output_dir: str) -> None:
+    """Patch the DeepSpeedEngine around a tiny GPT-2 (ZeRO-3, DeepSpeed's CPU backend), as one patches what
+    `accelerator.prepare` returns, and save the full parameter gradients of one backward over BATCH's first 2 rows."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    model = tiny("gpt2")
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=config)
+    patch_model(engine, "score:1100")
+    engine.backward(engine(BATCH[:2], labels=LABELS[:2]).loss)
+    gradients = {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    torch.save(gradients, Path(output_dir) / "deepspeed.pt")

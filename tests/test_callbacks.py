@@ -434,6 +434,20 @@ def test_deepspeed_zero_trains_as_one_process_without_it(stage, processes, tmp_p
         assert moved > 0 and (weights[1][name] - want).abs().max() <= 1e-3 * moved, name
 
 
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_a_deepspeed_engine_is_patched_through_the_model_inside(tmp_path):
+    """patch_model given the DeepSpeedEngine (ZeRO-3) that `deepspeed.initialize` or `accelerator.prepare` returns
+    patches the model inside: the gradients of the model patched alone."""
+    from gloo_workers import BATCH, LABELS, deepspeed_engine_patched, spawn
+
+    spawn(deepspeed_engine_patched, 1, str(tmp_path))
+    engine = torch.load(tmp_path / "deepspeed.pt")
+    model = patch_model(tiny("gpt2"), "score:1100")
+    model(BATCH[:2], labels=LABELS[:2]).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(engine[name], p.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+
 @pytest.mark.parametrize("keyframe,message", [
     (Keyframe("100%", "score:1000"), "keyframe at='100%' (step 2) is never reached: training ends after max_steps=2 "
                                      "(steps 0..1)"),

@@ -11,6 +11,7 @@ import copy
 import difflib
 import inspect
 import os
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -50,15 +51,18 @@ _PATCHED: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()  # the models pat
 
 
 def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTrainedModel:
-    """The Transformers model under a DistributedDataParallel (or DataParallel), `torch.compile` or PEFT wrapper (or
-    the model itself)."""
+    """The Transformers model under a DistributedDataParallel (or DataParallel), DeepSpeedEngine, `torch.compile` or
+    PEFT wrapper (or the model itself)."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)  # as Accelerate's `prepare` gives
+    deepspeed = sys.modules.get("deepspeed")  # imported wherever an engine was made
+    if deepspeed is not None and isinstance(getattr(deepspeed, "DeepSpeedEngine", None), type):
+        parallel += (deepspeed.DeepSpeedEngine,)
     while isinstance(model, (*parallel, torch._dynamo.eval_frame.OptimizedModule)):
         model = model.module if isinstance(model, parallel) else model._orig_mod
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module "
-                        f"or DistributedDataParallel around one), got {type(model).__name__}")
+        raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
+                        f"DistributedDataParallel or DeepSpeedEngine around one), got {type(model).__name__}")
     return base
 
 
@@ -67,8 +71,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     """Give `model` span-decomposed attention gradients; the forward pass is unchanged.
 
     Args:
-        model: a Transformers model, or a PEFT model, `torch.compile` module or DistributedDataParallel
-            around one (patched through the model inside; the wrapper then trains with the span gradients).
+        model: a Transformers model, or a PEFT model, `torch.compile` module, DistributedDataParallel or
+            DeepSpeedEngine around one (patched through the model inside; the wrapper then trains with the span
+            gradients).
         config: a SpanAttentionConfig or a label such as `"score:1000"`; None keeps the settings
             already on the model config, or takes the default.
         layers: decoder layer indices that use span gradients (the others keep stock ones), at
