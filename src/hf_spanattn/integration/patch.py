@@ -188,6 +188,8 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
         _warn_modules_left_stock(base)
+    if config.layers is not None:
+        _warn_layers_moved(base, config.layers, "patch_model")
     if as_saved:  # a tower patched otherwise, or unpatched, before the model was saved: as it was
         apart = []
         for key, tower in towers.items():
@@ -262,7 +264,49 @@ def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dic
                           stacklevel=user_stacklevel())
 
 
-def _warn_modules_left_stock(base: PreTrainedModel) -> None:
+def check_structure(base: PreTrainedModel, caller: str) -> None:
+    """Warn where the model's structure, changed after patch_model (layers dropped, reordered or duplicated, a module
+    or the inner model replaced), does not train as its settings say: what `_warn_modules_left_stock` and
+    `_warn_layers_moved` name, and `layers` that name a layer the model no longer holds."""
+    if not is_patched(base):
+        return
+    _warn_modules_left_stock(base, caller)
+    config = config_of(base.config)
+    if config is None or config.layers is None:
+        return
+    try:
+        refuse_layers_without_attention(base, config.layers, f"{stored_source(base.config)}: "
+                                                             f"layers={shown(list(config.layers))}")
+    except ValueError as error:
+        warnings.warn(f"{caller}: {error}, so no layer of that index gets span gradients (the model's layers changed "
+                      "since patch_model?); patch_model(model, ..., layers=[...]) with layers it holds",
+                      stacklevel=user_stacklevel())
+    _warn_layers_moved(base, config.layers, caller)
+
+
+def _warn_layers_moved(base: PreTrainedModel, layers: Any, caller: str) -> None:
+    """Warn where an entry of a list of layers holds attention of another layer's index (layers reordered, a layer
+    duplicated or dropped from the front): `layers` selects by that index, while from_pretrained numbers the layers
+    by their place in the list, so the saved model would train other layers with span gradients."""
+    neo = gpt_neo.attentions(base)
+    moved = []
+    for path, block in base.named_modules():
+        if not isinstance(block, torch.nn.ModuleList):
+            continue
+        for place, layer in enumerate(block):
+            indices = {registry.layer_index(m) for m in layer.modules() if m in neo or calls_the_registry(m)}
+            index = next(iter(indices)) if len(indices) == 1 else None
+            if isinstance(index, int) and index != place and (index in layers or place in layers):
+                moved.append(f"{path}.{place} (layer_idx {index})")
+    if moved:
+        warnings.warn(f"{caller}: layers={shown(list(layers))} selects attention by its layer index, and "
+                      f"{', '.join(moved)} of {type(base).__name__} hold attention of another index than their place "
+                      "(layers reordered, duplicated or dropped after patch_model); from_pretrained numbers the layers "
+                      "by their place, so the saved model would train other layers with span gradients. Set each "
+                      "layer's attention .layer_idx to its place and patch again", stacklevel=user_stacklevel())
+
+
+def _warn_modules_left_stock(base: PreTrainedModel, caller: str = "patch_model") -> None:
     """Warn where an attention module of `base` reads the attention implementation from a config that is not the
     model's (a layer taken from another model keeps that model's config): it keeps its stock attention and
     gradients, and setting that config would change the other model."""
@@ -270,7 +314,7 @@ def _warn_modules_left_stock(base: PreTrainedModel) -> None:
             getattr(getattr(module, "config", None), "_attn_implementation", None) not in (None, ATTN_IMPLEMENTATION)}
     if left:
         other = next(iter(left.values()))
-        warnings.warn(f"patch_model: {', '.join(left)} of {type(base).__name__} read their attention implementation "
+        warnings.warn(f"{caller}: {', '.join(left)} of {type(base).__name__} read their attention implementation "
                       f"from a config that is not the model's ({type(other).__name__} with attn_implementation="
                       f"{other._attn_implementation!r}: a layer taken from another model, or the config a tower was "
                       "loaded with, which EncoderDecoderModel.from_encoder_decoder_pretrained replaces on the tower "
