@@ -2780,3 +2780,19 @@ def test_a_model_left_as_patched_trains_without_a_word_of_its_structure(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         trainer_with(tmp_path, model=model).train()
+
+
+def test_a_layer_built_on_a_copy_of_the_patched_config_is_stock_after_unpatching():
+    """A decoder layer built after patch_model on copy.deepcopy(model.config) reads a config of its own that says
+    span_attention: after unpatch_model it kept span gradients, as the only layer of the model, without a word."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = patch_model(tiny("llama").double(), "score:1000")
+    torch.manual_seed(1)
+    model.model.layers[1] = LlamaDecoderLayer(copy.deepcopy(model.config), 1).double()
+    unpatch_model(model)
+    stock = copy.deepcopy(model)
+    stock.model.layers[1].self_attn.config = stock.config
+    got, expected = _grads(model), _grads(stock)
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
+    assert not hasattr(model.model.layers[1].self_attn.config, "span_attention")

@@ -471,9 +471,25 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     implementation = original["attn_implementation"] if original else "sdpa"
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
+    _unpatch_copied_configs(base, implementation)
     for part in sharing:
         part.__dict__.pop(_ORIGINAL, None)
     return model
+
+
+def _unpatch_copied_configs(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:
+    """Give stock attention to the modules of `base` that read a config of their own set to span_attention, which no
+    other patched model reads: a layer built after patch_model on a copy of the model's config
+    (`copy.deepcopy(model.config)`), which kept span gradients after unpatch_model."""
+    inside = _own_configs(base)
+    for module in base.modules():
+        other = getattr(module, "config", None)
+        theirs = registry.PATCHED_CONFIGS.get(id(other)) is other  # another patched model's: left to it
+        if isinstance(other, PretrainedConfig) and id(other) not in inside and not theirs and \
+                calls_the_registry(module) and other._attn_implementation == ATTN_IMPLEMENTATION:
+            other._attn_implementation = implementation if isinstance(implementation, str) else implementation[""]
+            if hasattr(other, CONFIG_KEY):
+                delattr(other, CONFIG_KEY)
 
 
 def _another_sharing(base: PreTrainedModel) -> PreTrainedModel | None:
