@@ -2796,3 +2796,17 @@ def test_a_layer_built_on_a_copy_of_the_patched_config_is_stock_after_unpatching
     got, expected = _grads(model), _grads(stock)
     assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
     assert not hasattr(model.model.layers[1].self_attn.config, "span_attention")
+
+
+def test_a_model_config_replaced_after_patching_is_named_before_training(tmp_path):
+    """`model.config` replaced after patch_model by a config without settings: the modules still read the patched
+    config and trained with span gradients, which save_pretrained no longer wrote, without a word."""
+    model = patch_model(tiny("llama"), "score:1000")
+    config = copy.deepcopy(model.config)
+    del config.span_attention
+    config._attn_implementation = "sdpa"
+    model.config = config
+    with pytest.warns(UserWarning, match=r"Trainer\.train: model\.layers\.0\.self_attn, model\.layers\.1\.self_attn "
+                                         r"of LlamaForCausalLM read their attention implementation from a "
+                                         r"config that is not the model's, set to 'span_attention'"):
+        trainer_with(tmp_path, model=model).train()

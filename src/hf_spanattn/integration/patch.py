@@ -267,8 +267,20 @@ def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dic
 def check_structure(base: PreTrainedModel, caller: str) -> None:
     """Warn where the model's structure, changed after patch_model (layers dropped, reordered or duplicated, a module
     or the inner model replaced), does not train as its settings say: what `_warn_modules_left_stock` and
-    `_warn_layers_moved` name, and `layers` that name a layer the model no longer holds."""
-    if not is_patched(base):
+    `_warn_layers_moved` name, and `layers` that name a layer the model no longer holds; in a model not patched, its
+    modules that run span_attention all the same (`model.config` replaced after patch_model)."""
+    if not is_patched(base):  # a tower patched alone reads a sub-config of the model's
+        keys = getattr(base.config, "sub_configs", None) or {}
+        parts = [base.config, *(getattr(base.config, key, None) for key in keys)]
+        left = [path for path, module in base.named_modules() if calls_the_registry(module) and
+                is_patched_config(own := getattr(module, "config", None)) and all(own is not c for c in parts)]
+        if left:
+            warnings.warn(f"{caller}: {', '.join(left)} of {type(base).__name__} read their attention implementation "
+                          f"from a config that is not the model's, set to {ATTN_IMPLEMENTATION!r}, while the model's "
+                          f"config holds no span settings (model.config replaced after patch_model?): they train with "
+                          "span gradients, which save_pretrained does not write. Patch the model "
+                          "(hf_spanattn.patch_model(model, ...)) to train and save them, or set model.config back and "
+                          "unpatch it (hf_spanattn.unpatch_model) for stock gradients", stacklevel=user_stacklevel())
         return
     _warn_modules_left_stock(base, caller)
     config = config_of(base.config)
@@ -282,6 +294,12 @@ def check_structure(base: PreTrainedModel, caller: str) -> None:
                       "since patch_model?); patch_model(model, ..., layers=[...]) with layers it holds",
                       stacklevel=user_stacklevel())
     _warn_layers_moved(base, config.layers, caller)
+
+
+def is_patched_config(model_config: Any) -> bool:
+    """Whether `model_config` is a config that patch_model set to span_attention."""
+    return registry.PATCHED_CONFIGS.get(id(model_config)) is model_config and \
+        model_config._attn_implementation == ATTN_IMPLEMENTATION
 
 
 def _warn_layers_moved(base: PreTrainedModel, layers: Any, caller: str) -> None:
