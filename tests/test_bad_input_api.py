@@ -2810,3 +2810,29 @@ def test_a_model_config_replaced_after_patching_is_named_before_training(tmp_pat
                                          r"of LlamaForCausalLM read their attention implementation from a "
                                          r"config that is not the model's, set to 'span_attention'"):
         trainer_with(tmp_path, model=model).train()
+
+
+def test_a_model_config_replaced_after_patching_is_stock_after_unpatching():
+    """`model.config` replaced after patch_model, then unpatch_model: the inner model kept the patched config, and
+    the model trained with span gradients after unpatching, without a word."""
+    model = patch_model(tiny("llama").double(), "score:1000")
+    stock = copy.deepcopy(model)
+    unpatch_model(stock)
+    config = copy.deepcopy(model.config)
+    del config.span_attention
+    config._attn_implementation = "sdpa"
+    model.config = config
+    unpatch_model(model)
+    got, expected = _grads(model), _grads(stock)
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
+
+
+def test_a_layer_taken_from_another_patched_model_after_patching_is_named_before_training(tmp_path):
+    """A decoder layer of another model patched otherwise, put into a patched model after patch_model: it read that
+    model's settings (patch_model refuses it before, not after), so it trained under score:1100 in a model of
+    score:1000, without a word."""
+    model, other = patch_model(tiny("llama"), "score:1000"), patch_model(tiny("llama", seed=1), "score:1100")
+    model.model.layers[1] = other.model.layers[1]
+    with pytest.warns(UserWarning, match=r"Trainer\.train: model\.layers\.1\.self_attn \(under score:1100\) of "
+                                         r"LlamaForCausalLM read the settings of another patched model"):
+        trainer_with(tmp_path, model=model).train()

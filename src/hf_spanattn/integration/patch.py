@@ -284,7 +284,16 @@ def check_structure(base: PreTrainedModel, caller: str) -> None:
         return
     _warn_modules_left_stock(base, caller)
     config = config_of(base.config)
-    if config is None or config.layers is None:
+    if config is None:
+        return
+    theirs = _modules_of_other_models(base, config, gpt_neo.attentions(base))
+    if theirs:
+        warnings.warn(f"{caller}: {', '.join(f'{path} (under {other.label})' for path, _, other in theirs)} of "
+                      f"{type(base).__name__} read the settings of another patched model (a module taken from it after "
+                      f"patch_model), so they train under those, not under the model's {config.label}; give this model "
+                      "its own copy of the module (copy.deepcopy) pointing to its config (.config = model.config), and "
+                      "patch again", stacklevel=user_stacklevel())
+    if config.layers is None:
         return
     try:
         refuse_layers_without_attention(base, config.layers, f"{stored_source(base.config)}: "
@@ -347,7 +356,20 @@ def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttention
     module put into two models) that runs it under other settings: a module reads one model's settings, so the
     other model would train under this one's without a word. A model inside `base` or around it (a composite's
     tower, patched apart) is none."""
+    for path, module, theirs in _modules_of_other_models(base, config, neo):
+        raise ValueError(f"patch_model: {path} ({type(module).__name__}) is also a module of another patched "
+                         f"model, which runs it under {theirs.label}; a module reads one model's settings, so "
+                         f"patching this one with {config.label} would change that model's gradients. Patch both "
+                         "models alike, unpatch the other first (hf_spanattn.unpatch_model), or give this model "
+                         "its own copy of the module (copy.deepcopy)")
+
+
+def _modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
+                             neo: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module, SpanAttentionConfig]]:
+    """The attention modules of `base` (path, module, settings) that read another patched model's config, whose
+    settings for them are not those of `config`."""
     inside = _own_configs(base)
+    found = []
     for path, module in base.named_modules():
         other = module.__dict__.get(SETTINGS_FROM_ATTR) or getattr(module, "config", None)
         if id(other) in inside or registry.PATCHED_CONFIGS.get(id(other)) is not other or \
@@ -357,11 +379,8 @@ def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttention
                      for m in list(registry.PATCHED_MODULES))
         theirs = config_of(other)
         if not around and _runs(theirs, module) != _runs(config, module):
-            raise ValueError(f"patch_model: {path} ({type(module).__name__}) is also a module of another patched "
-                             f"model, which runs it under {theirs.label}; a module reads one model's settings, so "
-                             f"patching this one with {config.label} would change that model's gradients. Patch both "
-                             "models alike, unpatch the other first (hf_spanattn.unpatch_model), or give this model "
-                             "its own copy of the module (copy.deepcopy)")
+            found.append((path, module, theirs))
+    return found
 
 
 def _own_configs(base: PreTrainedModel) -> set[int]:
@@ -467,6 +486,11 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for tower in towers:  # a tower patched alone, the model around it not
         if is_patched(tower) and config_of(tower.config) is not None:
             unpatch_model(tower)
+    mine = set(base.modules())
+    for inner in mine:  # a model inside it that keeps a patched config (model.config replaced since), no other's
+        if isinstance(inner, PreTrainedModel) and inner.config is not base.config and is_patched_config(inner.config) \
+                and not any(m.config is inner.config and m not in mine for m in list(_PATCHED)):
+            unpatch_model(inner)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
     if _another_sharing(base) is not None:
