@@ -2782,20 +2782,32 @@ def test_a_model_left_as_patched_trains_without_a_word_of_its_structure(tmp_path
         trainer_with(tmp_path, model=model).train()
 
 
-def test_a_layer_built_on_a_copy_of_the_patched_config_is_stock_after_unpatching():
-    """A decoder layer built after patch_model on copy.deepcopy(model.config) reads a config of its own that says
-    span_attention: after unpatch_model it kept span gradients, as the only layer of the model, without a word."""
+@pytest.mark.parametrize("how", ["built on a copy of the config", "copied (depth up-scaling)"])
+def test_a_layer_with_a_copy_of_the_patched_config_is_stock_after_unpatching_and_patched_again(how):
+    """A decoder layer built after patch_model on copy.deepcopy(model.config), or copied with copy.deepcopy(layer)
+    (which copies its config), reads a config of its own that says span_attention: after unpatch_model it kept span
+    gradients, as the only layer of the model, without a word. Patched again, it trains with the new settings."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     model = patch_model(tiny("llama").double(), "score:1000")
     torch.manual_seed(1)
-    model.model.layers[1] = LlamaDecoderLayer(copy.deepcopy(model.config), 1).double()
+    if how == "copied (depth up-scaling)":
+        model.model.layers.append(copy.deepcopy(model.model.layers[1]))
+        model.model.layers[2].self_attn.layer_idx = 2
+        model.config.num_hidden_layers = 3
+    else:
+        model.model.layers[1] = LlamaDecoderLayer(copy.deepcopy(model.config), 1).double()
     unpatch_model(model)
     stock = copy.deepcopy(model)
-    stock.model.layers[1].self_attn.config = stock.config
+    stock.model.layers[-1].self_attn.config = stock.config
     got, expected = _grads(model), _grads(stock)
     assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
-    assert not hasattr(model.model.layers[1].self_attn.config, "span_attention")
+    assert not hasattr(model.model.layers[-1].self_attn.config, "span_attention")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        patch_model(model, "score:1100")
+    got, expected = _grads(model), _grads(patch_model(stock, "score:1100"))
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
 
 
 def test_a_model_config_replaced_after_patching_is_named_before_training(tmp_path):

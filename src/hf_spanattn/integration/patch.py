@@ -187,6 +187,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                           stacklevel=user_stacklevel())
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        _repatch_copied_configs(base)
         _warn_modules_left_stock(base)
     if config.layers is not None:
         _warn_layers_moved(base, config.layers, "patch_model")
@@ -519,10 +520,16 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# id(config) → a copy of a patched model's config that unpatch_model set back (`_unpatch_copied_configs`), which
+# patch_model sets to span_attention again (held weakly)
+_COPIES_UNPATCHED: weakref.WeakValueDictionary[int, PretrainedConfig] = weakref.WeakValueDictionary()
+
+
 def _unpatch_copied_configs(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:
     """Give stock attention to the modules of `base` that read a config of their own set to span_attention, which no
-    other patched model reads: a layer built after patch_model on a copy of the model's config
-    (`copy.deepcopy(model.config)`), which kept span gradients after unpatch_model."""
+    other patched model reads: a layer copied after patch_model (`copy.deepcopy(layer)` copies its config too) or
+    built on a copy of the model's config, which kept span gradients after unpatch_model. patch_model sets them to
+    span_attention again (`_repatch_copied_configs`)."""
     inside = _own_configs(base)
     for module in base.modules():
         other = getattr(module, "config", None)
@@ -532,6 +539,17 @@ def _unpatch_copied_configs(base: PreTrainedModel, implementation: str | dict[st
             other._attn_implementation = implementation if isinstance(implementation, str) else implementation[""]
             if hasattr(other, CONFIG_KEY):
                 delattr(other, CONFIG_KEY)
+            _COPIES_UNPATCHED[id(other)] = other
+
+
+def _repatch_copied_configs(base: PreTrainedModel) -> None:
+    """The configs `_unpatch_copied_configs` set back, read by modules of `base`, set to span_attention again (the
+    modules read the model's settings, `SETTINGS_FROM_ATTR`)."""
+    for module in base.modules():
+        other = getattr(module, "config", None)
+        if other is not None and _COPIES_UNPATCHED.get(id(other)) is other:
+            other._attn_implementation = ATTN_IMPLEMENTATION
+            del _COPIES_UNPATCHED[id(other)]
 
 
 def _another_sharing(base: PreTrainedModel) -> PreTrainedModel | None:
