@@ -2848,3 +2848,19 @@ def test_a_layer_taken_from_another_patched_model_after_patching_is_named_before
     with pytest.warns(UserWarning, match=r"Trainer\.train: model\.layers\.1\.self_attn \(under score:1100\) of "
                                          r"LlamaForCausalLM read the settings of another patched model"):
         trainer_with(tmp_path, model=model).train()
+
+
+def test_unpatching_a_model_holding_another_patched_model_s_inner_model_leaves_that_model_patched():
+    """`model.model = other.model`, both patched, then unpatch_model(model): Transformers' set_attn_implementation set
+    the other model's config to SDPA, so it trained with the standard gradient while its config kept score:1100, without
+    a word. It keeps its span gradients, and the shared part is named."""
+    other = patch_model(tiny("llama", seed=1).double(), "score:1100")
+    expected = _grads(other)
+    model = patch_model(tiny("llama").double(), "score:1000")
+    model.model = other.model
+    with pytest.warns(UserWarning, match=r"unpatch_model: model of LlamaForCausalLM is also a part of another patched "
+                                         r"model \(put in after patch_model\), which keeps its span gradients"):
+        unpatch_model(model)
+    got = _grads(other)
+    assert other.config._attn_implementation == "span_attention"
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)

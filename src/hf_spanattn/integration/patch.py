@@ -512,8 +512,19 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     gpt_neo.restore(base.config, gpt_neo.attentions(base))
     implementation = original["attn_implementation"] if original else "sdpa"
+    # a model inside it that is another patched model's (put in after patch_model): set_attn_implementation sets its
+    # config too, which would leave that model its settings under stock attention
+    theirs = {path: m.config for path, m in base.named_modules() if isinstance(m, PreTrainedModel) and m is not base
+              and is_patched_config(m.config) and any(o.config is m.config and o not in mine for o in list(_PATCHED))}
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
+    for other in theirs.values():
+        other._attn_implementation = ATTN_IMPLEMENTATION
+    if theirs:
+        warnings.warn(f"unpatch_model: {', '.join(theirs)} of {type(base).__name__} is also a part of another patched "
+                      "model (put in after patch_model), which keeps its span gradients: a module reads one model's "
+                      "config, so it trains with them in both models. Give this model its own copy (copy.deepcopy) "
+                      "to unpatch it alone", stacklevel=user_stacklevel())
     _unpatch_copied_configs(base, implementation)
     for part in sharing:
         part.__dict__.pop(_ORIGINAL, None)
