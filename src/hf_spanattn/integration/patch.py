@@ -514,8 +514,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     implementation = original["attn_implementation"] if original else "sdpa"
     # a model inside it that is another patched model's (put in after patch_model): set_attn_implementation sets its
     # config too, which would leave that model its settings under stock attention
-    theirs = {path: m.config for path, m in base.named_modules() if isinstance(m, PreTrainedModel) and m is not base
-              and is_patched_config(m.config) and any(o.config is m.config and o not in mine for o in list(_PATCHED))}
+    theirs = {path: m.config for path, m in base.named_modules() if isinstance(m, PreTrainedModel) and
+              m.config is not base.config and is_patched_config(m.config) and
+              any(o.config is m.config and o not in mine for o in list(_PATCHED))}
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
     for other in theirs.values():
