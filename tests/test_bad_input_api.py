@@ -2713,3 +2713,154 @@ def test_alphas_at_the_edges_give_the_reference_gradients_in_a_patched_model(alp
         _, expected = reference(*leaves, out.grad, config, attn_mask=mask, is_causal=causal, scale=scale)
         for name, x, e in zip("qkv", leaves, expected):
             assert (x.grad - e).norm() <= 1e-12 * e.norm() + 1e-300, name
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients of a batch of T = 10 > head_dim tokens (with T <= head_dim the parallel span is the whole
+    space, and score:1000 gives the standard gradient)."""
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    model.train().zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_layers_reordered_after_patching_are_named_before_training(tmp_path):
+    """Layers reordered after patch_model with `layers`: the selection follows each attention module's layer_idx,
+    which from_pretrained renumbers by place, so the saved model trained other layers with span gradients, without a
+    word. Trainer.train names them; the saved model's gradients differ from the model's (the reason for the word)."""
+    model = patch_model(tiny("llama", layers=3).double(), "score:1000", layers=[0])
+    model.model.layers = torch.nn.ModuleList(model.model.layers[::-1])
+    with pytest.warns(UserWarning, match=r"Trainer\.train: layers=\[0\] selects attention by its layer index, and "
+                                         r"model\.layers\.0 \(layer_idx 2\), model\.layers\.2 \(layer_idx 0\) of "
+                                         r"LlamaForCausalLM hold attention of another index than their place"):
+        trainer_with(tmp_path, model=model).train()
+    model.save_pretrained(tmp_path / "saved")
+    loaded, saved = _grads(load_pretrained(tmp_path / "saved").double()), _grads(model)
+    assert any(not torch.allclose(loaded[name], saved[name]) for name in saved)
+
+
+def test_a_duplicated_layer_s_copy_is_named_before_training(tmp_path):
+    """A layer duplicated after patch_model (copy.deepcopy appended: two attention modules of one layer_idx), under a
+    selection of that layer: both train with span gradients, the copy's place is another layer's after a reload."""
+    model = patch_model(tiny("llama", layers=2), "score:1000", layers=[1])
+    model.model.layers.append(copy.deepcopy(model.model.layers[1]))
+    model.config.num_hidden_layers = 3
+    with pytest.warns(UserWarning, match=r"Trainer\.train: layers=\[1\] .* model\.layers\.2 \(layer_idx 1\) of "):
+        trainer_with(tmp_path, model=model).train()
+
+
+def test_a_selected_layer_dropped_after_patching_is_named_before_training(tmp_path):
+    """The one layer `layers` selects, dropped after patch_model: no layer trained with span gradients, as stock, and
+    the saved model failed to load with load_pretrained; Trainer.train says so first."""
+    model = patch_model(tiny("llama", layers=3).double(), "score:1000", layers=[2])
+    model.model.layers = model.model.layers[:2]
+    stock = unpatch_model(copy.deepcopy(model))
+    with pytest.warns(UserWarning, match=r"Trainer\.train: model config field 'span_attention': layers=\[2\]: "
+                                         r"LlamaForCausalLM has no attention module of layer 2; its attention modules "
+                                         r"carry the layer indices 0, 1, so no layer of that index gets span"):
+        trainer_with(tmp_path, model=copy.deepcopy(model)).train()
+    got, expected = _grads(model), _grads(stock)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_an_inner_model_replaced_after_patching_is_named_before_training(tmp_path):
+    """`model.model = other.model` after patch_model: the inner model reads the other model's config (SDPA), so it
+    trained with the standard gradient while config.json saved score:1000, without a word. Trainer.train names it."""
+    model = patch_model(tiny("llama"), "score:1000")
+    model.model = tiny("llama", seed=1).model
+    with pytest.warns(UserWarning, match=r"Trainer\.train: model\.layers\.0\.self_attn, model\.layers\.1\.self_attn of "
+                                         r"LlamaForCausalLM read their attention implementation from a config that is "
+                                         r"not the model's \(LlamaConfig with attn_implementation='sdpa'"):
+        trainer_with(tmp_path, model=model).train()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neo", "llama"])
+def test_a_model_left_as_patched_trains_without_a_word_of_its_structure(tmp_path, family):
+    model = patch_model(tiny(family, layers=2), "score:1000", layers=[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer_with(tmp_path, model=model).train()
+
+
+@pytest.mark.parametrize("how", ["built on a copy of the config", "copied (depth up-scaling)"])
+def test_a_layer_with_a_copy_of_the_patched_config_is_stock_after_unpatching_and_patched_again(how):
+    """A decoder layer built after patch_model on copy.deepcopy(model.config), or copied with copy.deepcopy(layer)
+    (which copies its config), reads a config of its own that says span_attention: after unpatch_model it kept span
+    gradients, as the only layer of the model, without a word. Patched again, it trains with the new settings."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = patch_model(tiny("llama").double(), "score:1000")
+    torch.manual_seed(1)
+    if how == "copied (depth up-scaling)":
+        model.model.layers.append(copy.deepcopy(model.model.layers[1]))
+        model.model.layers[2].self_attn.layer_idx = 2
+        model.config.num_hidden_layers = 3
+    else:
+        model.model.layers[1] = LlamaDecoderLayer(copy.deepcopy(model.config), 1).double()
+    unpatch_model(model)
+    stock = copy.deepcopy(model)
+    stock.model.layers[-1].self_attn.config = stock.config
+    got, expected = _grads(model), _grads(stock)
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
+    assert not hasattr(model.model.layers[-1].self_attn.config, "span_attention")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        patch_model(model, "score:1100")
+    got, expected = _grads(model), _grads(patch_model(stock, "score:1100"))
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
+
+
+def test_a_model_config_replaced_after_patching_is_named_before_training(tmp_path):
+    """`model.config` replaced after patch_model by a config without settings: the modules still read the patched
+    config and trained with span gradients, which save_pretrained no longer wrote, without a word."""
+    model = patch_model(tiny("llama"), "score:1000")
+    config = copy.deepcopy(model.config)
+    del config.span_attention
+    config._attn_implementation = "sdpa"
+    model.config = config
+    with pytest.warns(UserWarning, match=r"Trainer\.train: model\.layers\.0\.self_attn, model\.layers\.1\.self_attn "
+                                         r"of LlamaForCausalLM read their attention implementation from a "
+                                         r"config that is not the model's, set to 'span_attention'"):
+        trainer_with(tmp_path, model=model).train()
+
+
+def test_a_model_config_replaced_after_patching_is_stock_after_unpatching():
+    """`model.config` replaced after patch_model, then unpatch_model: the inner model kept the patched config, and
+    the model trained with span gradients after unpatching, without a word."""
+    model = patch_model(tiny("llama").double(), "score:1000")
+    stock = copy.deepcopy(model)
+    unpatch_model(stock)
+    config = copy.deepcopy(model.config)
+    del config.span_attention
+    config._attn_implementation = "sdpa"
+    model.config = config
+    unpatch_model(model)
+    got, expected = _grads(model), _grads(stock)
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)
+
+
+def test_a_layer_taken_from_another_patched_model_after_patching_is_named_before_training(tmp_path):
+    """A decoder layer of another model patched otherwise, put into a patched model after patch_model: it read that
+    model's settings (patch_model refuses it before, not after), so it trained under score:1100 in a model of
+    score:1000, without a word."""
+    model, other = patch_model(tiny("llama"), "score:1000"), patch_model(tiny("llama", seed=1), "score:1100")
+    model.model.layers[1] = other.model.layers[1]
+    with pytest.warns(UserWarning, match=r"Trainer\.train: model\.layers\.1\.self_attn \(under score:1100\) of "
+                                         r"LlamaForCausalLM read the settings of another patched model"):
+        trainer_with(tmp_path, model=model).train()
+
+
+def test_unpatching_a_model_holding_another_patched_model_s_inner_model_leaves_that_model_patched():
+    """`model.model = other.model`, both patched, then unpatch_model(model): Transformers' set_attn_implementation set
+    the other model's config to SDPA, so it trained with the standard gradient while its config kept score:1100, without
+    a word. It keeps its span gradients, and the shared part is named."""
+    other = patch_model(tiny("llama", seed=1).double(), "score:1100")
+    expected = _grads(other)
+    model = patch_model(tiny("llama").double(), "score:1000")
+    model.model = other.model
+    with pytest.warns(UserWarning, match=r"unpatch_model: model of LlamaForCausalLM is also a part of another patched "
+                                         r"model \(put in after patch_model\), which keeps its span gradients"):
+        unpatch_model(model)
+    got = _grads(other)
+    assert other.config._attn_implementation == "span_attention"
+    assert all(torch.allclose(got[name], expected[name], rtol=1e-12, atol=0) for name in expected)

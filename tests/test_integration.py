@@ -465,6 +465,28 @@ def test_gpt_neo_attention_put_in_after_patching_trains_as_its_siblings():
     assert all(torch.allclose(expected[n], got[n], rtol=0, atol=1e-12) for n in expected)
 
 
+def test_gpt_neo_attention_put_in_after_patching_returns_the_stock_attention_weights():
+    """A GPT-Neo attention module put into a patched model after patch_model returned None for its attention weights
+    under output_attentions=True and autograd (its siblings the stock weights); from its first call on they are the
+    stock model's, and not computed where not asked for."""
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    ids = tokens()
+    stock = tiny("gpt_neo").double()
+    model = patch_model(copy.deepcopy(stock), "score:1000")
+    old = model.transformer.h[1].attn.attention
+    new = GPTNeoSelfAttention(model.config, old.attention_type, layer_id=1).double()
+    new.load_state_dict(old.state_dict())
+    model.transformer.h[1].attn.attention = new
+    expected = stock(ids, output_attentions=True).attentions
+    for _ in range(2):
+        got = model(ids, output_attentions=True).attentions
+        assert all(w is not None and torch.allclose(w, v, rtol=0, atol=1e-6) for w, v in zip(got, expected))
+    assert model(ids).attentions is None
+    unpatch_model(model)
+    assert not new._forward_pre_hooks and "_attn" not in new.__dict__
+
+
 def patched_gpt2_with_reorder_and_upcast_attn() -> torch.nn.Module:
     """A tiny GPT-2 with reorder_and_upcast_attn on, patched (score:1000), which warns that it is switched off."""
     model = tiny("gpt2")

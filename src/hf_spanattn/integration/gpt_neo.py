@@ -46,6 +46,9 @@ def _install_class() -> None:
     @functools.wraps(stock)
     def _attn(self, query, key, value, attention_mask=None, *head_mask):  # Transformers 4 passes a head_mask too
         if getattr(self.config, CONFIG_KEY, None) is not None and _CONFIGS.get(id(self.config)) is self.config:
+            if _WEIGHTS_HOOK not in self.__dict__:  # its first call: whether its caller wants the weights is not known
+                adapt(self.config, [self])
+                self.__dict__[_WEIGHTS_WANTED] = None
             return neo_attn(self, query, key, value, attention_mask, *head_mask)
         return stock(self, query, key, value, attention_mask, *head_mask)
 
@@ -61,9 +64,11 @@ def _note_weights_wanted(module: torch.nn.Module, args: tuple, kwargs: dict) -> 
 
 
 def _weights(self, query, key, value, attention_mask):
-    """The attention weights P the stock code returns, where output_attentions asks for them; under attention
-    dropout P would need the forward pass's dropout mask, so none are returned (with a warning), as by SDPA."""
-    if not self.__dict__.get(_WEIGHTS_WANTED):
+    """The attention weights P the stock code returns, where output_attentions asks for them (or may: the first call
+    of a module put into the model after patch_model, whose caller was not heard); under attention dropout P would
+    need the forward pass's dropout mask, so none are returned (with a warning), as by SDPA."""
+    wanted = self.__dict__.get(_WEIGHTS_WANTED, False)
+    if wanted is False or wanted is None and self.training and self.attn_dropout.p > 0:
         return None
     if self.training and self.attn_dropout.p > 0:
         registry.logger.warning_once("span_attention: GPT-Neo under attention dropout returns no attention weights "

@@ -192,7 +192,10 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                           stacklevel=user_stacklevel())
     else:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        _repatch_copied_configs(base)
         _warn_modules_left_stock(base)
+    if config.layers is not None:
+        _warn_layers_moved(base, config.layers, "patch_model")
     if as_saved:  # a tower patched otherwise, or unpatched, before the model was saved: as it was
         apart = []
         for key, tower in towers.items():
@@ -267,7 +270,76 @@ def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dic
                           stacklevel=user_stacklevel())
 
 
-def _warn_modules_left_stock(base: PreTrainedModel) -> None:
+def check_structure(base: PreTrainedModel, caller: str) -> None:
+    """Warn where the model's structure, changed after patch_model (layers dropped, reordered or duplicated, a module
+    or the inner model replaced), does not train as its settings say: what `_warn_modules_left_stock` and
+    `_warn_layers_moved` name, and `layers` that name a layer the model no longer holds; in a model not patched, its
+    modules that run span_attention all the same (`model.config` replaced after patch_model)."""
+    if not is_patched(base):  # a tower patched alone reads a sub-config of the model's
+        keys = getattr(base.config, "sub_configs", None) or {}
+        parts = [base.config, *(getattr(base.config, key, None) for key in keys)]
+        left = [path for path, module in base.named_modules() if calls_the_registry(module) and
+                is_patched_config(own := getattr(module, "config", None)) and all(own is not c for c in parts)]
+        if left:
+            warnings.warn(f"{caller}: {', '.join(left)} of {type(base).__name__} read their attention implementation "
+                          f"from a config that is not the model's, set to {ATTN_IMPLEMENTATION!r}, while the model's "
+                          f"config holds no span settings (model.config replaced after patch_model?): they train with "
+                          "span gradients, which save_pretrained does not write. Patch the model "
+                          "(hf_spanattn.patch_model(model, ...)) to train and save them, or set model.config back and "
+                          "unpatch it (hf_spanattn.unpatch_model) for stock gradients", stacklevel=user_stacklevel())
+        return
+    _warn_modules_left_stock(base, caller)
+    config = config_of(base.config)
+    if config is None:
+        return
+    theirs = _modules_of_other_models(base, config, gpt_neo.attentions(base))
+    if theirs:
+        warnings.warn(f"{caller}: {', '.join(f'{path} (under {other.label})' for path, _, other in theirs)} of "
+                      f"{type(base).__name__} read the settings of another patched model (a module taken from it after "
+                      f"patch_model), so they train under those, not under the model's {config.label}; give this model "
+                      "its own copy of the module (copy.deepcopy) pointing to its config (.config = model.config), and "
+                      "patch again", stacklevel=user_stacklevel())
+    if config.layers is None:
+        return
+    try:
+        refuse_layers_without_attention(base, config.layers, f"{stored_source(base.config)}: "
+                                                             f"layers={shown(list(config.layers))}")
+    except ValueError as error:
+        warnings.warn(f"{caller}: {error}, so no layer of that index gets span gradients (the model's layers changed "
+                      "since patch_model?); patch_model(model, ..., layers=[...]) with layers it holds",
+                      stacklevel=user_stacklevel())
+    _warn_layers_moved(base, config.layers, caller)
+
+
+def is_patched_config(model_config: Any) -> bool:
+    """Whether `model_config` is a config that patch_model set to span_attention."""
+    return registry.PATCHED_CONFIGS.get(id(model_config)) is model_config and \
+        model_config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def _warn_layers_moved(base: PreTrainedModel, layers: Any, caller: str) -> None:
+    """Warn where an entry of a list of layers holds attention of another layer's index (layers reordered, a layer
+    duplicated or dropped from the front): `layers` selects by that index, while from_pretrained numbers the layers
+    by their place in the list, so the saved model would train other layers with span gradients."""
+    neo = gpt_neo.attentions(base)
+    moved = []
+    for path, block in base.named_modules():
+        if not isinstance(block, torch.nn.ModuleList):
+            continue
+        for place, layer in enumerate(block):
+            indices = {registry.layer_index(m) for m in layer.modules() if m in neo or calls_the_registry(m)}
+            index = next(iter(indices)) if len(indices) == 1 else None
+            if isinstance(index, int) and index != place and (index in layers or place in layers):
+                moved.append(f"{path}.{place} (layer_idx {index})")
+    if moved:
+        warnings.warn(f"{caller}: layers={shown(list(layers))} selects attention by its layer index, and "
+                      f"{', '.join(moved)} of {type(base).__name__} hold attention of another index than their place "
+                      "(layers reordered, duplicated or dropped after patch_model); from_pretrained numbers the layers "
+                      "by their place, so the saved model would train other layers with span gradients. Set each "
+                      "layer's attention .layer_idx to its place and patch again", stacklevel=user_stacklevel())
+
+
+def _warn_modules_left_stock(base: PreTrainedModel, caller: str = "patch_model") -> None:
     """Warn where an attention module of `base` reads the attention implementation from a config that is not the
     model's (a layer taken from another model keeps that model's config): it keeps its stock attention and
     gradients, and setting that config would change the other model."""
@@ -275,7 +347,7 @@ def _warn_modules_left_stock(base: PreTrainedModel) -> None:
             getattr(getattr(module, "config", None), "_attn_implementation", None) not in (None, ATTN_IMPLEMENTATION)}
     if left:
         other = next(iter(left.values()))
-        warnings.warn(f"patch_model: {', '.join(left)} of {type(base).__name__} read their attention implementation "
+        warnings.warn(f"{caller}: {', '.join(left)} of {type(base).__name__} read their attention implementation "
                       f"from a config that is not the model's ({type(other).__name__} with attn_implementation="
                       f"{other._attn_implementation!r}: a layer taken from another model, or the config a tower was "
                       "loaded with, which EncoderDecoderModel.from_encoder_decoder_pretrained replaces on the tower "
@@ -290,7 +362,20 @@ def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttention
     module put into two models) that runs it under other settings: a module reads one model's settings, so the
     other model would train under this one's without a word. A model inside `base` or around it (a composite's
     tower, patched apart) is none."""
+    for path, module, theirs in _modules_of_other_models(base, config, neo):
+        raise ValueError(f"patch_model: {path} ({type(module).__name__}) is also a module of another patched "
+                         f"model, which runs it under {theirs.label}; a module reads one model's settings, so "
+                         f"patching this one with {config.label} would change that model's gradients. Patch both "
+                         "models alike, unpatch the other first (hf_spanattn.unpatch_model), or give this model "
+                         "its own copy of the module (copy.deepcopy)")
+
+
+def _modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
+                             neo: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module, SpanAttentionConfig]]:
+    """The attention modules of `base` (path, module, settings) that read another patched model's config, whose
+    settings for them are not those of `config`."""
     inside = _own_configs(base)
+    found = []
     for path, module in base.named_modules():
         other = module.__dict__.get(SETTINGS_FROM_ATTR) or getattr(module, "config", None)
         if id(other) in inside or registry.PATCHED_CONFIGS.get(id(other)) is not other or \
@@ -300,11 +385,8 @@ def _refuse_modules_of_other_models(base: PreTrainedModel, config: SpanAttention
                      for m in list(registry.PATCHED_MODULES))
         theirs = config_of(other)
         if not around and _runs(theirs, module) != _runs(config, module):
-            raise ValueError(f"patch_model: {path} ({type(module).__name__}) is also a module of another patched "
-                             f"model, which runs it under {theirs.label}; a module reads one model's settings, so "
-                             f"patching this one with {config.label} would change that model's gradients. Patch both "
-                             "models alike, unpatch the other first (hf_spanattn.unpatch_model), or give this model "
-                             "its own copy of the module (copy.deepcopy)")
+            found.append((path, module, theirs))
+    return found
 
 
 def _own_configs(base: PreTrainedModel) -> set[int]:
@@ -410,6 +492,11 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for tower in towers:  # a tower patched alone, the model around it not
         if is_patched(tower) and config_of(tower.config) is not None:
             unpatch_model(tower)
+    mine = set(base.modules())
+    for inner in mine:  # a model inside it that keeps a patched config (model.config replaced since), no other's
+        if isinstance(inner, PreTrainedModel) and inner.config is not base.config and is_patched_config(inner.config) \
+                and not any(m.config is inner.config and m not in mine for m in list(_PATCHED)):
+            unpatch_model(inner)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
     if _another_sharing(base) is not None:
@@ -430,11 +517,56 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     gpt_neo.restore(base.config, gpt_neo.attentions(base))
     implementation = original["attn_implementation"] if original else "sdpa"
+    # a model inside it that is another patched model's (put in after patch_model): set_attn_implementation sets its
+    # config too, which would leave that model its settings under stock attention
+    theirs = {path: m.config for path, m in base.named_modules() if isinstance(m, PreTrainedModel) and
+              m.config is not base.config and is_patched_config(m.config) and
+              any(o.config is m.config and o not in mine for o in list(_PATCHED))}
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
+    for other in theirs.values():
+        other._attn_implementation = ATTN_IMPLEMENTATION
+    if theirs:
+        warnings.warn(f"unpatch_model: {', '.join(theirs)} of {type(base).__name__} is also a part of another patched "
+                      "model (put in after patch_model), which keeps its span gradients: a module reads one model's "
+                      "config, so it trains with them in both models. Give this model its own copy (copy.deepcopy) "
+                      "to unpatch it alone", stacklevel=user_stacklevel())
+    _unpatch_copied_configs(base, implementation)
     for part in sharing:
         part.__dict__.pop(_ORIGINAL, None)
     return model
+
+
+# id(config) → a copy of a patched model's config that unpatch_model set back (`_unpatch_copied_configs`), which
+# patch_model sets to span_attention again (held weakly)
+_COPIES_UNPATCHED: weakref.WeakValueDictionary[int, PretrainedConfig] = weakref.WeakValueDictionary()
+
+
+def _unpatch_copied_configs(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:
+    """Give stock attention to the modules of `base` that read a config of their own set to span_attention, which no
+    other patched model reads: a layer copied after patch_model (`copy.deepcopy(layer)` copies its config too) or
+    built on a copy of the model's config, which kept span gradients after unpatch_model. patch_model sets them to
+    span_attention again (`_repatch_copied_configs`)."""
+    inside = _own_configs(base)
+    for module in base.modules():
+        other = getattr(module, "config", None)
+        theirs = registry.PATCHED_CONFIGS.get(id(other)) is other  # another patched model's: left to it
+        if isinstance(other, PretrainedConfig) and id(other) not in inside and not theirs and \
+                calls_the_registry(module) and other._attn_implementation == ATTN_IMPLEMENTATION:
+            other._attn_implementation = implementation if isinstance(implementation, str) else implementation[""]
+            if hasattr(other, CONFIG_KEY):
+                delattr(other, CONFIG_KEY)
+            _COPIES_UNPATCHED[id(other)] = other
+
+
+def _repatch_copied_configs(base: PreTrainedModel) -> None:
+    """The configs `_unpatch_copied_configs` set back, read by modules of `base`, set to span_attention again (the
+    modules read the model's settings, `SETTINGS_FROM_ATTR`)."""
+    for module in base.modules():
+        other = getattr(module, "config", None)
+        if other is not None and _COPIES_UNPATCHED.get(id(other)) is other:
+            other._attn_implementation = ATTN_IMPLEMENTATION
+            del _COPIES_UNPATCHED[id(other)]
 
 
 def _another_sharing(base: PreTrainedModel) -> PreTrainedModel | None:

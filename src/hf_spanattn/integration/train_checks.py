@@ -189,13 +189,14 @@ def settings_not_in_force(trainer: Any) -> None:
     """Warn where the model config holds span settings that its attention does not apply: its attention set
     otherwise after patch_model (`set_attn_implementation`), or a saved patched model loaded without patching. It
     trains with the standard gradient, and its saves and Hub tags still name the settings."""
-    from hf_spanattn.integration.patch import _original, base_model
+    from hf_spanattn.integration.patch import _original, base_model, check_structure
 
     try:
         base = base_model(trainer.model, "Trainer.train")
         settings = None if is_patched(base) else config_of(base.config)
     except (TypeError, ValueError):  # not a Transformers model; bad settings, which patching names
         return
+    check_structure(base, "Trainer.train")
     if settings is not None:
         drop = "hf_spanattn.unpatch_model(model)" if _original(base) else f"del model.config.{CONFIG_KEY}"
         warnings.warn(f"Trainer.train: the model config holds the span attention settings {_described(settings)}, but "
