@@ -26,6 +26,7 @@ import torch.distributed as dist
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
 from hf_spanattn.integration.adapters import _described, is_adapter_folder, is_patched
 from hf_spanattn.integration.registry import CONFIG_KEY, config_of
+from hf_spanattn.integration.structure import check_structure, tower_paths
 from hf_spanattn.ops.inputs import shown, user_stacklevel
 
 _WRAPPED = "_hf_spanattn_resume"
@@ -96,7 +97,6 @@ def _check_towers(base: Any, checkpoint: str, saved: SpanAttentionConfig | None,
     path = os.path.join(checkpoint, "config.json")
     if current is None or not os.path.isfile(path):  # not patched (said by the caller), or an adapter's folder
         return
-    from hf_spanattn.integration.patch import tower_paths
 
     data = _read_json(path)
     for key, (name, tower) in tower_paths(base).items():
@@ -189,7 +189,7 @@ def settings_not_in_force(trainer: Any) -> None:
     """Warn where the model config holds span settings that its attention does not apply: its attention set
     otherwise after patch_model (`set_attn_implementation`), or a saved patched model loaded without patching. It
     trains with the standard gradient, and its saves and Hub tags still name the settings."""
-    from hf_spanattn.integration.patch import _original, base_model, check_structure
+    from hf_spanattn.integration.patch import _original, base_model
 
     try:
         base = base_model(trainer.model, "Trainer.train")

@@ -32,7 +32,7 @@ from transformers.utils import (
 
 from hf_spanattn.config import CONFIG_NAME as SETTINGS_NAME
 from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.integration.patch import base_model, refuse_layers_without_attention
+from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import (
     OVERRIDE_ATTR,
     OWNER_ATTR,
@@ -44,6 +44,7 @@ from hf_spanattn.integration.registry import (
     layer_index,
     settings_for,
 )
+from hf_spanattn.integration.structure import refuse_layers_without_attention
 from hf_spanattn.integration.train_checks import from_rank_zero, same_on_every_rank
 from hf_spanattn.ops.inputs import as_int, shown, user_stacklevel
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
