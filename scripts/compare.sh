@@ -9,6 +9,7 @@ if [ -n "${SPANATTN_DATA:-}" ] && [[ "$SPANATTN_DATA" != /* ]]; then
 fi
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package, not one a PYTHONPATH holds
 args=()
 if [ -n "${SPANATTN_DATA:-}" ]; then
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
