@@ -15,6 +15,8 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 PY=.venv/bin/python
+# a venv made without pip (uv venv, venv --without-pip) or cut short before pip was in it
+$PY -m pip --version >/dev/null 2>&1 || $PY -m ensurepip >/dev/null
 $PY -m pip install -q --upgrade pip >/dev/null
 # torch at the pinned version (a local build's +cpu and the like aside), else that version installed
 $PY -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != sys.argv[1])" "$TORCH_VERSION" 2>/dev/null \

@@ -2309,3 +2309,40 @@ def test_compare_script_dry_run_lists_the_runs_and_reports_nothing(tmp_path):
                           text=True, env={**os.environ, "SPANATTN_DATA": str(DATA)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[4/4] runs/quick/runs/" in done.stdout and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", ["test.sh", "compare.sh"])
+def test_scripts_run_this_checkouts_package_whatever_the_pythonpath(script, tmp_path):
+    """PYTHONPATH=<another checkout>/src: the tests ran, and the main job trained, with that checkout's package."""
+    repo, other = tmp_path / "repo", tmp_path / "other" / "hf_spanattn"
+    for folder in (repo / "scripts", repo / ".venv" / "bin", other):
+        folder.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    (repo / "src").symlink_to(ROOT / "src")
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts")
+    (repo / "scripts" / "setup.sh").write_text("exit 0\n")
+    (repo / ".venv" / "bin" / "ruff").write_text("#!/bin/sh\n")
+    (repo / ".venv" / "bin" / "python").write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import hf_spanattn; print(hf_spanattn.__file__)'\n")
+    for name in ("ruff", "python"):
+        (repo / ".venv" / "bin" / name).chmod(0o755)
+    done = subprocess.run(["bash", str(repo / "scripts" / script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(other.parent)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == str(repo / "src" / "hf_spanattn" / "__init__.py")
+
+
+def test_setup_puts_pip_into_a_venv_made_without_it(tmp_path):
+    """A .venv from `uv venv` or `python -m venv --without-pip`: "No module named pip", and no way on."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON.replace("case \"$*\" in", 'case "$*" in "-m ensurepip") touch "$FAKE_LOG.pip"; exit ;;\n'
+                                          '    "-m pip"*) [ -f "$FAKE_LOG.pip" ] || exit 1 ;;'))
+    python.chmod(0o755)
+    env = {**os.environ, "FAKE_LOG": str(tmp_path / "log"), "FAKE_TORCH": "2.13.0", "TORCH_VERSION": "2.13.0"}
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "-m pip install -q -e .[dev]" in (tmp_path / "log").read_text().splitlines()
