@@ -2339,7 +2339,7 @@ def test_setup_puts_pip_into_a_venv_made_without_it(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    no_pip = 'case "$*" in "-m ensurepip") touch "$FAKE_LOG.pip"; exit ;; "-m pip"*) [ -f "$FAKE_LOG.pip" ] || exit 1 ;;'
+    no_pip = 'case "$*" in "-m ensurepip") touch "$FAKE_LOG.pip"; exit ;; "-m pip"*) [ -f "$FAKE_LOG.pip" ] || exit 1;;'
     python.write_text(FAKE_PYTHON.replace('case "$*" in', no_pip))
     python.chmod(0o755)
     env = {**os.environ, "FAKE_LOG": str(tmp_path / "log"), "FAKE_TORCH": "2.13.0", "TORCH_VERSION": "2.13.0"}
