@@ -55,6 +55,8 @@ RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "
     ("train_step", ["--peak", "score:1000", "--seq", "0"], "argument --seq: '0': expected an integer >= 1"),
     ("train_step", ["--peak", "score:1000", "--batch", "0"], "argument --batch: '0': expected an integer >= 1"),
     ("attention", ["--memory", "--seq", "16", "0"], "argument --seq: '0': expected an integer >= 1"),  # ZeroDivision
+    ("attention", ["--memory", "--tokens", "0"], "argument --tokens: '0': expected an integer >= 1"),  # was: B = 1
+    ("attention", ["--memory", "--tokens", "-5"], "argument --tokens: '-5': expected an integer >= 1"),  # likewise
     ("profile_attention", ["--device", "cpu", "--calls", "0"], "argument --calls: '0': expected an integer >= 1"),
     ("profile_attention", ["--device", "cpu", "--dim", "x"], "argument --dim: 'x': expected an integer >= 1"),
     ("diagnostics", ["--steps", "1"], "argument --steps: '1': expected an integer >= 2"),  # was: ZeroDivisionError
