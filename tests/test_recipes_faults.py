@@ -2346,3 +2346,21 @@ def test_setup_puts_pip_into_a_venv_made_without_it(tmp_path):
     done = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert "-m pip install -q -e .[dev]" in (tmp_path / "log").read_text().splitlines()
+
+
+@pytest.mark.parametrize("cuda", ["False", "True"])
+def test_gpu_check_script_says_there_is_no_gpu_and_fails_where_a_step_does(cuda, tmp_path):
+    """On a machine without CUDA every step ended in a traceback, and the script in exit status 0; a step that
+    failed on a GPU machine left it at 0 too."""
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python3"  # torch.cuda.is_available() answers `cuda`; anything else fails
+    python.write_text(f'#!/bin/sh\ncase "$*" in *is_available*) echo {cuda} ;; *) exit 3 ;; esac\n')
+    python.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "tests"], capture_output=True, text=True,
+                          env=env)
+    if cuda == "False":
+        assert done.returncode == 2 and "gpu_check.sh: no GPU here (torch sees no CUDA device)" in done.stderr
+        assert not (tmp_path / "out").exists()
+    else:
+        assert done.returncode == 1 and "## exit status 3" in (tmp_path / "out" / "gpu_check_tests.txt").read_text()
