@@ -2348,17 +2348,29 @@ def test_setup_puts_pip_into_a_venv_made_without_it(tmp_path):
     assert "-m pip install -q -e .[dev]" in (tmp_path / "log").read_text().splitlines()
 
 
+def fake_python3(tmp_path: Path, cuda: str) -> dict[str, str]:
+    """An environment whose python3 answers `cuda` to torch.cuda.is_available() and fails at anything else."""
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python3"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *is_available*) echo {cuda} ;; *) exit 3 ;; esac\n')
+    python.chmod(0o755)
+    return {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+
+
+def test_gpu_sweep_script_says_there_is_no_gpu(tmp_path):
+    """On a machine without CUDA: pip's "not a supported wheel on this platform", or a traceback after the installs."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_sweep.sh")], capture_output=True, text=True,
+                          env=fake_python3(tmp_path, "False"))
+    assert done.returncode == 2 and "gpu_sweep.sh: no GPU here (torch sees no CUDA device)" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("cuda", ["False", "True"])
 def test_gpu_check_script_says_there_is_no_gpu_and_fails_where_a_step_does(cuda, tmp_path):
     """On a machine without CUDA every step ended in a traceback, and the script in exit status 0; a step that
     failed on a GPU machine left it at 0 too."""
-    (tmp_path / "bin").mkdir()
-    python = tmp_path / "bin" / "python3"  # torch.cuda.is_available() answers `cuda`; anything else fails
-    python.write_text(f'#!/bin/sh\ncase "$*" in *is_available*) echo {cuda} ;; *) exit 3 ;; esac\n')
-    python.chmod(0o755)
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "tests"], capture_output=True, text=True,
-                          env=env)
+                          env=fake_python3(tmp_path, cuda))
     if cuda == "False":
         assert done.returncode == 2 and "gpu_check.sh: no GPU here (torch sees no CUDA device)" in done.stderr
         assert not (tmp_path / "out").exists()
