@@ -63,6 +63,8 @@ RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "
     *(("diagnostics", ["--steps", n], f"argument --steps: '{n}': expected 1 + a multiple of 10 (11, 21, 31, ...)")
       for n in ("1", "5", "15")),
     ("profile_attention", ["--device", "cpu", "--seq", "-1"], "argument --seq: '-1': expected an integer >= 1"),
+    # was: names cut to all their characters but the last
+    ("profile_attention", ["--device", "cpu", "--width", "0"], "argument --width: '0': expected an integer >= 1"),
     # was: torch's "Trying to create tensor with negative dimension", or "Torch not compiled with CUDA enabled"
     ("attention", ["--memory", "--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
     ("train_step", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
