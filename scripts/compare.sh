@@ -22,8 +22,9 @@ fi
 export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000000
 start=$SECONDS
 .venv/bin/python recipes/sweep.py recipes/configs/quick.yaml "${args[@]}" "$@"
-for arg in "$@"; do  # a dry run lists the runs and runs none: nothing to report on (argparse takes --dry for it)
-    [[ ${#arg} -lt 4 || --dry_run != "$arg"* ]] || exit 0
+for arg in "$@"; do  # a dry run lists the runs and runs none, --help runs none: nothing to report on
+    [[ "$arg" != -h && "$arg" != --help ]] || exit 0
+    [[ ${#arg} -lt 4 || --dry_run != "$arg"* ]] || exit 0  # argparse takes --dry for --dry_run
 done
 .venv/bin/python recipes/report.py runs/quick/runs
 echo "main job: $((SECONDS - start)) s; report in runs/quick/report.md"
