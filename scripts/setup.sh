@@ -3,6 +3,7 @@
 # unless pyproject.toml, the torch pin or the checkout's folder changed.
 # torch is pinned here, not in the package: a bare range would pull a multi-GB CUDA build.
 set -euo pipefail
+[ $# -eq 0 ] || { echo "setup.sh: takes no arguments, got $* (TORCH_VERSION=... picks another torch)" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 stamp=.venv/.hf_spanattn-setup

@@ -2257,10 +2257,11 @@ def test_setup_installs_the_pinned_torch_where_another_is_there(installed, insta
     assert ("-m pip install -q torch==2.13.0" in calls) == installs and "-m pip install -q -e .[dev]" in calls
 
 
-@pytest.mark.parametrize("flag,reported", [("--dry", False), ("--dry_ru", False), ("--d", True), ("--dry_runs", True)])
+@pytest.mark.parametrize("flag,reported", [("--dry", False), ("--dry_ru", False), ("--d", True), ("--dry_runs", True),
+                                           ("--help", False), ("-h", False)])
 def test_compare_script_takes_an_abbreviated_dry_run_for_one(flag, reported, tmp_path):
     """sweep.py (argparse) reads --dry as --dry_run; the script then ran report.py, which stopped it (no such
-    folder)."""
+    folder); after sweep.py's --help too."""
     for name in ("scripts", "recipes", ".venv/bin"):
         (tmp_path / name).mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "compare.sh", tmp_path / "scripts")
@@ -2376,3 +2377,10 @@ def test_gpu_check_script_says_there_is_no_gpu_and_fails_where_a_step_does(cuda,
         assert not (tmp_path / "out").exists()
     else:
         assert done.returncode == 1 and "## exit status 3" in (tmp_path / "out" / "gpu_check_tests.txt").read_text()
+
+
+def test_setup_script_names_an_argument_it_does_not_take(tmp_path):
+    """`bash scripts/setup.sh --force` set up as without it (or returned at once), without a word."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--force"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert done.returncode == 2 and "setup.sh: takes no arguments, got --force" in done.stderr
