@@ -52,6 +52,9 @@ RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "
     ("rule_check", ["--seconds", "nan"], "argument --seconds: 'nan': expected a number >= 0"),  # was: no time limit
     ("rule_check", ["--chars", "10"], "--chars 10: 0 rows of --seq 32 tokens; --batch 2 needs more"),  # was: random_
     ("rule_check", ["--data", "{tmp}/none"], "--data {tmp}/none: no gpt2-tokenizer folder in it"),  # was: a Hub repo id
+    ("rule_check", ["--dim", "10", "--heads", "4"], "--dim 10: expected a multiple of --heads 4"),  # was: GPT-2's
+    ("rule_check", ["--data", "{tmp}/text"], "--data {tmp}/text: no wikitext-2-v1/train.txt in it"),  # a traceback
+    ("rule_check", ["--data", "{tmp}/text", "--race", "1"], "--data {tmp}/text: no wikitext-2-v1/train.txt in it"),
     ("train_step", ["--peak", "score:1000", "--seq", "0"], "argument --seq: '0': expected an integer >= 1"),
     ("train_step", ["--peak", "score:1000", "--batch", "0"], "argument --batch: '0': expected an integer >= 1"),
     ("attention", ["--memory", "--seq", "16", "0"], "argument --seq: '0': expected an integer >= 1"),  # ZeroDivision
@@ -88,6 +91,9 @@ def test_benchmark_options_out_of_range_are_named_before_anything_runs(module, a
     if module == "rule_check" and not (DATA / "gpt2-tokenizer").is_dir():
         pytest.skip("needs ../shared/data")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in (RULE_CHECK if module == "rule_check" else []) + argv]
+    if module == "rule_check":  # {tmp}/text: a data folder with the tokenizer alone
+        (tmp_path / "text").mkdir()
+        (tmp_path / "text" / "gpt2-tokenizer").symlink_to(DATA / "gpt2-tokenizer")
     main = importlib.import_module(f"benchmarks.{module}").main
     monkeypatch.setattr(sys, "argv", [module, *argv])  # for the scripts whose main reads sys.argv
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's, whatever it has
