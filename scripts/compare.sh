@@ -3,6 +3,7 @@
 #   bash scripts/compare.sh                                  # data and tokenizer from the Hub
 #   SPANATTN_DATA=../shared/data bash scripts/compare.sh     # offline: local WikiText-2 + tokenizer
 # Writes runs/quick/report.md, report.csv and the PNG figures. Extra arguments go to sweep.py.
+[ -n "${BASH_VERSION:-}" ] || { echo "compare.sh: a bash script: run it as bash scripts/compare.sh" >&2; exit 2; }
 set -euo pipefail
 if [ -n "${SPANATTN_DATA:-}" ] && [[ "$SPANATTN_DATA" != /* ]]; then
     SPANATTN_DATA="$PWD/$SPANATTN_DATA"  # relative to where the script was called, not to the checkout

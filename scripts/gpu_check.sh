@@ -15,6 +15,7 @@
 # `tests` steps 4-5 (at most 6 min), in two calls. Output to $OUT/gpu_check.txt, or to
 # gpu_check_figures.txt and gpu_check_tests.txt ($OUT: runs unless set).
 #   bash scripts/gpu_check.sh [all|figures|tests]
+[ -n "${BASH_VERSION:-}" ] || { echo "gpu_check.sh: a bash script: run it as bash scripts/gpu_check.sh" >&2; exit 2; }
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -le 1 ] || { echo "gpu_check.sh: one part at a time, got $# ($*; allowed: all, figures, tests)" >&2; exit 2; }

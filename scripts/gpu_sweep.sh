@@ -13,6 +13,7 @@
 #                 as finished; without it such a run stops the command, named (another --accum is no other setting)
 # Writes to $OUT (default runs/gpu_out): results.jsonl (one line per finished run), pack.log and
 # env.txt (GPU and package versions).
+[ -n "${BASH_VERSION:-}" ] || { echo "gpu_sweep.sh: a bash script: run it as bash scripts/gpu_sweep.sh" >&2; exit 2; }
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml MAX_RUNS= KEEP=

@@ -2,6 +2,7 @@
 # Create .venv (once) and install hf_spanattn with its dev extras into it; a second call returns at once
 # unless pyproject.toml, the torch pin or the checkout's folder changed.
 # torch is pinned here, not in the package: a bare range would pull a multi-GB CUDA build.
+[ -n "${BASH_VERSION:-}" ] || { echo "setup.sh: a bash script: run it as bash scripts/setup.sh" >&2; exit 2; }
 set -euo pipefail
 [ $# -eq 0 ] || { echo "setup.sh: takes no arguments, got $* (TORCH_VERSION=... picks another torch)" >&2; exit 2; }
 cd "$(dirname "$0")/.."

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), lint, and run the test suite. Offline: no Hub access is needed.
+[ -n "${BASH_VERSION:-}" ] || { echo "test.sh: a bash script: run it as bash scripts/test.sh" >&2; exit 2; }
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
