@@ -2379,8 +2379,24 @@ def test_gpu_check_script_says_there_is_no_gpu_and_fails_where_a_step_does(cuda,
         assert done.returncode == 1 and "## exit status 3" in (tmp_path / "out" / "gpu_check_tests.txt").read_text()
 
 
-def test_setup_script_names_an_argument_it_does_not_take(tmp_path):
-    """`bash scripts/setup.sh --force` set up as without it (or returned at once), without a word."""
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--force"], capture_output=True, text=True,
+@pytest.mark.parametrize("script", ["setup.sh", "fetch_gpu_wheels.sh", "fetch_gpu_data.sh"])
+def test_scripts_without_options_name_an_argument(script, tmp_path):
+    """`bash scripts/setup.sh --force` set up as without it (or returned at once), without a word; the fetch scripts
+    likewise."""
+    repo = tmp_path / "repo"  # a copy: the fetch scripts write beside the checkout
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts")
+    done = subprocess.run(["bash", str(repo / "scripts" / script), "--force"], capture_output=True, text=True,
                           cwd=tmp_path)
-    assert done.returncode == 2 and "setup.sh: takes no arguments, got --force" in done.stderr
+    assert done.returncode == 2 and f"{script}: takes no arguments, got --force" in done.stderr
+    assert sorted(p.name for p in repo.iterdir()) == ["scripts"]
+
+
+@pytest.mark.skipif(subprocess.run(["sh", "-c", "echo ${BASH_VERSION:-}"], capture_output=True, text=True).stdout != "\n",
+                    reason="sh is bash here: the scripts would run")
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.sh")))
+def test_scripts_run_with_sh_say_they_need_bash(script, tmp_path):
+    """`sh scripts/setup.sh` (dash): "set: Illegal option -o pipefail"."""
+    done = subprocess.run(["sh", str(ROOT / "scripts" / script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert done.returncode == 2 and f"{script}: a bash script: run it as bash scripts/{script}" in done.stderr
