@@ -2392,8 +2392,10 @@ def test_scripts_without_options_name_an_argument(script, tmp_path):
     assert sorted(p.name for p in repo.iterdir()) == ["scripts"]
 
 
-@pytest.mark.skipif(subprocess.run(["sh", "-c", "echo ${BASH_VERSION:-}"], capture_output=True, text=True).stdout != "\n",
-                    reason="sh is bash here: the scripts would run")
+SH_IS_BASH = subprocess.run(["sh", "-c", "echo ${BASH_VERSION:-}"], capture_output=True, text=True).stdout != "\n"
+
+
+@pytest.mark.skipif(SH_IS_BASH, reason="sh is bash here: the scripts would run")
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.sh")))
 def test_scripts_run_with_sh_say_they_need_bash(script, tmp_path):
     """`sh scripts/setup.sh` (dash): "set: Illegal option -o pipefail"."""
