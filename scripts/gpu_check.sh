@@ -17,6 +17,7 @@
 #   bash scripts/gpu_check.sh [all|figures|tests]
 [ -n "${BASH_VERSION:-}" ] || { echo "gpu_check.sh: a bash script: run it as bash scripts/gpu_check.sh" >&2; exit 2; }
 set -uo pipefail
+[[ -z "${OUT:-}" || "$OUT" = /* ]] || OUT="$PWD/$OUT"  # a relative OUT is read from where the script was called
 cd "$(dirname "$0")/.."
 [ $# -le 1 ] || { echo "gpu_check.sh: one part at a time, got $# ($*; allowed: all, figures, tests)" >&2; exit 2; }
 PART="${1:-all}"

@@ -15,6 +15,7 @@
 # env.txt (GPU and package versions).
 [ -n "${BASH_VERSION:-}" ] || { echo "gpu_sweep.sh: a bash script: run it as bash scripts/gpu_sweep.sh" >&2; exit 2; }
 set -euo pipefail
+[[ -z "${OUT:-}" || "$OUT" = /* ]] || OUT="$PWD/$OUT"  # a relative OUT is read from where the script was called
 cd "$(dirname "$0")/.."
 PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml MAX_RUNS= KEEP=
 while [ $# -gt 0 ]; do

@@ -2402,3 +2402,17 @@ def test_scripts_run_with_sh_say_they_need_bash(script, tmp_path):
     done = subprocess.run(["sh", str(ROOT / "scripts" / script)], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "OUT": str(tmp_path / "out")})
     assert done.returncode == 2 and f"{script}: a bash script: run it as bash scripts/{script}" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_sweep.sh"])
+def test_gpu_scripts_read_a_relative_out_from_where_they_are_called(script, tmp_path):
+    """OUT=out from another folder wrote into <checkout>/out."""
+    repo = tmp_path / "repo"
+    for folder in (repo / "scripts", repo / "recipes" / "configs", tmp_path / "elsewhere"):
+        folder.mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts")
+    (repo / "recipes" / "configs" / "paper_gpu.yaml").write_text("")
+    env = {**fake_python3(tmp_path, "True"), "OUT": "out"}
+    subprocess.run(["bash", str(repo / "scripts" / script), *(["tests"] if script == "gpu_check.sh" else [])],
+                   capture_output=True, text=True, env=env, cwd=tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "out").is_dir() and not (repo / "out").exists()
