@@ -26,8 +26,8 @@ case "$PART" in
     *) echo "gpu_check.sh: unknown part '$PART' (allowed: all, figures, tests)" >&2; exit 2 ;;
 esac
 cuda=$(python3 -c "import torch; print(torch.cuda.is_available())" 2>/dev/null) || cuda="python3 cannot import torch"
-[ "$cuda" = True ] || { echo "gpu_check.sh: no GPU here (${cuda/False/torch sees no CUDA device}): the script is for a" \
-                            "machine with CUDA; scripts/test.sh runs the tests on the CPU" >&2; exit 2; }
+[ "$cuda" = True ] || { echo "gpu_check.sh: no GPU here (${cuda/False/torch sees no CUDA device}): the script is" \
+                            "for a machine with CUDA; scripts/test.sh runs the tests on the CPU" >&2; exit 2; }
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_SPANATTN_TRITON_TUNE=0

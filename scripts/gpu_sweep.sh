@@ -46,8 +46,8 @@ EXTRA=(${MAX_RUNS:+--max_runs "$MAX_RUNS"} $KEEP)
 # more than 3 digits cannot divide 128, and bash's arithmetic would wrap a number past 2^63
 if [ ${#ACCUM} -gt 3 ] || [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi
 cuda=$(python3 -c "import torch; print(torch.cuda.is_available())" 2>/dev/null) || cuda="python3 cannot import torch"
-[ "$cuda" = True ] || { echo "gpu_sweep.sh: no GPU here (${cuda/False/torch sees no CUDA device}): the script is for a" \
-                            "machine with CUDA; recipes/sweep.py runs a sweep on the CPU" >&2; exit 2; }
+[ "$cuda" = True ] || { echo "gpu_sweep.sh: no GPU here (${cuda/False/torch sees no CUDA device}): the script is" \
+                            "for a machine with CUDA; recipes/sweep.py runs a sweep on the CPU" >&2; exit 2; }
 OUT="${OUT:-runs/gpu_out}"
 mkdir -p "$OUT"
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run scripts/fetch_gpu_wheels.sh and carry .whl" >&2; exit 2; }
