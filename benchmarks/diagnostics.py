@@ -70,7 +70,8 @@ def step_count(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=step_count, default=31, help="the first warms up and is not counted")
+    parser.add_argument("--steps", type=step_count, default=31,
+                        help="1 + a multiple of 10 (11, 21, ...); the first warms up and is not counted")
     parser.add_argument("--seq", type=at_least(1), default=256)
     parser.add_argument("--span", type=span_label, default="score:1100")
     args = parser.parse_args()
