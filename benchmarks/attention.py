@@ -92,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", type=device_choice, choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--tokens", type=int, help="B·T (default 2048 on the CPU, 16384 on CUDA)")
+    parser.add_argument("--tokens", type=at_least(1), help="B·T (default 2048 on the CPU, 16384 on CUDA)")
     parser.add_argument("--seq", type=at_least(1), nargs="+")
     parser.add_argument("--methods", type=span_label, nargs="+", default=METHODS)
     parser.add_argument("--backends", nargs="+", choices=["auto", *BACKENDS],

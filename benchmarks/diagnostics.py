@@ -58,9 +58,20 @@ def run(variant: str, steps: int, seq: int, label: str) -> float:
     return sum(timer.times[1:]) / len(timer.times[1:])  # the first step warms up
 
 
+def step_count(text: str) -> int:
+    """argparse's type of --steps: 1 + a multiple of 10, so that the timed steps after the first hold every 10th,
+    the steps the diagnostics record, in its share."""
+    value = at_least(1)(text)
+    if value < 11 or (value - 1) % 10:
+        raise argparse.ArgumentTypeError(f"{text!r:.40}: expected 1 + a multiple of 10 (11, 21, 31, ...): the first "
+                                         "step warms up, and the diagnostics record every 10th of the others")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=at_least(2), default=31, help="the first warms up and is not counted")
+    parser.add_argument("--steps", type=step_count, default=31,
+                        help="1 + a multiple of 10 (11, 21, ...); the first warms up and is not counted")
     parser.add_argument("--seq", type=at_least(1), default=256)
     parser.add_argument("--span", type=span_label, default="score:1100")
     args = parser.parse_args()

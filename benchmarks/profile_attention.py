@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=at_least(0), default=3)
     parser.add_argument("--calls", type=at_least(1), default=5, help="profiled forward+backward calls")
     parser.add_argument("--top", type=at_least(0), default=12, help="kernels listed per label and backend")
-    parser.add_argument("--width", type=at_least(0), default=80, help="kernel names cut to this many characters")
+    parser.add_argument("--width", type=at_least(1), default=80, help="kernel names cut to this many characters")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:

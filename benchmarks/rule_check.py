@@ -140,8 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:  # else named only after the runs before it
         parser.error(f"--backends {given!r:.80}: {', '.join(repr(name)[:40] for name in unknown)}: allowed are auto, "
                      f"{', '.join(BACKENDS)} (comma-separated)")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim}: expected a multiple of --heads {args.heads}")
     if not (args.data / "gpt2-tokenizer").is_dir():
         parser.error(f"--data {args.data}: no gpt2-tokenizer folder in it (see scripts/fetch_gpu_data.sh)")
+    for name in ("train.txt", "validation.txt") if args.race else ("train.txt",):
+        if not (args.data / "wikitext-2-v1" / name).is_file():
+            parser.error(f"--data {args.data}: no wikitext-2-v1/{name} in it (see scripts/fetch_gpu_data.sh)")
     tokenizer = AutoTokenizer.from_pretrained(args.data / "gpt2-tokenizer")
     text = args.data / "wikitext-2-v1"
     chars = args.chars or (12_000_000 if args.race else 2_000_000)

@@ -4,7 +4,11 @@
 # train and validation splits in the tokenized `<unk>` variant (wikitext-2-v1): the raw variant
 # the paper used has only a 1 MB train prefix offline. Checks the files against the data's README.
 #   bash scripts/fetch_gpu_data.sh              # SPANATTN_DATA=... for another copy of ../shared/data
+[ -n "${BASH_VERSION:-}" ] || { echo "fetch_gpu_data.sh: a bash script: run it as bash" \
+                                     "scripts/fetch_gpu_data.sh" >&2; exit 2; }
 set -euo pipefail
+[ $# -eq 0 ] || { echo "fetch_gpu_data.sh: takes no arguments, got $* (SPANATTN_DATA=... names another data" \
+                       "folder)" >&2; exit 2; }
 DATA="${SPANATTN_DATA:-$(dirname "$0")/../../shared/data}"
 [[ "$DATA" = /* ]] || DATA="$PWD/$DATA"  # a relative SPANATTN_DATA is read from where the script was called
 cd "$(dirname "$0")/.."

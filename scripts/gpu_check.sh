@@ -15,7 +15,9 @@
 # `tests` steps 4-5 (at most 6 min), in two calls. Output to $OUT/gpu_check.txt, or to
 # gpu_check_figures.txt and gpu_check_tests.txt ($OUT: runs unless set).
 #   bash scripts/gpu_check.sh [all|figures|tests]
+[ -n "${BASH_VERSION:-}" ] || { echo "gpu_check.sh: a bash script: run it as bash scripts/gpu_check.sh" >&2; exit 2; }
 set -uo pipefail
+[[ -z "${OUT:-}" || "$OUT" = /* ]] || OUT="$PWD/$OUT"  # a relative OUT is read from where the script was called
 cd "$(dirname "$0")/.."
 [ $# -le 1 ] || { echo "gpu_check.sh: one part at a time, got $# ($*; allowed: all, figures, tests)" >&2; exit 2; }
 PART="${1:-all}"
@@ -23,6 +25,9 @@ case "$PART" in
     all|figures|tests) ;;
     *) echo "gpu_check.sh: unknown part '$PART' (allowed: all, figures, tests)" >&2; exit 2 ;;
 esac
+cuda=$(python3 -c "import torch; print(torch.cuda.is_available())" 2>/dev/null) || cuda="python3 cannot import torch"
+[ "$cuda" = True ] || { echo "gpu_check.sh: no GPU here (${cuda/False/torch sees no CUDA device}): the script is" \
+                            "for a machine with CUDA; scripts/test.sh runs the tests on the CPU" >&2; exit 2; }
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_SPANATTN_TRITON_TUNE=0
@@ -34,6 +39,7 @@ step() {  # step SECONDS COMMAND...: the command under a time limit, with its ti
     echo "## $*"
     timeout --kill-after=10 "$limit" "$@"
     local rc=$?
+    [ "$rc" -eq 0 ] || failed=1
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         echo "## stopped after ${limit} s"
     elif [ "$rc" -ne 0 ]; then
@@ -41,6 +47,7 @@ step() {  # step SECONDS COMMAND...: the command under a time limit, with its ti
     fi
 }
 
+failed=0
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
@@ -56,4 +63,5 @@ transformers.__version__, 'triton', triton.__version__)"
             tests/test_triton.py
         step 240 python3 -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests/test_triton.py
     fi
+    [ "$failed" -eq 0 ]  # the script's exit status: non-zero where a step failed or ran out of time
 } 2>&1 | tee "$OUT/gpu_check$([ "$PART" = all ] || echo "_$PART").txt"

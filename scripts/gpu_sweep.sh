@@ -13,7 +13,9 @@
 #                 as finished; without it such a run stops the command, named (another --accum is no other setting)
 # Writes to $OUT (default runs/gpu_out): results.jsonl (one line per finished run), pack.log and
 # env.txt (GPU and package versions).
+[ -n "${BASH_VERSION:-}" ] || { echo "gpu_sweep.sh: a bash script: run it as bash scripts/gpu_sweep.sh" >&2; exit 2; }
 set -euo pipefail
+[[ -z "${OUT:-}" || "$OUT" = /* ]] || OUT="$PWD/$OUT"  # a relative OUT is read from where the script was called
 cd "$(dirname "$0")/.."
 PARALLEL=1 ACCUM=1 BUDGET=540 CONFIG=recipes/configs/paper_gpu.yaml MAX_RUNS= KEEP=
 while [ $# -gt 0 ]; do
@@ -43,6 +45,9 @@ EXTRA=(${MAX_RUNS:+--max_runs "$MAX_RUNS"} $KEEP)
 [ -f "$CONFIG" ] || { echo "gpu_sweep.sh: --config $CONFIG: no such file" >&2; exit 2; }
 # more than 3 digits cannot divide 128, and bash's arithmetic would wrap a number past 2^63
 if [ ${#ACCUM} -gt 3 ] || [ $((128 % ACCUM)) -ne 0 ]; then echo "gpu_sweep.sh: --accum $ACCUM must divide 128" >&2; exit 2; fi
+cuda=$(python3 -c "import torch; print(torch.cuda.is_available())" 2>/dev/null) || cuda="python3 cannot import torch"
+[ "$cuda" = True ] || { echo "gpu_sweep.sh: no GPU here (${cuda/False/torch sees no CUDA device}): the script is" \
+                            "for a machine with CUDA; recipes/sweep.py runs a sweep on the CPU" >&2; exit 2; }
 OUT="${OUT:-runs/gpu_out}"
 mkdir -p "$OUT"
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run scripts/fetch_gpu_wheels.sh and carry .whl" >&2; exit 2; }

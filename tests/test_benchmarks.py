@@ -52,13 +52,22 @@ RULE_CHECK = ["--data", str(DATA), "--chars", "30000", "--seq", "32", "--dim", "
     ("rule_check", ["--seconds", "nan"], "argument --seconds: 'nan': expected a number >= 0"),  # was: no time limit
     ("rule_check", ["--chars", "10"], "--chars 10: 0 rows of --seq 32 tokens; --batch 2 needs more"),  # was: random_
     ("rule_check", ["--data", "{tmp}/none"], "--data {tmp}/none: no gpt2-tokenizer folder in it"),  # was: a Hub repo id
+    ("rule_check", ["--dim", "10", "--heads", "4"], "--dim 10: expected a multiple of --heads 4"),  # was: GPT-2's
+    ("rule_check", ["--data", "{tmp}/text"], "--data {tmp}/text: no wikitext-2-v1/train.txt in it"),  # a traceback
+    ("rule_check", ["--data", "{tmp}/text", "--race", "1"], "--data {tmp}/text: no wikitext-2-v1/train.txt in it"),
     ("train_step", ["--peak", "score:1000", "--seq", "0"], "argument --seq: '0': expected an integer >= 1"),
     ("train_step", ["--peak", "score:1000", "--batch", "0"], "argument --batch: '0': expected an integer >= 1"),
     ("attention", ["--memory", "--seq", "16", "0"], "argument --seq: '0': expected an integer >= 1"),  # ZeroDivision
+    ("attention", ["--memory", "--tokens", "0"], "argument --tokens: '0': expected an integer >= 1"),  # was: B = 1
+    ("attention", ["--memory", "--tokens", "-5"], "argument --tokens: '-5': expected an integer >= 1"),  # likewise
     ("profile_attention", ["--device", "cpu", "--calls", "0"], "argument --calls: '0': expected an integer >= 1"),
     ("profile_attention", ["--device", "cpu", "--dim", "x"], "argument --dim: 'x': expected an integer >= 1"),
-    ("diagnostics", ["--steps", "1"], "argument --steps: '1': expected an integer >= 2"),  # was: ZeroDivisionError
+    # was: ZeroDivisionError (1), the row "every 10" timed without a recorded step (5), or with 1 in 14 (15)
+    *(("diagnostics", ["--steps", n], f"argument --steps: '{n}': expected 1 + a multiple of 10 (11, 21, 31, ...)")
+      for n in ("1", "5", "15")),
     ("profile_attention", ["--device", "cpu", "--seq", "-1"], "argument --seq: '-1': expected an integer >= 1"),
+    # was: names cut to all their characters but the last
+    ("profile_attention", ["--device", "cpu", "--width", "0"], "argument --width: '0': expected an integer >= 1"),
     # was: torch's "Trying to create tensor with negative dimension", or "Torch not compiled with CUDA enabled"
     ("attention", ["--memory", "--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
     ("train_step", ["--device", "cuda"], "argument --device: 'cuda': torch sees no CUDA device here"),
@@ -82,6 +91,9 @@ def test_benchmark_options_out_of_range_are_named_before_anything_runs(module, a
     if module == "rule_check" and not (DATA / "gpt2-tokenizer").is_dir():
         pytest.skip("needs ../shared/data")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in (RULE_CHECK if module == "rule_check" else []) + argv]
+    if module == "rule_check":  # {tmp}/text: a data folder with the tokenizer alone
+        (tmp_path / "text").mkdir()
+        (tmp_path / "text" / "gpt2-tokenizer").symlink_to(DATA / "gpt2-tokenizer")
     main = importlib.import_module(f"benchmarks.{module}").main
     monkeypatch.setattr(sys, "argv", [module, *argv])  # for the scripts whose main reads sys.argv
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's, whatever it has

@@ -2257,10 +2257,11 @@ def test_setup_installs_the_pinned_torch_where_another_is_there(installed, insta
     assert ("-m pip install -q torch==2.13.0" in calls) == installs and "-m pip install -q -e .[dev]" in calls
 
 
-@pytest.mark.parametrize("flag,reported", [("--dry", False), ("--dry_ru", False), ("--d", True), ("--dry_runs", True)])
+@pytest.mark.parametrize("flag,reported", [("--dry", False), ("--dry_ru", False), ("--d", True), ("--dry_runs", True),
+                                           ("--help", False), ("-h", False)])
 def test_compare_script_takes_an_abbreviated_dry_run_for_one(flag, reported, tmp_path):
     """sweep.py (argparse) reads --dry as --dry_run; the script then ran report.py, which stopped it (no such
-    folder)."""
+    folder); after sweep.py's --help too."""
     for name in ("scripts", "recipes", ".venv/bin"):
         (tmp_path / name).mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "compare.sh", tmp_path / "scripts")
@@ -2309,3 +2310,109 @@ def test_compare_script_dry_run_lists_the_runs_and_reports_nothing(tmp_path):
                           text=True, env={**os.environ, "SPANATTN_DATA": str(DATA)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[4/4] runs/quick/runs/" in done.stdout and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", ["test.sh", "compare.sh"])
+def test_scripts_run_this_checkouts_package_whatever_the_pythonpath(script, tmp_path):
+    """PYTHONPATH=<another checkout>/src: the tests ran, and the main job trained, with that checkout's package."""
+    repo, other = tmp_path / "repo", tmp_path / "other" / "hf_spanattn"
+    for folder in (repo / "scripts", repo / ".venv" / "bin", other):
+        folder.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    (repo / "src").symlink_to(ROOT / "src")
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts")
+    (repo / "scripts" / "setup.sh").write_text("exit 0\n")
+    (repo / ".venv" / "bin" / "ruff").write_text("#!/bin/sh\n")
+    (repo / ".venv" / "bin" / "python").write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import hf_spanattn; print(hf_spanattn.__file__)'\n")
+    for name in ("ruff", "python"):
+        (repo / ".venv" / "bin" / name).chmod(0o755)
+    done = subprocess.run(["bash", str(repo / "scripts" / script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(other.parent)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == str(repo / "src" / "hf_spanattn" / "__init__.py")
+
+
+def test_setup_puts_pip_into_a_venv_made_without_it(tmp_path):
+    """A .venv from `uv venv` or `python -m venv --without-pip`: "No module named pip", and no way on."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    no_pip = 'case "$*" in "-m ensurepip") touch "$FAKE_LOG.pip"; exit ;; "-m pip"*) [ -f "$FAKE_LOG.pip" ] || exit 1;;'
+    python.write_text(FAKE_PYTHON.replace('case "$*" in', no_pip))
+    python.chmod(0o755)
+    env = {**os.environ, "FAKE_LOG": str(tmp_path / "log"), "FAKE_TORCH": "2.13.0", "TORCH_VERSION": "2.13.0"}
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "-m pip install -q -e .[dev]" in (tmp_path / "log").read_text().splitlines()
+
+
+def fake_python3(tmp_path: Path, cuda: str) -> dict[str, str]:
+    """An environment whose python3 answers `cuda` to torch.cuda.is_available() and fails at anything else."""
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python3"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *is_available*) echo {cuda} ;; *) exit 3 ;; esac\n')
+    python.chmod(0o755)
+    return {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+
+
+def test_gpu_sweep_script_says_there_is_no_gpu(tmp_path):
+    """On a machine without CUDA: pip's "not a supported wheel on this platform", or a traceback after the installs."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_sweep.sh")], capture_output=True, text=True,
+                          env=fake_python3(tmp_path, "False"))
+    assert done.returncode == 2 and "gpu_sweep.sh: no GPU here (torch sees no CUDA device)" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cuda", ["False", "True"])
+def test_gpu_check_script_says_there_is_no_gpu_and_fails_where_a_step_does(cuda, tmp_path):
+    """On a machine without CUDA every step ended in a traceback, and the script in exit status 0; a step that
+    failed on a GPU machine left it at 0 too."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "tests"], capture_output=True, text=True,
+                          env=fake_python3(tmp_path, cuda))
+    if cuda == "False":
+        assert done.returncode == 2 and "gpu_check.sh: no GPU here (torch sees no CUDA device)" in done.stderr
+        assert not (tmp_path / "out").exists()
+    else:
+        assert done.returncode == 1 and "## exit status 3" in (tmp_path / "out" / "gpu_check_tests.txt").read_text()
+
+
+@pytest.mark.parametrize("script", ["setup.sh", "fetch_gpu_wheels.sh", "fetch_gpu_data.sh"])
+def test_scripts_without_options_name_an_argument(script, tmp_path):
+    """`bash scripts/setup.sh --force` set up as without it (or returned at once), without a word; the fetch scripts
+    likewise."""
+    repo = tmp_path / "repo"  # a copy: the fetch scripts write beside the checkout
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts")
+    done = subprocess.run(["bash", str(repo / "scripts" / script), "--force"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert done.returncode == 2 and f"{script}: takes no arguments, got --force" in done.stderr
+    assert sorted(p.name for p in repo.iterdir()) == ["scripts"]
+
+
+SH_IS_BASH = subprocess.run(["sh", "-c", "echo ${BASH_VERSION:-}"], capture_output=True, text=True).stdout != "\n"
+
+
+@pytest.mark.skipif(SH_IS_BASH, reason="sh is bash here: the scripts would run")
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.sh")))
+def test_scripts_run_with_sh_say_they_need_bash(script, tmp_path):
+    """`sh scripts/setup.sh` (dash): "set: Illegal option -o pipefail"."""
+    done = subprocess.run(["sh", str(ROOT / "scripts" / script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert done.returncode == 2 and f"{script}: a bash script: run it as bash scripts/{script}" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_sweep.sh"])
+def test_gpu_scripts_read_a_relative_out_from_where_they_are_called(script, tmp_path):
+    """OUT=out from another folder wrote into <checkout>/out."""
+    repo = tmp_path / "repo"
+    for folder in (repo / "scripts", repo / "recipes" / "configs", tmp_path / "elsewhere"):
+        folder.mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts")
+    (repo / "recipes" / "configs" / "paper_gpu.yaml").write_text("")
+    env = {**fake_python3(tmp_path, "True"), "OUT": "out"}
+    subprocess.run(["bash", str(repo / "scripts" / script), *(["tests"] if script == "gpu_check.sh" else [])],
+                   capture_output=True, text=True, env=env, cwd=tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "out").is_dir() and not (repo / "out").exists()
