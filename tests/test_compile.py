@@ -64,6 +64,18 @@ def test_fullgraph_with_gradients_on_the_tiles_names_the_break(monkeypatch):
         torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids)
 
 
+def test_fullgraph_training_of_the_per_block_rule_on_fused_names_the_break(monkeypatch):
+    """The per-block rule's backward takes SDPA's gradients with torch.autograd.grad, which Dynamo does not trace:
+    fullgraph=True names span_attention and the rules that compile without a break (it raised Dynamo's words on
+    torch.autograd.grad); with breaks allowed it trains as test_compiled_training_gives_the_same_gradients checks."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    model = hf_spanattn.patch_model(tiny("llama", layers=1), "score:1100@per_block")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="span_attention: the per-block rule.*without @per_block"):
+        gradients(model, ids, torch.compile(model, backend="aot_eager", fullgraph=True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tiles", "fused"])
 def test_inductor_training_gives_the_same_gradients(backend, monkeypatch):
