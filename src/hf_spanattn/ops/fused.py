@@ -284,5 +284,4 @@ def _first_columns(out: torch.Tensor, width: int) -> torch.Tensor:
     memory, as SDPA lays out its own output (contiguous on a CPU), not a strided slice: a caller may `.view` it so."""
     if out.shape[-1] == width:
         return out
-    order = sorted(range(out.dim()), key=out.stride, reverse=True)
-    return out[..., :width].permute(order).contiguous().permute([order.index(i) for i in range(out.dim())])
+    return out[..., :width].clone(memory_format=torch.preserve_format)  # a slice: dense, its strides' order kept
