@@ -64,6 +64,34 @@ def test_fullgraph_with_gradients_on_the_tiles_names_the_break(monkeypatch):
         torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids)
 
 
+def test_fullgraph_training_of_the_per_block_rule_on_fused_names_the_break(monkeypatch):
+    """The per-block rule's backward takes SDPA's gradients with torch.autograd.grad, which Dynamo does not trace:
+    fullgraph=True names span_attention and the rules that compile without a break (it raised Dynamo's words on
+    torch.autograd.grad); with breaks allowed it trains as test_compiled_training_gives_the_same_gradients checks."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    model = hf_spanattn.patch_model(tiny("llama", layers=1), "score:1100@per_block")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="span_attention: the per-block rule.*without @per_block"):
+        gradients(model, ids, torch.compile(model, backend="aot_eager", fullgraph=True))
+
+
+def test_fullgraph_training_with_a_dynamic_sequence_length(monkeypatch):
+    """torch._dynamo.mark_dynamic on the time axis under fullgraph=True on the fused kernels: each length's gradients
+    are the eager ones (the layout of the output was found by sorting its strides: Dynamo refused symbolic ones)."""
+    monkeypatch.setenv("HF_SPANATTN_BACKEND", "fused")
+    torch._dynamo.reset()
+    model = hf_spanattn.patch_model(tiny("gpt2", layers=1), "score:1100")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for t in (12, 16):
+        ids = torch.randint(0, VOCAB, (2, t), generator=torch.Generator().manual_seed(t))
+        eager = gradients(model, ids)
+        torch._dynamo.mark_dynamic(ids, 1)
+        got = gradients(model, ids, compiled)
+        for name, grad in eager.items():
+            assert ((got[name] - grad).norm() / grad.norm()).item() < 1e-5, name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tiles", "fused"])
 def test_inductor_training_gives_the_same_gradients(backend, monkeypatch):

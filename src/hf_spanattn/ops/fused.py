@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -252,6 +253,13 @@ class _replaying:
             torch.set_rng_state(state)
 
 
+_PER_BLOCK_BREAK = {"msg": "span_attention: the per-block rule takes its blocks' gradients with torch.autograd.grad in "
+                          "the backward pass, which Dynamo does not trace: the graph breaks here (fullgraph=True "
+                          "fails); the rules without @per_block compile without a break on the fused kernels"}
+if "msg" not in inspect.signature(torch._dynamo.graph_break).parameters:  # torch before 2.7 says no more than the break
+    _PER_BLOCK_BREAK = {}
+
+
 def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                     dropout_p: float, is_causal: bool, scale: float, config: SpanAttentionConfig,
                     probe: None = None) -> torch.Tensor:
@@ -262,6 +270,8 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     h_q, h_kv = query.shape[1], key.shape[1]
     key_valid = key_support(attn_mask, h_kv, h_q // h_kv)
     if config.rule.per_block:
+        if torch.compiler.is_compiling():  # Dynamo fails on the autograd.Function's backward: it breaks there anyway
+            torch._dynamo.graph_break(**_PER_BLOCK_BREAK)
         return _PerBlock.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, key_valid, config)
     q_aug, k_aug, v_aug = _Operands.apply(query, key, value, key_valid, config)
     out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -274,5 +284,4 @@ def _first_columns(out: torch.Tensor, width: int) -> torch.Tensor:
     memory, as SDPA lays out its own output (contiguous on a CPU), not a strided slice: a caller may `.view` it so."""
     if out.shape[-1] == width:
         return out
-    order = sorted(range(out.dim()), key=out.stride, reverse=True)
-    return out[..., :width].permute(order).contiguous().permute([order.index(i) for i in range(out.dim())])
+    return out[..., :width].clone(memory_format=torch.preserve_format)  # a slice: dense, its strides' order kept
