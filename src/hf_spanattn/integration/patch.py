@@ -95,14 +95,7 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     saved = {key: getattr(tower.config, CONFIG_KEY, None) for key, tower in towers.items()}
     as_saved = config is None and layers is None and any(section is not None for section in saved.values())
     if as_saved and getattr(base.config, CONFIG_KEY, None) is None:  # towers patched alone, saved with the model
-        named = [key for key in towers if saved[key] is not None]
-        one = len(named) == 1
-        warnings.warn(f"{stored_source(base.config)}: not given, but {', '.join(f'{k}.{CONFIG_KEY}' for k in named)} "
-                      f"{'is' if one else 'are'}: patching {'that tower' if one else 'those towers'} of "
-                      f"{type(base).__name__} with {'its' if one else 'their'} settings, the others keep stock "
-                      "gradients (pass settings to patch_model to patch every tower)", stacklevel=user_stacklevel())
-        for key in named:
-            patch_model(towers[key])
+        _patch_towers_alone(base, towers, saved)
         return model
     keep = config is None and layers is None and config_of(base.config) is not None  # the section as it is stored
     if config is None:
@@ -110,6 +103,42 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     if layers is not None:
         config = config.replace(layers=layers)
     neo = gpt_neo.attentions(base)
+    _refuse_unpatchable(base, config, neo)
+    _record_original(base, neo)
+    _mark_modules(base)
+    _write_settings(base, config, towers, keep)
+    card.set_tags(base, config)
+    train_checks.install()
+    if neo:
+        gpt_neo.adapt(base.config, neo)
+        _warn_neo_of_other_models(base, neo)
+    else:
+        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        _repatch_copied_configs(base)
+        structure.warn_modules_left_stock(base)
+    if config.layers is not None:
+        structure.warn_layers_moved(base, config.layers, "patch_model")
+    if as_saved:
+        _patch_towers_as_saved(base, config, towers, saved)
+    return model
+
+
+def _patch_towers_alone(base: PreTrainedModel, towers: dict[str, PreTrainedModel], saved: dict[str, Any]) -> None:
+    """Patch the towers of a composite model saved with settings of their own but none of the model's (towers
+    patched alone), each with its settings; the others keep stock gradients."""
+    named = [key for key in towers if saved[key] is not None]
+    one = len(named) == 1
+    warnings.warn(f"{stored_source(base.config)}: not given, but {', '.join(f'{k}.{CONFIG_KEY}' for k in named)} "
+                  f"{'is' if one else 'are'}: patching {'that tower' if one else 'those towers'} of "
+                  f"{type(base).__name__} with {'its' if one else 'their'} settings, the others keep stock "
+                  "gradients (pass settings to patch_model to patch every tower)", stacklevel=user_stacklevel())
+    for key in named:
+        patch_model(towers[key])
+
+
+def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo: list[torch.nn.Module]) -> None:
+    """Refuse a model whose attention span_attention cannot take (no attention-backend support, no SDPA), a layer
+    selection it cannot apply, and modules that another patched model runs under other settings."""
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
     # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
@@ -119,23 +148,25 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         raise ValueError(f"{what} does not support SDPA attention in Transformers (its attention has parts SDPA "
                          "lacks, such as attention sinks or logit soft-capping), and span_attention's forward pass is "
                          f"SDPA's, so it would change the model's outputs. Supported: {SUPPORTED}.")
-    present = attention_modules(base)
-    if not present and config.layers is not None:  # numbered here where the modules carry no index
-        raise ValueError(f"layers={shown(list(config.layers))}: the attention modules of {type(base).__name__} carry "
-                         "no layer index and its layers could not be found, so a selection cannot be applied; patch "
-                         "every layer (layers=None)")
-    n_layers = layer_count(base)
-    if config.layers is not None and max(config.layers, default=-1) >= n_layers:
-        where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
-        raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
-                         f"0..{n_layers - 1}")
     if config.layers is not None:
+        if not attention_modules(base):  # numbered here where the modules carry no index
+            raise ValueError(f"layers={shown(list(config.layers))}: the attention modules of {type(base).__name__} "
+                             "carry no layer index and its layers could not be found, so a selection cannot be "
+                             "applied; patch every layer (layers=None)")
+        n_layers = layer_count(base)
         where = f"{stored_source(base.config)}: " if config_of(base.config) == config else ""
+        if max(config.layers, default=-1) >= n_layers:
+            raise ValueError(f"{where}layers={shown(list(config.layers))}: {type(base).__name__} has layers "
+                             f"0..{n_layers - 1}")
         structure.refuse_layers_without_attention(base, config.layers, f"{where}layers={shown(list(config.layers))}")
-
     structure.refuse_modules_of_other_models(base, config, neo)
+
+
+def _record_original(base: PreTrainedModel, neo: list[torch.nn.Module]) -> None:
+    """Keep what patch_model changes (the attention implementation, GPT-2's reorder_and_upcast_attn) on the model and
+    every model sharing its config, for unpatch_model; a model patched again keeps the record of its first patch."""
     original = _original(base)
-    if not is_patched(base) or original is None:  # else the record of the first patch_model stands
+    if not is_patched(base) or original is None:
         switched_off = original["reorder_and_upcast_attn"] if original else None  # by a patch_model before
         original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=switched_off)
         if not neo:
@@ -151,8 +182,13 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
         _PATCHED.add(part)
     registry.PATCHED_CONFIGS[id(base.config)] = base.config
     registry.PATCHED_MODULES.update(base.modules())
-    for path, module in base.named_modules():  # a schedule's setting left by a training run stopped midway
-        for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
+
+
+def _mark_modules(base: PreTrainedModel) -> None:
+    """Mark each module for the registry: cross-attention keeps SDPA's gradient, a module reading a config that is not
+    the model's reads the model's settings; what a training run stopped midway left on it goes."""
+    for path, module in base.named_modules():
+        for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):  # a schedule's setting left on it, ...
             module.__dict__.pop(name, None)
         if structure.under_cross_attention(path) and calls_the_registry(module):
             module.__dict__[CROSS_ATTR] = True  # keeps SDPA's gradient (registry.is_cross_attention)
@@ -163,6 +199,12 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             module.__dict__[SETTINGS_FROM_ATTR] = base.config
         else:
             module.__dict__.pop(SETTINGS_FROM_ATTR, None)
+
+
+def _write_settings(base: PreTrainedModel, config: SpanAttentionConfig, towers: dict[str, PreTrainedModel],
+                    keep: bool) -> None:
+    """Write `config` to the model config (unless `keep`: the section stays as it was read, with the fields and
+    version of a newer hf_spanattn) and to its towers' sub-configs, so that a tower saved alone keeps them."""
     other = _another_sharing(base)
     if other is not None and is_patched(other) and config_of(base.config) not in (None, config):
         warnings.warn(f"patch_model: another model that patch_model was given shares the config object of "
@@ -170,47 +212,43 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
                       f"{adapters._described(config_of(base.config))} to {adapters._described(config)}: its layers "
                       "read the same settings. Build each model from its own config (copy.deepcopy(config)) to patch "
                       "them otherwise.", stacklevel=user_stacklevel())
-    if not keep:  # kept, it saves as it was read (fields and version of a newer hf_spanattn included)
+    if not keep:
         setattr(base.config, CONFIG_KEY, config.to_dict())
-    for tower in towers.values():  # a tower saved alone (model.language_model.save_pretrained) keeps them
+    for tower in towers.values():  # model.language_model.save_pretrained keeps them
         if config.layers is None or any(registry.layer_index(m) is not None for m in tower.modules()):
             setattr(tower.config, CONFIG_KEY, copy.deepcopy(getattr(base.config, CONFIG_KEY)))
         elif hasattr(tower.config, CONFIG_KEY):  # attention without a layer index: `layers` leaves it stock
             delattr(tower.config, CONFIG_KEY)
     config_of(base.config)  # parsed now, so that a compiled forward only looks the settings up
-    card.set_tags(base, config)
-    train_checks.install()
-    if neo:
-        gpt_neo.adapt(base.config, neo)
-        inside = structure.own_configs(base)
-        foreign = [path for path, module in base.named_modules() if module in neo and id(module.config) not in inside]
-        if foreign:
-            warnings.warn(f"patch_model: {', '.join(foreign)} of {type(base).__name__} hold another model's config "
-                          "(a layer taken from it), so that model trains them with span gradients too, patched or "
-                          "not; give this model its own copy of the layer pointing to its config (layer = "
-                          "copy.deepcopy(layer), then set its attention module's .config to the model's)",
-                          stacklevel=user_stacklevel())
-    else:
-        base.set_attn_implementation(ATTN_IMPLEMENTATION)
-        _repatch_copied_configs(base)
-        structure.warn_modules_left_stock(base)
-    if config.layers is not None:
-        structure.warn_layers_moved(base, config.layers, "patch_model")
-    if as_saved:  # a tower patched otherwise, or unpatched, before the model was saved: as it was
-        apart = []
-        for key, tower in towers.items():
-            if saved[key] is None:
-                unpatch_model(tower)
-                apart.append(f"{key} holds none: stock gradients")
-            elif saved[key] != getattr(base.config, CONFIG_KEY):
-                setattr(tower.config, CONFIG_KEY, saved[key])
-                patch_model(tower)
-                apart.append(f"{key}.{CONFIG_KEY} differs: {config_of(tower.config).label}")
-        if apart:
-            warnings.warn(f"patch_model: {type(base).__name__} has settings of its own ({config.label}), but "
-                          f"{'; '.join(apart)}: those towers train so, as they did when saved (pass settings to "
-                          "patch_model to patch every tower alike)", stacklevel=user_stacklevel())
-    return model
+
+
+def _warn_neo_of_other_models(base: PreTrainedModel, neo: list[torch.nn.Module]) -> None:
+    inside = structure.own_configs(base)
+    foreign = [path for path, module in base.named_modules() if module in neo and id(module.config) not in inside]
+    if foreign:
+        warnings.warn(f"patch_model: {', '.join(foreign)} of {type(base).__name__} hold another model's config "
+                      "(a layer taken from it), so that model trains them with span gradients too, patched or "
+                      "not; give this model its own copy of the layer pointing to its config (layer = "
+                      "copy.deepcopy(layer), then set its attention module's .config to the model's)",
+                      stacklevel=user_stacklevel())
+
+
+def _patch_towers_as_saved(base: PreTrainedModel, config: SpanAttentionConfig, towers: dict[str, PreTrainedModel],
+                           saved: dict[str, Any]) -> None:
+    """A tower patched otherwise, or unpatched, before the model was saved, patched as it was then."""
+    apart = []
+    for key, tower in towers.items():
+        if saved[key] is None:
+            unpatch_model(tower)
+            apart.append(f"{key} holds none: stock gradients")
+        elif saved[key] != getattr(base.config, CONFIG_KEY):
+            setattr(tower.config, CONFIG_KEY, saved[key])
+            patch_model(tower)
+            apart.append(f"{key}.{CONFIG_KEY} differs: {config_of(tower.config).label}")
+    if apart:
+        warnings.warn(f"patch_model: {type(base).__name__} has settings of its own ({config.label}), but "
+                      f"{'; '.join(apart)}: those towers train so, as they did when saved (pass settings to "
+                      "patch_model to patch every tower alike)", stacklevel=user_stacklevel())
 
 
 def _rejoin_copies(base: PreTrainedModel) -> None:
