@@ -106,3 +106,36 @@ def test_threads_building_causal_masks_of_several_lengths():
                                                           config="score:1100").sum(), q)
     torch.testing.assert_close(torch.autograd.grad(hf_spanattn.span_attention(q, q, q, is_causal=True,
                                                                               config="score:1100").sum(), q), want)
+
+
+def test_threads_patching_and_unpatching_models_of_their_own():
+    """Threads each patching, training and unpatching a model of its own (a server building a model per request):
+    unpatch_model listed the patched models while patch_model in another thread added to them, and raised
+    "Set changed size during iteration". Each thread now gets the gradients of its label, as one after the other."""
+    base = tiny("gpt2", layers=1).double().train()
+    labels = ["score:1000", "score:1100", "standard:QKV101", "simple:1,0"]
+    want = {label: grads(patch_model(copy.deepcopy(base), label), batch()) for label in labels}
+    errors, kept, interval = [], [], sys.getswitchinterval()
+
+    def work(i: int) -> None:
+        try:
+            for n in range(12):
+                label = labels[(i + n) % len(labels)]
+                model = patch_model(copy.deepcopy(base), label)
+                for a, b in zip(grads(model, batch()), want[label]):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)
+                hf_spanattn.unpatch_model(model)
+                kept.append(patch_model(model, label))  # more patched models: longer lists to read
+        except Exception as err:  # any error of a thread is the failure
+            errors.append(repr(err))
+
+    sys.setswitchinterval(1e-7)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]

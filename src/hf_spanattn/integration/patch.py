@@ -148,9 +148,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
             _set_reorder(base, False)
     for part in _sharing_config(base):
         setattr(part, _ORIGINAL, original)
-        _PATCHED.add(part)
+        registry.add_all(_PATCHED, [part])
     registry.PATCHED_CONFIGS[id(base.config)] = base.config
-    registry.PATCHED_MODULES.update(base.modules())
+    registry.add_all(registry.PATCHED_MODULES, base.modules())
     for path, module in base.named_modules():  # a schedule's setting left by a training run stopped midway
         for name in (OVERRIDE_ATTR, PROBE_ATTR, OWNER_ATTR, CROSS_ATTR):
             module.__dict__.pop(name, None)
@@ -319,7 +319,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for inner in mine:  # a model inside it that keeps a patched config (model.config replaced since), no other's
         if isinstance(inner, PreTrainedModel) and inner.config is not base.config and \
                 structure.is_patched_config(inner.config) and \
-                not any(m.config is inner.config and m not in mine for m in list(_PATCHED)):
+                not any(m.config is inner.config and m not in mine for m in registry.listed(_PATCHED)):
             unpatch_model(inner)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
@@ -345,7 +345,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     # config too, which would leave that model its settings under stock attention
     theirs = {path: m.config for path, m in base.named_modules() if isinstance(m, PreTrainedModel) and
               m.config is not base.config and structure.is_patched_config(m.config) and
-              any(o.config is m.config and o not in mine for o in list(_PATCHED))}
+              any(o.config is m.config and o not in mine for o in registry.listed(_PATCHED))}
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
     for other in theirs.values():
@@ -397,15 +397,16 @@ def _another_sharing(base: PreTrainedModel) -> PreTrainedModel | None:
     """A model that patch_model was given, neither inside `base` nor around it, that shares its config object (a
     module taken out of `base`, kept by the user, is none)."""
     inside = {m for part in _sharing_config(base) if any(m is base for m in part.modules()) for m in part.modules()}
-    return next((m for m in list(registry.PATCHED_MODULES) if isinstance(m, PreTrainedModel) and m not in inside
-                 and m.config is base.config), None)
+    return next((m for m in registry.listed(registry.PATCHED_MODULES) if isinstance(m, PreTrainedModel)
+                 and m not in inside and m.config is base.config), None)
 
 
 def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     """The model and the models inside or around it that share its config (GPT2LMHeadModel and its GPT2Model),
     which patch_model and unpatch_model may each be given: those inside it, and those patched before."""
     inside = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is model.config]
-    return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
+    return inside + [m for m in registry.listed(_PATCHED)
+                     if m.config is model.config and all(m is not n for n in inside)]
 
 
 def _implementation_of(model_config: Any) -> str | dict[str, str]:
