@@ -84,7 +84,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     Patching again replaces them, and a setting that a schedule left on a layer (`SpanAttentionCallback`, in a
     training run stopped midway). A module reads one model's settings: an attention module that is also
     another patched model's (a layer shared) is refused under other settings, and one that reads another
-    model's config (a layer taken from it) is named in a warning. Returns `model`.
+    model's config (a layer taken from it) is named in a warning. A layer reads its settings when its forward pass
+    runs and that call's backward pass applies them: patching or unpatching between the two changes later calls
+    only. Returns `model`.
     """
     register()
     adapters.install()
