@@ -9,6 +9,7 @@ import importlib.util
 import sys
 import threading
 
+import pytest
 import torch
 from models import VOCAB, tiny
 from transformers import AttentionInterface
@@ -106,3 +107,66 @@ def test_threads_building_causal_masks_of_several_lengths():
                                                           config="score:1100").sum(), q)
     torch.testing.assert_close(torch.autograd.grad(hf_spanattn.span_attention(q, q, q, is_causal=True,
                                                                               config="score:1100").sum(), q), want)
+
+
+def test_threads_patching_and_unpatching_models_of_their_own():
+    """Threads each patching, training and unpatching a model of its own (a server building a model per request):
+    unpatch_model listed the patched models while patch_model in another thread added to them, and raised
+    "Set changed size during iteration". Each thread now gets the gradients of its label, as one after the other."""
+    base = tiny("gpt2", layers=1).double().train()
+    labels = ["score:1000", "score:1100", "standard:QKV101", "simple:1,0"]
+    want = {label: grads(patch_model(copy.deepcopy(base), label), batch()) for label in labels}
+    errors, kept, interval = [], [], sys.getswitchinterval()
+
+    def work(i: int) -> None:
+        try:
+            for n in range(12):
+                label = labels[(i + n) % len(labels)]
+                model = patch_model(copy.deepcopy(base), label)
+                for a, b in zip(grads(model, batch()), want[label]):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)
+                hf_spanattn.unpatch_model(model)
+                kept.append(patch_model(model, label))  # more patched models: longer lists to read
+        except Exception as err:  # any error of a thread is the failure
+            errors.append(repr(err))
+
+    sys.setswitchinterval(1e-7)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize("change", ["patch", "layers", "unpatch", "schedule"])
+def test_settings_changed_in_another_thread_between_forward_and_backward(change):
+    """patch_model, unpatch_model or a schedule's step in another thread while a step is between its forward and
+    backward passes: that backward pass applies the settings its forward pass read; the next step the new ones."""
+    from hf_spanattn.integration.registry import OVERRIDE_ATTR, attention_modules
+
+    def schedule_step(model: torch.nn.Module) -> None:
+        for modules in attention_modules(model).values():
+            for module in modules:
+                setattr(module, OVERRIDE_ATTR, SpanAttentionConfig.from_label("standard:QKV111"))
+
+    changes = {"patch": lambda m: patch_model(m, "score:1100"), "layers": lambda m: patch_model(m, layers=[1]),
+               "unpatch": hf_spanattn.unpatch_model, "schedule": schedule_step}
+    base = tiny("llama").double().train()
+    alone = patch_model(copy.deepcopy(base), "score:1000")
+    want = torch.autograd.grad(alone(input_ids=batch(), labels=batch()).loss, list(alone.parameters()))
+    model = patch_model(copy.deepcopy(base), "score:1000")
+    ids = batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    thread = threading.Thread(target=changes[change], args=(model,))
+    thread.start()
+    thread.join()
+    for a, b in zip(torch.autograd.grad(loss, list(model.parameters())), want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    changed = copy.deepcopy(base)
+    changes[change](patch_model(changed, "score:1000"))
+    for a, b in zip(grads(model, batch()), grads(changed, batch())):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -84,7 +84,9 @@ def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None
     Patching again replaces them, and a setting that a schedule left on a layer (`SpanAttentionCallback`, in a
     training run stopped midway). A module reads one model's settings: an attention module that is also
     another patched model's (a layer shared) is refused under other settings, and one that reads another
-    model's config (a layer taken from it) is named in a warning. Returns `model`.
+    model's config (a layer taken from it) is named in a warning. A layer reads its settings when its forward pass
+    runs and that call's backward pass applies them: patching or unpatching between the two changes later calls
+    only. Returns `model`.
     """
     register()
     adapters.install()
@@ -179,9 +181,9 @@ def _record_original(base: PreTrainedModel, neo: list[torch.nn.Module]) -> None:
             _set_reorder(base, False)
     for part in _sharing_config(base):
         setattr(part, _ORIGINAL, original)
-        _PATCHED.add(part)
+        registry.add_all(_PATCHED, [part])
     registry.PATCHED_CONFIGS[id(base.config)] = base.config
-    registry.PATCHED_MODULES.update(base.modules())
+    registry.add_all(registry.PATCHED_MODULES, base.modules())
 
 
 def _mark_modules(base: PreTrainedModel) -> None:
@@ -357,7 +359,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for inner in mine:  # a model inside it that keeps a patched config (model.config replaced since), no other's
         if isinstance(inner, PreTrainedModel) and inner.config is not base.config and \
                 structure.is_patched_config(inner.config) and \
-                not any(m.config is inner.config and m not in mine for m in list(_PATCHED)):
+                not any(m.config is inner.config and m not in mine for m in registry.listed(_PATCHED)):
             unpatch_model(inner)
     if original is None and not is_patched(base):
         return model  # never patched (settings on its config, as a saved model loaded without patching, stay)
@@ -383,7 +385,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     # config too, which would leave that model its settings under stock attention
     theirs = {path: m.config for path, m in base.named_modules() if isinstance(m, PreTrainedModel) and
               m.config is not base.config and structure.is_patched_config(m.config) and
-              any(o.config is m.config and o not in mine for o in list(_PATCHED))}
+              any(o.config is m.config and o not in mine for o in registry.listed(_PATCHED))}
     if base.config._attn_implementation == ATTN_IMPLEMENTATION or _implementation_of(base.config) != implementation:
         base.set_attn_implementation(implementation)
     for other in theirs.values():
@@ -435,15 +437,16 @@ def _another_sharing(base: PreTrainedModel) -> PreTrainedModel | None:
     """A model that patch_model was given, neither inside `base` nor around it, that shares its config object (a
     module taken out of `base`, kept by the user, is none)."""
     inside = {m for part in _sharing_config(base) if any(m is base for m in part.modules()) for m in part.modules()}
-    return next((m for m in list(registry.PATCHED_MODULES) if isinstance(m, PreTrainedModel) and m not in inside
-                 and m.config is base.config), None)
+    return next((m for m in registry.listed(registry.PATCHED_MODULES) if isinstance(m, PreTrainedModel)
+                 and m not in inside and m.config is base.config), None)
 
 
 def _sharing_config(model: PreTrainedModel) -> list[PreTrainedModel]:
     """The model and the models inside or around it that share its config (GPT2LMHeadModel and its GPT2Model),
     which patch_model and unpatch_model may each be given: those inside it, and those patched before."""
     inside = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.config is model.config]
-    return inside + [m for m in list(_PATCHED) if m.config is model.config and all(m is not n for n in inside)]
+    return inside + [m for m in registry.listed(_PATCHED)
+                     if m.config is model.config and all(m is not n for n in inside)]
 
 
 def _implementation_of(model_config: Any) -> str | dict[str, str]:

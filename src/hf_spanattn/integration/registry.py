@@ -12,8 +12,10 @@ import inspect
 import json
 import os
 import sys
+import threading
 import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -337,6 +339,20 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
 PATCHED_CONFIGS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 PATCHED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _SHARED_NOTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_WEAK_SETS = threading.Lock()
+
+
+def listed(members: weakref.WeakSet) -> list:
+    """The members of a WeakSet of this package, copied while no other thread adds to it (listing one that grows
+    meanwhile, as patch_model in another thread makes it, raises "Set changed size during iteration")."""
+    with _WEAK_SETS:
+        return list(members)
+
+
+def add_all(members: weakref.WeakSet, new: Iterable[Any]) -> None:
+    """Add `new` to a WeakSet of this package that other threads may list at the same time (`listed`)."""
+    with _WEAK_SETS:
+        members.update(new)
 
 
 def _note_shared(module: torch.nn.Module) -> None:
@@ -346,10 +362,10 @@ def _note_shared(module: torch.nn.Module) -> None:
     if model_config is None or PATCHED_CONFIGS.get(id(model_config)) is not model_config or \
             module in PATCHED_MODULES or _said(_SHARED_NOTED, model_config):
         return
-    owner = next((m for m in list(PATCHED_MODULES) if isinstance(m, PreTrainedModel) and m.config is model_config
+    owner = next((m for m in listed(PATCHED_MODULES) if isinstance(m, PreTrainedModel) and m.config is model_config
                   and any(part is module for part in m.modules())), None)
     if owner is not None:  # put into the patched model after patch_model (a replaced attention module): its own
-        PATCHED_MODULES.update(owner.modules())
+        add_all(PATCHED_MODULES, owner.modules())
         return
     _SHARED_NOTED[id(model_config)] = model_config
     warnings.warn(f"span_attention: {type(module).__name__} belongs to a model that hf_spanattn.patch_model was not "

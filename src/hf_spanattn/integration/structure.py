@@ -153,7 +153,7 @@ def _modules_of_other_models(base: PreTrainedModel, config: SpanAttentionConfig,
                 not (calls_the_registry(module) or module in neo) or config_of(other) is None:
             continue
         around = any(isinstance(m, PreTrainedModel) and m.config is other and any(x is base for x in m.modules())
-                     for m in list(registry.PATCHED_MODULES))
+                     for m in registry.listed(registry.PATCHED_MODULES))
         theirs = config_of(other)
         if not around and _runs(theirs, module) != _runs(config, module):
             found.append((path, module, theirs))
