@@ -499,18 +499,22 @@ def overflowing(given: dict[str, Any], form: str = "--{} {}") -> list[str]:
 
 
 def refuse_unreadable_deepspeed(value: Any, where: str) -> None:
-    """A --deepspeed path that exists but is no JSON file is refused naming it: TrainingArguments reads it with
-    json.load, whose error names no file ("Expecting value: line 1 column 1"). A JSON string, base64 of one or a
-    missing path are left to TrainingArguments, which names them."""
+    """A --deepspeed path that exists but is no JSON object is refused naming it: TrainingArguments reads it with
+    json.load, whose error names no file ("Expecting value: line 1 column 1"), takes a list for an object
+    ("'list' object has no attribute 'get'") and keeps the last of a key given twice. A JSON string, base64 of one
+    or a missing path are left to TrainingArguments, which names them."""
     if not isinstance(value, str) or not os.path.exists(value):
         return
     allowed = "DeepSpeed reads its config as JSON: give a .json file, or the JSON itself"
     if not os.path.isfile(value):
         raise ValueError(f"{where}{value}: {not_a_file(value)}; {allowed}")
     try:
-        json.loads(Path(value).read_text(encoding="utf-8"))
-    except (ValueError, OSError) as err:  # not JSON (YAML, say), not UTF-8, unreadable
+        config = json_value(Path(value).read_text(encoding="utf-8"))
+    except (ValueError, OSError) as err:  # not JSON (YAML, say), not UTF-8, a key twice, unreadable
         raise ValueError(f"{where}{value}: not valid JSON ({type(err).__name__}: {err}); {allowed}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}{value}: a JSON {type(config).__name__}; expected a JSON object of DeepSpeed "
+                         'settings by name ({"zero_optimization": {"stage": 3}, ...})')
 
 
 def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
