@@ -475,6 +475,7 @@ def parse_args(argv: list[str] | None = None):
                              "every argument on the command line")
         parsed = parse_file(parser, Path(argv[0]))
     else:
+        refuse_unreadable_deepspeed(given_flags(argv).get("deepspeed"), "--deepspeed ")
         try:
             parsed = parser.parse_args_into_dataclasses(args=training_defaults(argv))
         except OverflowError as err:  # TrainingArguments turns some floats into steps: inf, or past int64
@@ -497,6 +498,25 @@ def overflowing(given: dict[str, Any], form: str = "--{} {}") -> list[str]:
     return out
 
 
+def refuse_unreadable_deepspeed(value: Any, where: str) -> None:
+    """A --deepspeed path that exists but is no JSON object is refused naming it: TrainingArguments reads it with
+    json.load, whose error names no file ("Expecting value: line 1 column 1"), takes a list for an object
+    ("'list' object has no attribute 'get'") and keeps the last of a key given twice. A JSON string, base64 of one
+    or a missing path are left to TrainingArguments, which names them."""
+    if not isinstance(value, str) or not os.path.exists(value):
+        return
+    allowed = "DeepSpeed reads its config as JSON: give a .json file, or the JSON itself"
+    if not os.path.isfile(value):
+        raise ValueError(f"{where}{value}: {not_a_file(value)}; {allowed}")
+    try:
+        config = json_value(Path(value).read_text(encoding="utf-8"))
+    except (ValueError, OSError) as err:  # not JSON (YAML, say), not UTF-8, a key twice, unreadable
+        raise ValueError(f"{where}{value}: not valid JSON ({type(err).__name__}: {err}); {allowed}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}{value}: a JSON {type(config).__name__}; expected a JSON object of DeepSpeed "
+                         'settings by name ({"zero_optimization": {"stage": 3}, ...})')
+
+
 def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
     if not path.is_file():
         raise ValueError(f"{path}: {not_a_file(path)}")
@@ -507,6 +527,7 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise ValueError(f"{path}: expected a mapping of run_clm.py arguments (name: value)")
     values = {k: typed(k, v, path) for k, v in values.items()}
+    refuse_unreadable_deepspeed(values.get("deepspeed"), f"{path}: deepspeed=")
     try:
         return parser.parse_dict({**defaults_for(values), **values})
     except ValueError as err:  # HfArgumentParser's and Transformers' messages hold the values whole

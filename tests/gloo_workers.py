@@ -61,7 +61,8 @@ def train_with_diagnostics(output_dir: str, per_device: int, max_steps: int, zer
     deepspeed = None if zero_stage is None else {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
         "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,  # the Trainer's torch AdamW
-        "zero_optimization": {"stage": zero_stage, "stage3_gather_16bit_weights_on_model_save": True}}
+        "zero_optimization": {"stage": zero_stage, "stage3_gather_16bit_weights_on_model_save": True,
+                              "stage3_param_persistence_threshold": 0}}  # ZeRO-3 partitions even a tiny model
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=per_device, max_steps=max_steps,
                              learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
                              report_to=[], use_cpu=True, ddp_find_unused_parameters=False, disable_tqdm=True,
@@ -200,7 +201,8 @@ def deepspeed_engine_patched(output_dir: str) -> None:
     from deepspeed.utils import safe_get_full_grad
 
     model = tiny("gpt2")
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
+                                                                         "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=config)

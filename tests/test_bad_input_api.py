@@ -930,10 +930,11 @@ def test_a_diagnostics_file_that_names_a_folder_fails_when_training_starts(tmp_p
     assert trainer.state.global_step == 0
 
 
-@pytest.mark.parametrize("name", ["README.md", "config.json", "./trainer_state.json"])
+@pytest.mark.parametrize("name", ["README.md", "config.json", "./trainer_state.json", "latest", "zero_to_fp32.py"])
 def test_a_diagnostics_file_named_as_a_file_the_trainer_writes_is_refused(name, tmp_path):
     """Records written into README.md or config.json of the output dir were written over, without a word, by the
-    Trainer's create_model_card or save_model."""
+    Trainer's create_model_card or save_model; into `latest` or zero_to_fp32.py, by save_model under DeepSpeed ZeRO-3
+    without stage3_gather_16bit_weights_on_model_save (DeepSpeed's checkpoint)."""
     trainer = trainer_with(tmp_path, SpanAttentionCallback(diagnostics_every=1, diagnostics_file=name))
     with pytest.raises(ValueError, match=f"diagnostics_file='{name}' is a file that the Trainer writes into its "
                                          "output_dir \\(saving the model, its state, its metrics or its card\\), "

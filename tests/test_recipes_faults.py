@@ -1680,6 +1680,28 @@ def test_a_file_argument_that_is_a_folder_a_pipe_or_a_link_loop_is_named_as_such
     assert f"{path}: {what}" in str(err.value)
 
 
+@pytest.mark.parametrize("kind,what", [
+    ("yaml", "not valid JSON (JSONDecodeError: Expecting value: line 1 column 1"), ("folder", "not a file: a folder"),
+    ("pipe", "not a file (a pipe or a device?)"), ("list", "a JSON list; expected a JSON object of DeepSpeed settings"),
+    ("twice", "not valid JSON (KeyGivenTwice: the key 'zero_optimization' is given twice")])
+@pytest.mark.parametrize("given", ["flag", "config file"])
+def test_a_deepspeed_config_that_is_no_json_file_is_named(kind, what, given, tmp_path):
+    """--deepspeed naming a YAML file or a folder gave TrainingArguments' error, which names no file ("Expecting
+    value: line 1 column 1 (char 0)", IsADirectoryError), and a pipe hung reading it. A JSON list failed deep inside
+    ("'list' object has no attribute 'get'"), and of a key given twice the first was dropped without a word."""
+    path = tmp_path / "ds_config"
+    {"yaml": lambda: path.write_text("zero_optimization:\n  stage: 3\n"), "folder": path.mkdir,
+     "pipe": lambda: os.mkfifo(path), "list": lambda: path.write_text('[{"zero_optimization": {"stage": 3}}]'),
+     "twice": lambda: path.write_text('{"zero_optimization": {"stage": 3}, "zero_optimization": {"stage": 1}}')}[kind]()
+    run = tmp_path / "run.yaml"
+    run.write_text(f"output_dir: {tmp_path / 'o'}\ndeepspeed: {path}\n")
+    argv = [str(run)] if given == "config file" else ["--output_dir", str(tmp_path / "o"), "--deepspeed", str(path)]
+    with pytest.raises(ValueError) as err:
+        run_clm.parse_args(argv)
+    where = f"{run}: deepspeed=" if given == "config file" else "--deepspeed "
+    assert f"{where}{path}: {what}" in str(err.value) and "DeepSpeed" in str(err.value)
+
+
 def test_a_later_sweep_document_replaces_an_argument_however_the_earlier_one_spelled_it(tmp_path):
     """Document 1's num-train-epochs and document 2's num_train_epochs: "args gives 'num-train-epochs' and
     'num_train_epochs', one run_clm.py argument; keep one", though each document gave one."""

@@ -66,12 +66,13 @@ logger = logging.getLogger(__name__)
 _PATH_MAX = 4096  # Linux's limit on a path, in bytes (macOS's is 1024)
 _SAVED = ("last_step",)  # the attributes `state` writes into trainer_state.json
 # what the Trainer writes into its output dir (save_model, save_state, save_metrics, create_model_card), over a
-# diagnostics file of the same name
+# diagnostics file of the same name; under DeepSpeed ZeRO-3 without stage3_gather_16bit_weights_on_model_save,
+# save_model writes DeepSpeed's checkpoint: its tag file `latest` and the scripts that gather the weights
 TRAINER_FILES = {CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                  WEIGHTS_INDEX_NAME, ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME,
                  SETTINGS_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME, "README.md", "all_results.json",
                  "train_results.json", "eval_results.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json"}
+                 "special_tokens_map.json", "latest", "zero_to_fp32.py", "zero_to_torch.py"}
 
 
 class SpanAttentionCallback(TrainerCallback, ExportableState):
