@@ -77,31 +77,40 @@ def test_register_after_a_reload_runs_the_attention_imported_now():
         AttentionInterface.register("span_attention", registry.span_attention_forward)
 
 
-def test_threads_building_causal_masks_of_several_lengths():
-    """Threads training on sequences of several lengths (no padding mask: causal) shared the tiles' cache of causal
-    masks; one evicted what another was returning (KeyError) or iterated it while it changed (RuntimeError)."""
-    from hf_spanattn.ops import tile_engine
-
+def race(work, n_threads: int) -> list[str]:
+    """Run work(i) in `n_threads` threads at once, switching between them as often as Python can; the errors they
+    raised (the first three)."""
     errors, interval = [], sys.getswitchinterval()
 
-    def work(i: int) -> None:
+    def run(i: int) -> None:
         try:
-            for n in range(1500):
-                t = 2 + (i * 5 + n) % 9
-                assert tile_engine._causal_mask(t, t, torch.float32, torch.device("cpu"), None, 0).tiles
+            work(i)
         except Exception as err:  # any error of a thread is the failure
             errors.append(repr(err))
 
     sys.setswitchinterval(1e-7)
     try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n_threads)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
     finally:
         sys.setswitchinterval(interval)
-    assert not errors, errors[:3]
+    return errors[:3]
+
+
+def test_threads_building_causal_masks_of_several_lengths():
+    """Threads training on sequences of several lengths (no padding mask: causal) shared the tiles' cache of causal
+    masks; one evicted what another was returning (KeyError) or iterated it while it changed (RuntimeError)."""
+    from hf_spanattn.ops import tile_engine
+
+    def work(i: int) -> None:
+        for n in range(1500):
+            t = 2 + (i * 5 + n) % 9
+            assert tile_engine._causal_mask(t, t, torch.float32, torch.device("cpu"), None, 0).tiles
+
+    assert not race(work, 12)
     q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)  # the cached masks still give the gradients
     want = torch.autograd.grad(hf_spanattn.span_attention(q, q, q, attn_mask=torch.ones(6, 6, dtype=torch.bool).tril(),
                                                           config="score:1100").sum(), q)
@@ -116,30 +125,18 @@ def test_threads_patching_and_unpatching_models_of_their_own():
     base = tiny("gpt2", layers=1).double().train()
     labels = ["score:1000", "score:1100", "standard:QKV101", "simple:1,0"]
     want = {label: grads(patch_model(copy.deepcopy(base), label), batch()) for label in labels}
-    errors, kept, interval = [], [], sys.getswitchinterval()
+    kept = []
 
     def work(i: int) -> None:
-        try:
-            for n in range(12):
-                label = labels[(i + n) % len(labels)]
-                model = patch_model(copy.deepcopy(base), label)
-                for a, b in zip(grads(model, batch()), want[label]):
-                    torch.testing.assert_close(a, b, rtol=0, atol=0)
-                hf_spanattn.unpatch_model(model)
-                kept.append(patch_model(model, label))  # more patched models: longer lists to read
-        except Exception as err:  # any error of a thread is the failure
-            errors.append(repr(err))
+        for n in range(12):
+            label = labels[(i + n) % len(labels)]
+            model = patch_model(copy.deepcopy(base), label)
+            for a, b in zip(grads(model, batch()), want[label]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            hf_spanattn.unpatch_model(model)
+            kept.append(patch_model(model, label))  # more patched models: longer lists to read
 
-    sys.setswitchinterval(1e-7)
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert not errors, errors[:3]
+    assert not race(work, 6)
 
 
 @pytest.mark.parametrize("change", ["patch", "layers", "unpatch", "schedule"])
