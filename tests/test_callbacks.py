@@ -434,6 +434,7 @@ def test_deepspeed_zero_trains_as_one_process_without_it(stage, processes, tmp_p
         assert moved > 0 and (weights[1][name] - want).abs().max() <= 1e-3 * moved, name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_a_deepspeed_engine_is_patched_through_the_model_inside(tmp_path):
     """patch_model given the DeepSpeedEngine (ZeRO-3) that `deepspeed.initialize` or `accelerator.prepare` returns

@@ -32,8 +32,9 @@ def check_compiled_training(family: str, label: str, backend: str, compiler: str
         assert ((compiled[name] - grad).norm() / grad.norm()).item() < 1e-5, name
 
 
-@pytest.mark.parametrize("backend", ["tiles", "fused"])
-@pytest.mark.parametrize("label", ["score:1000", "score:1100@per_block"])
+@pytest.mark.parametrize("label,backend", [("score:1000", "tiles"), ("score:1000", "fused"),
+                                           pytest.param("score:1100@per_block", "tiles", marks=pytest.mark.slow),
+                                           ("score:1100@per_block", "fused")])
 def test_compiled_training_gives_the_same_gradients(label, backend, monkeypatch):
     """Dynamo and AOTAutograd around the patched model (graph breaks allowed), without code generation."""
     check_compiled_training("gpt2", label, backend, "aot_eager", monkeypatch)

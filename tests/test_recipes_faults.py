@@ -2334,7 +2334,7 @@ def test_compare_script_dry_run_lists_the_runs_and_reports_nothing(tmp_path):
     assert "[4/4] runs/quick/runs/" in done.stdout and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("script", ["test.sh", "compare.sh"])
+@pytest.mark.parametrize("script", ["test.sh", pytest.param("compare.sh", marks=pytest.mark.slow)])
 def test_scripts_run_this_checkouts_package_whatever_the_pythonpath(script, tmp_path):
     """PYTHONPATH=<another checkout>/src: the tests ran, and the main job trained, with that checkout's package."""
     repo, other = tmp_path / "repo", tmp_path / "other" / "hf_spanattn"
