@@ -32,6 +32,8 @@ from hf_spanattn.ops.inputs import shown
 from hf_spanattn.training.diagnostics_file import process_start
 
 RUN_CONFIG = "run_config.json"
+# recorded by some runs only (earlier ones lack them): compared only where both runs hold them
+RECORDED_BY_SOME = ("world_size", "data_sha256")
 # TrainingArguments that do not change what a run computes
 NOT_IDENTITY = {
     "output_dir", "overwrite_output_dir", "run_name", "resume_from_checkpoint", "disable_tqdm", "report_to",
@@ -235,7 +237,7 @@ def identity(config: dict) -> dict:
     schedule = span.get("span_schedule")
     if schedule and os.path.isfile(schedule):
         span["span_schedule"] = Path(schedule).read_text()
-    for key in ("world_size", "data_sha256"):
+    for key in RECORDED_BY_SOME:
         if config.get(key) is not None:
             groups[key] = config[key]
     return groups
@@ -245,7 +247,7 @@ def differences(saved: dict, wanted: dict, limit: int = 6) -> list[str]:
     """'group.key: saved → wanted' for each setting that differs (world_size and the data files' contents only
     where both record them)."""
     a, b = identity(saved), identity(wanted)
-    for key in ("world_size", "data_sha256"):
+    for key in RECORDED_BY_SOME:
         if key not in a or key not in b:
             a.pop(key, None)
             b.pop(key, None)

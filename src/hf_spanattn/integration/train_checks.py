@@ -97,7 +97,6 @@ def _check_towers(base: Any, checkpoint: str, saved: SpanAttentionConfig | None,
     path = os.path.join(checkpoint, "config.json")
     if current is None or not os.path.isfile(path):  # not patched (said by the caller), or an adapter's folder
         return
-
     data = _read_json(path)
     for key, (name, tower) in tower_paths(base).items():
         section = data.get(key) if isinstance(data, dict) else None
