@@ -28,8 +28,16 @@ def check_compiled_training(family: str, label: str, backend: str, compiler: str
     eager = gradients(model, ids)
     compiled = gradients(model, ids, torch.compile(model, backend=compiler))
     assert eager.keys() == compiled.keys()
-    for name, grad in eager.items():
-        assert ((compiled[name] - grad).norm() / grad.norm()).item() < 1e-5, name
+    gaps = {name: relative(compiled[name], grad) for name, grad in eager.items()}
+    worst = max(gaps, key=gaps.get)
+    if gaps[worst] >= 1e-5:  # how far each lies from the standard gradient tells whether the rule was left out
+        standard = gradients(hf_spanattn.unpatch_model(model), ids)[worst]
+        pytest.fail(f"{worst}: compiled against eager {gaps[worst]:.2e}; against the standard gradient: eager "
+                    f"{relative(eager[worst], standard):.2e}, compiled {relative(compiled[worst], standard):.2e}")
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("label,backend", [("score:1000", "tiles"), ("score:1000", "fused"),
