@@ -40,7 +40,9 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("label,backend", [("score:1000", "tiles"), ("score:1000", "fused"),
+# the tiles' compiled gradients also in test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package
+@pytest.mark.parametrize("label,backend", [pytest.param("score:1000", "tiles", marks=pytest.mark.slow),
+                                           ("score:1000", "fused"),
                                            pytest.param("score:1100@per_block", "tiles", marks=pytest.mark.slow),
                                            ("score:1100@per_block", "fused")])
 def test_compiled_training_gives_the_same_gradients(label, backend, monkeypatch):

@@ -151,6 +151,8 @@ def write_sweep(tmp_path: Path, spans: list[str], seeds: list[int]) -> Path:
     return path
 
 
+# the sweep's runs and report also run in test_sweep_runs_one_setting_once_and_redoes_a_run_made_otherwise
+@pytest.mark.slow
 def test_sweep_report_and_resume_after_two_interruptions(tmp_path):
     config = write_sweep(tmp_path, ["standard:QKV111", "score:1000"], [0, 1])
     # a launcher that dies on its 2nd and 4th call, as an interrupted machine would
