@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -492,11 +492,14 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
 
 
 def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig | str | None = None,
-                    model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
+                    model_class: Any = None, is_trainable: bool = True,
                     layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module | tuple[torch.nn.Module, Any]:
     """Load a model and patch it: with `config` if given, else with the settings saved in its config;
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
-    and the field. With `output_loading_info=True`, (model, loading info), as from_pretrained gives them.
+    and the field. `model_class` None: the class the model was saved as where it is a task head (sequence or token
+    classification, question answering) or a base model, else AutoModelForCausalLM; for an adapter, the auto class of
+    its `task_type` (as PEFT's AutoPeftModel classes: a SEQ_CLS adapter's base model is a sequence classifier). With
+    `output_loading_info=True`, (model, loading info), as from_pretrained gives them.
 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
     loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter (named `adapter_name=`, by
@@ -518,7 +521,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise ValueError(f"load_pretrained: attn_implementation={shown(chosen)}: the model it loads is patched, so its "
                          f"attention is {ATTN_IMPLEMENTATION!r} (whose forward pass is SDPA's); leave the argument "
                          "out, or load the model with from_pretrained for another attention")
-    if not callable(getattr(model_class, "from_pretrained", None)):
+    if model_class is not None and not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
     subfolder = os.fspath(kwargs["subfolder"]) if isinstance(kwargs.get("subfolder"), (str, os.PathLike)) else None
@@ -539,6 +542,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)
+    model_class = model_class or adapters.saved_class(name_or_path, kwargs)
     model, info = adapters.loaded(model_class, name_or_path, kwargs)
     if beside_adapter:  # Transformers added the adapter, frozen
         if is_trainable:
