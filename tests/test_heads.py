@@ -112,3 +112,18 @@ def test_load_pretrained_keeps_a_classifier_adapters_head(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(input_ids=ids, attention_mask=mask).logits,
                                    model.eval()(input_ids=ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_patching_a_model_whose_config_asks_for_attention_weights_says_they_go(family):
+    """A config with output_attentions=True gets eager attention, which returns the weights; patched, the forward pass
+    is SDPA's, which returns none (the request is not passed down to the attention, so nothing says so at the call):
+    patch_model says so, and unpatch_model gives them back."""
+    stock = head(AutoModelForSequenceClassification, family, num_labels=3, output_attentions=True)
+    model = copy.deepcopy(stock)
+    with pytest.warns(UserWarning, match="sets output_attentions=True, and its eager attention returns the attention"):
+        hf_spanattn.patch_model(model, "score:1000")
+    ids, mask = padded("right")
+    assert len(stock(ids, attention_mask=mask).attentions) == 2
+    assert not model(ids, attention_mask=mask).attentions
+    assert len(hf_spanattn.unpatch_model(model)(ids, attention_mask=mask).attentions) == 2

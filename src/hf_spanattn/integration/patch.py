@@ -173,6 +173,7 @@ def _record_original(base: PreTrainedModel, neo: list[torch.nn.Module]) -> None:
         original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=switched_off)
         if not neo:
             _warn_attention_of_ones_own(base, original["attn_implementation"])
+            _warn_weights_dropped(base, original["attn_implementation"])
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -291,6 +292,18 @@ def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dic
                           "For span gradients inside an attention function of your own, call "
                           "hf_spanattn.span_attention there and leave the model unpatched",
                           stacklevel=user_stacklevel())
+
+
+def _warn_weights_dropped(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:
+    """Warn where the model's config asks for the attention weights that its eager attention returns (Transformers
+    picks eager for a config with output_attentions=True): span_attention's forward pass is SDPA's, which returns none,
+    and the model no longer passes the request down to it."""
+    names = set(implementation.values()) if isinstance(implementation, dict) else {implementation}
+    if getattr(base.config, "output_attentions", False) is True and "eager" in names:
+        warnings.warn(f"patch_model: the config of {type(base).__name__} sets output_attentions=True, and its eager "
+                      f"attention returns the attention weights; {ATTN_IMPLEMENTATION!r}, whose forward pass is "
+                      "SDPA's, returns none, so the outputs' attentions are empty while the model is patched "
+                      "(unpatch_model gives them back)", stacklevel=user_stacklevel())
 
 
 def _declares_backend(base: PreTrainedModel) -> bool:
