@@ -36,7 +36,6 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
-    PretrainedConfig,
 )
 from transformers.models.auto import modeling_auto as auto_names
 
@@ -302,12 +301,10 @@ def saved_class(name_or_path: str, kwargs: dict[str, Any]) -> Any:
     """The class to load a saved model with where `load_pretrained` is not told: the class it was saved as (its
     config's `architectures`) where that is a task head or base model of Transformers, which AutoModelForCausalLM
     would load as a causal LM, dropping its head; else AutoModelForCausalLM."""
-    config = kwargs.get("config")
-    if not isinstance(config, PretrainedConfig):
-        try:
-            config = AutoConfig.from_pretrained(name_or_path, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
-        except (OSError, ValueError, KeyError):  # from_pretrained says why
-            return AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
+    except (OSError, ValueError, KeyError):  # from_pretrained says why
+        return AutoModelForCausalLM
     model_type = getattr(config, "model_type", None)
     name = next(iter(getattr(config, "architectures", None) or []), None)
     if any(mapping.get(model_type) == name for mapping in _HEAD_MAPPINGS):
