@@ -301,9 +301,9 @@ def saved_class(name_or_path: str, kwargs: dict[str, Any]) -> Any:
     """The class to load a saved model with where `load_pretrained` is not told: the class it was saved as (its
     config's `architectures`) where that is a task head or base model of Transformers, which AutoModelForCausalLM
     would load as a causal LM, dropping its head; else AutoModelForCausalLM."""
-    try:
+    try:  # the call from_pretrained starts with: a folder or repository it cannot read fails here as there, once
         config = AutoConfig.from_pretrained(name_or_path, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
-    except (OSError, ValueError, KeyError):  # from_pretrained says why
+    except (ValueError, KeyError):  # a model type Transformers does not know: from_pretrained says what to pass
         return AutoModelForCausalLM
     model_type = getattr(config, "model_type", None)
     name = next(iter(getattr(config, "architectures", None) or []), None)
@@ -312,7 +312,8 @@ def saved_class(name_or_path: str, kwargs: dict[str, Any]) -> Any:
     return AutoModelForCausalLM
 
 
-_CONFIG_KWARGS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "trust_remote_code")
+_CONFIG_KWARGS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "trust_remote_code", "proxies",
+                  "force_download", "gguf_file")
 
 
 def loaded(model_class: Any, name_or_path: str, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
