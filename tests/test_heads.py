@@ -115,15 +115,15 @@ def test_load_pretrained_keeps_a_classifier_adapters_head(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_patching_a_model_whose_config_asks_for_attention_weights_says_they_go(family):
-    """A config with output_attentions=True gets eager attention, which returns the weights; patched, the forward pass
-    is SDPA's, which returns none (the request is not passed down to the attention, so nothing says so at the call):
-    patch_model says so, and unpatch_model gives them back."""
-    stock = head(AutoModelForSequenceClassification, family, num_labels=3, output_attentions=True)
-    model = copy.deepcopy(stock)
-    with pytest.warns(UserWarning, match="sets output_attentions=True, and its eager attention returns the attention"):
+def test_patch_model_refuses_a_config_that_asks_for_attention_weights(family, tmp_path):
+    """A config with output_attentions=True gets eager attention, which returns the weights. Patched, the forward pass
+    was SDPA's, returning none without a word, and save_pretrained then failed in Transformers' config validation
+    (output_attentions needs eager attention): patch_model refuses it, naming the field, and the model is unchanged."""
+    model = head(AutoModelForSequenceClassification, family, num_labels=3, output_attentions=True)
+    with pytest.raises(ValueError, match="sets output_attentions=True, which Transformers allows with eager attention"):
         hf_spanattn.patch_model(model, "score:1000")
-    ids, mask = padded("right")
-    assert len(stock(ids, attention_mask=mask).attentions) == 2
-    assert not model(ids, attention_mask=mask).attentions
-    assert len(hf_spanattn.unpatch_model(model)(ids, attention_mask=mask).attentions) == 2
+    assert model.config._attn_implementation == "eager" and getattr(model.config, "span_attention", None) is None
+    model.save_pretrained(tmp_path)
+    model.config.output_attentions = False  # as the message says
+    hf_spanattn.patch_model(model, "score:1000").save_pretrained(tmp_path)
+    assert hf_spanattn.load_pretrained(tmp_path).config._attn_implementation == "span_attention"

@@ -143,6 +143,15 @@ def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo:
     selection it cannot apply, and modules that another patched model runs under other settings."""
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
+    if not neo and getattr(base.config, "output_attentions", False) is True:
+        # Transformers gives such a config eager attention, the one that returns the weights, and refuses to save it
+        # under any other
+        raise ValueError(f"patch_model: the config of {type(base).__name__} sets output_attentions=True, which "
+                         f"Transformers allows with eager attention only (it refuses to save the config under "
+                         f"another); {ATTN_IMPLEMENTATION!r}, whose forward pass is SDPA's, returns no attention "
+                         "weights. Set model.config.output_attentions = False first (load_pretrained(..., "
+                         "output_attentions=False)), and pass output_attentions=True to a call of the unpatched model "
+                         "for the weights")
     # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
     no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and m._supports_sdpa is False), None)
     if not neo and no_sdpa is not None:
@@ -173,7 +182,6 @@ def _record_original(base: PreTrainedModel, neo: list[torch.nn.Module]) -> None:
         original = _Original(attn_implementation=_implementation_of(base.config), reorder_and_upcast_attn=switched_off)
         if not neo:
             _warn_attention_of_ones_own(base, original["attn_implementation"])
-            _warn_weights_dropped(base, original["attn_implementation"])
         if getattr(base.config, "reorder_and_upcast_attn", False):
             warnings.warn("GPT-2's reorder_and_upcast_attn bypasses the attention registry; it is switched off "
                           "while patched (span_attention already takes the softmax in float32 for half "
@@ -292,18 +300,6 @@ def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dic
                           "For span gradients inside an attention function of your own, call "
                           "hf_spanattn.span_attention there and leave the model unpatched",
                           stacklevel=user_stacklevel())
-
-
-def _warn_weights_dropped(base: PreTrainedModel, implementation: str | dict[str, str]) -> None:
-    """Warn where the model's config asks for the attention weights that its eager attention returns (Transformers
-    picks eager for a config with output_attentions=True): span_attention's forward pass is SDPA's, which returns none,
-    and the model no longer passes the request down to it."""
-    names = set(implementation.values()) if isinstance(implementation, dict) else {implementation}
-    if getattr(base.config, "output_attentions", False) is True and "eager" in names:
-        warnings.warn(f"patch_model: the config of {type(base).__name__} sets output_attentions=True, and its eager "
-                      f"attention returns the attention weights; {ATTN_IMPLEMENTATION!r}, whose forward pass is "
-                      "SDPA's, returns none, so the outputs' attentions are empty while the model is patched "
-                      "(unpatch_model gives them back)", stacklevel=user_stacklevel())
 
 
 def _declares_backend(base: PreTrainedModel) -> bool:
