@@ -95,6 +95,20 @@ def test_load_pretrained_keeps_a_saved_classifier(family, tmp_path):
         torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, expected)
 
 
+def test_load_pretrained_keeps_the_multiple_choice_head_of_gpt2_double_heads(tmp_path):
+    """GPT2DoubleHeadsModel (a language and a multiple-choice head) loads as itself, not as GPT2LMHeadModel."""
+    from transformers import GPT2DoubleHeadsModel
+
+    model = GPT2DoubleHeadsModel(head(AutoModelForSequenceClassification, "gpt2").config).double().eval()
+    hf_spanattn.patch_model(model, "score:1000").save_pretrained(tmp_path)
+    loaded = hf_spanattn.load_pretrained(tmp_path, dtype=torch.float64)
+    assert type(loaded) is GPT2DoubleHeadsModel and config_of(loaded.config).label == "score:1000"
+    choices = padded("right")[0][None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(choices, mc_token_ids=torch.tensor([[4, 8, 11]])).mc_logits,
+                                   model(choices, mc_token_ids=torch.tensor([[4, 8, 11]])).mc_logits)
+
+
 def test_load_pretrained_keeps_a_classifier_adapters_head(tmp_path):
     """A LoRA adapter of a classifier (task_type SEQ_CLS, its score head saved with it) loads onto a classifier, as
     PEFT's AutoPeftModelForSequenceClassification loads it: the trained head is not dropped."""

@@ -36,6 +36,7 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    PreTrainedModel,
 )
 from transformers.models.auto import modeling_auto as auto_names
 
@@ -291,24 +292,22 @@ def refuse_unfinished(folder: str | os.PathLike) -> None:
 TASK_CLASSES = {"CAUSAL_LM": AutoModelForCausalLM, "SEQ_CLS": AutoModelForSequenceClassification,
                 "TOKEN_CLS": AutoModelForTokenClassification, "QUESTION_ANS": AutoModelForQuestionAnswering,
                 "FEATURE_EXTRACTION": AutoModel, "SEQ_2_SEQ_LM": AutoModelForSeq2SeqLM}
-# the auto classes whose models AutoModelForCausalLM would load without their head (a classifier's score, a QA head)
-_HEAD_MAPPINGS = (auto_names.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-                  auto_names.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
-                  auto_names.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES, auto_names.MODEL_MAPPING_NAMES)
 
 
 def saved_class(name_or_path: str, kwargs: dict[str, Any]) -> Any:
-    """The class to load a saved model with where `load_pretrained` is not told: the class it was saved as (its
-    config's `architectures`) where that is a task head or base model of Transformers, which AutoModelForCausalLM
-    would load as a causal LM, dropping its head; else AutoModelForCausalLM."""
+    """The class to load a saved model with where `load_pretrained` is not told: the Transformers class it was saved as
+    (its config's `architectures`) where AutoModelForCausalLM would load it as another class, dropping its head (a
+    classifier's, a question-answering or multiple-choice head) or adding one (a base model); else
+    AutoModelForCausalLM."""
     try:  # the call from_pretrained starts with: a folder or repository it cannot read fails here as there, once
         config = AutoConfig.from_pretrained(name_or_path, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
     except (ValueError, KeyError):  # a model type Transformers does not know: from_pretrained says what to pass
         return AutoModelForCausalLM
-    model_type = getattr(config, "model_type", None)
+    causal = auto_names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
     name = next(iter(getattr(config, "architectures", None) or []), None)
-    if any(mapping.get(model_type) == name for mapping in _HEAD_MAPPINGS):
-        return getattr(transformers, name, AutoModelForCausalLM)
+    saved = getattr(transformers, name, None) if isinstance(name, str) else None
+    if causal is not None and name != causal and isinstance(saved, type) and issubclass(saved, PreTrainedModel):
+        return saved
     return AutoModelForCausalLM
 
 

@@ -505,8 +505,9 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
                     layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module | tuple[torch.nn.Module, Any]:
     """Load a model and patch it: with `config` if given, else with the settings saved in its config;
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
-    and the field. `model_class` None: the class the model was saved as where it is a task head (sequence or token
-    classification, question answering) or a base model, else AutoModelForCausalLM; for an adapter, the auto class of
+    and the field. `model_class` None: the Transformers class the model was saved as where it is not the causal LM
+    of its type (a classifier, a question-answering or multiple-choice model, a base model), else
+    AutoModelForCausalLM; for an adapter, the auto class of
     its `task_type` (as PEFT's AutoPeftModel classes: a SEQ_CLS adapter's base model is a sequence classifier). With
     `output_loading_info=True`, (model, loading info), as from_pretrained gives them.
 
