@@ -507,9 +507,9 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
     and the field. `model_class` None: the Transformers class the model was saved as where it is not the causal LM
     of its type (a classifier, a question-answering or multiple-choice model, a base model), else
-    AutoModelForCausalLM; for an adapter, the auto class of
-    its `task_type` (as PEFT's AutoPeftModel classes: a SEQ_CLS adapter's base model is a sequence classifier). With
-    `output_loading_info=True`, (model, loading info), as from_pretrained gives them.
+    AutoModelForCausalLM; for an adapter, the auto class of its `task_type` (as PEFT's AutoPeftModel classes: a
+    SEQ_CLS adapter's base model is a sequence classifier). With `output_loading_info=True`, (model, loading info),
+    as from_pretrained gives them.
 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
     loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter (named `adapter_name=`, by
