@@ -27,7 +27,18 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import AutoConfig
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    PreTrainedModel,
+)
+from transformers.models.auto import modeling_auto as auto_names
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local
 from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
@@ -234,7 +245,11 @@ def load_adapter(folder: str | os.PathLike, config: SpanAttentionConfig | str | 
     if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:  # torch names only the module
         raise ValueError(f"load_pretrained: adapter_name={shown(adapter_name)}: expected the name to give the adapter, "
                          "a non-empty string without '.' (by default 'default')")
-    base, info = loaded(model_class, _base_model_of(folder, peft_config), kwargs)
+    base_name = _base_model_of(folder, peft_config)
+    if model_class is None:  # as PEFT's AutoPeftModel picks it: a classifier's adapter (and its head) on a classifier
+        task = getattr(peft_config.task_type, "value", peft_config.task_type)
+        model_class = TASK_CLASSES.get(task) or saved_class(base_name, kwargs)
+    base, info = loaded(model_class, base_name, kwargs)
     saved = os.path.join(folder, CONFIG_NAME)
     from_file = config is None and os.path.lexists(saved)  # a settings "file" that is not one is refused
     if from_file:
@@ -273,6 +288,33 @@ def refuse_unfinished(folder: str | os.PathLike) -> None:
                       "adapter again, or delete that file if they are known to belong together")
 
 
+# the auto class a PEFT task type's base model is loaded with (as PEFT's AutoPeftModelFor... classes do)
+TASK_CLASSES = {"CAUSAL_LM": AutoModelForCausalLM, "SEQ_CLS": AutoModelForSequenceClassification,
+                "TOKEN_CLS": AutoModelForTokenClassification, "QUESTION_ANS": AutoModelForQuestionAnswering,
+                "FEATURE_EXTRACTION": AutoModel, "SEQ_2_SEQ_LM": AutoModelForSeq2SeqLM}
+
+
+def saved_class(name_or_path: str, kwargs: dict[str, Any]) -> Any:
+    """The class to load a saved model with where `load_pretrained` is not told: the Transformers class it was saved as
+    (its config's `architectures`) where AutoModelForCausalLM would load it as another class, dropping its head (a
+    classifier's, a question-answering or multiple-choice head) or adding one (a base model); else
+    AutoModelForCausalLM."""
+    try:  # the call from_pretrained starts with: a folder or repository it cannot read fails here as there, once
+        config = AutoConfig.from_pretrained(name_or_path, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
+    except (ValueError, KeyError):  # a model type Transformers does not know: from_pretrained says what to pass
+        return AutoModelForCausalLM
+    causal = auto_names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    name = next(iter(getattr(config, "architectures", None) or []), None)
+    saved = getattr(transformers, name, None) if isinstance(name, str) else None
+    if causal is not None and name != causal and isinstance(saved, type) and issubclass(saved, PreTrainedModel):
+        return saved
+    return AutoModelForCausalLM
+
+
+_CONFIG_KWARGS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "trust_remote_code", "proxies",
+                  "force_download", "gguf_file")
+
+
 def loaded(model_class: Any, name_or_path: str, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
     """`model_class.from_pretrained(name_or_path, **kwargs)`: the model, and its loading info where
     `output_loading_info` asked for it (else None). A model that an auto class does not load (a vision-language or
@@ -282,8 +324,7 @@ def loaded(model_class: Any, name_or_path: str, kwargs: dict[str, Any]) -> tuple
     except ValueError as err:
         if not str(err).startswith("Unrecognized configuration class"):
             raise
-        config = AutoConfig.from_pretrained(name_or_path, **{k: v for k, v in kwargs.items() if k in (
-            "subfolder", "revision", "token", "cache_dir", "local_files_only", "trust_remote_code")})
+        config = AutoConfig.from_pretrained(name_or_path, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
         saved = ", ".join(getattr(config, "architectures", None) or []) or type(config).__name__
         autos = [name for name in getattr(config, "auto_map", None) or {} if name.startswith("AutoModel")]
         hint = (f"an auto class that its config.json's auto_map names for its own code (model_class={autos[0]}, from "

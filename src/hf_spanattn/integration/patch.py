@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -143,6 +143,15 @@ def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo:
     selection it cannot apply, and modules that another patched model runs under other settings."""
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
+    if not neo and getattr(base.config, "output_attentions", False) is True:
+        # Transformers gives such a config eager attention, the one that returns the weights, and refuses to save it
+        # under any other
+        raise ValueError(f"patch_model: the config of {type(base).__name__} sets output_attentions=True, which "
+                         f"Transformers allows with eager attention only (it refuses to save the config under "
+                         f"another); {ATTN_IMPLEMENTATION!r}, whose forward pass is SDPA's, returns no attention "
+                         "weights. Set model.config.output_attentions = False first (load_pretrained(..., "
+                         "output_attentions=False)), and pass output_attentions=True to a call of the unpatched model "
+                         "for the weights")
     # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
     no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and m._supports_sdpa is False), None)
     if not neo and no_sdpa is not None:
@@ -492,11 +501,15 @@ def _set_reorder(model: PreTrainedModel, value: bool) -> None:
 
 
 def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig | str | None = None,
-                    model_class: Any = AutoModelForCausalLM, is_trainable: bool = True,
+                    model_class: Any = None, is_trainable: bool = True,
                     layers: list[int] | None = None, **kwargs: Any) -> torch.nn.Module | tuple[torch.nn.Module, Any]:
     """Load a model and patch it: with `config` if given, else with the settings saved in its config;
     `layers` as `patch_model` takes it. Saved settings that are bad fail here, naming the config.json
-    and the field. With `output_loading_info=True`, (model, loading info), as from_pretrained gives them.
+    and the field. `model_class` None: the Transformers class the model was saved as where it is not the causal LM
+    of its type (a classifier, a question-answering or multiple-choice model, a base model), else
+    AutoModelForCausalLM; for an adapter, the auto class of its `task_type` (as PEFT's AutoPeftModel classes: a
+    SEQ_CLS adapter's base model is a sequence classifier). With `output_loading_info=True`, (model, loading info),
+    as from_pretrained gives them.
 
     A local PEFT adapter folder (or a Trainer checkpoint of a PEFT model, or a folder whose `subfolder` is one)
     loads as its base model (`base_model_name_or_path`, with `kwargs`) plus the adapter (named `adapter_name=`, by
@@ -518,7 +531,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise ValueError(f"load_pretrained: attn_implementation={shown(chosen)}: the model it loads is patched, so its "
                          f"attention is {ATTN_IMPLEMENTATION!r} (whose forward pass is SDPA's); leave the argument "
                          "out, or load the model with from_pretrained for another attention")
-    if not callable(getattr(model_class, "from_pretrained", None)):
+    if model_class is not None and not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"load_pretrained: model_class={shown(model_class)}: expected a Transformers model class with "
                         "from_pretrained, such as AutoModelForCausalLM")
     subfolder = os.fspath(kwargs["subfolder"]) if isinstance(kwargs.get("subfolder"), (str, os.PathLike)) else None
@@ -539,6 +552,7 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)
+    model_class = model_class or adapters.saved_class(name_or_path, kwargs)
     model, info = adapters.loaded(model_class, name_or_path, kwargs)
     if beside_adapter:  # Transformers added the adapter, frozen
         if is_trainable:
