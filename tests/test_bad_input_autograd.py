@@ -181,7 +181,7 @@ def test_backward_through_a_vmapped_model_says_span_gradients_need_autograd(fami
 
 
 def _saving(ops: list | None):
-    """A selective-checkpointing context that keeps the outputs of `ops` (of every op for None) and recomputes the rest."""
+    """A selective-checkpointing context keeping the outputs of `ops` (of every op for None), recomputing the rest."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def policy(ctx, op, *args, **kwargs):
