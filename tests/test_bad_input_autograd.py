@@ -178,3 +178,36 @@ def test_backward_through_a_vmapped_model_says_span_gradients_need_autograd(fami
         forward(model).square().mean().backward()
     with torch.no_grad():
         torch.testing.assert_close(forward(model), forward(stock), rtol=0, atol=0)
+
+
+def _saving(ops: list | None):
+    """A selective-checkpointing context keeping the outputs of `ops` (of every op for None), recomputing the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if ops is None or op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy)
+
+
+@pytest.mark.parametrize("ops", [[torch.ops.aten.bmm.default, torch.ops.aten.mm.default], None], ids=["matmuls", "all"])
+@pytest.mark.parametrize("label", ["score:1100", "score:1100@per_block"])
+def test_selective_activation_checkpointing_gives_the_gradients_without_it(label, ops):
+    """torch.utils.checkpoint with a context_fn that keeps the matmuls' (or every op's) outputs replays the kept
+    tensors in the recomputation: the attention's forward pass must not write into them (a kept Q Kᵀ turned into P
+    in place would be taken as the scores again), under a padding mask as under the causal one alone."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = patch_model(tiny("llama"), label).train()
+    mask = torch.ones_like(IDS)
+    mask[0, :3] = 0
+
+    def loss(ids):
+        return model(ids, attention_mask=mask, labels=ids).loss
+
+    loss(IDS).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    checkpoint(loss, IDS, use_reentrant=False, context_fn=_saving(ops)).backward()
+    for name, p in model.named_parameters():
+        assert (p.grad - expected[name]).norm() <= 1e-6 * expected[name].norm(), name

@@ -120,7 +120,7 @@ def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     """(attend: bool, True where the key counts for the spans; the additive mask in `dtype`)."""
     if attn_mask.dtype == torch.bool:
         # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
-        return attn_mask, torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
+        return attn_mask, torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
             ~attn_mask, -math.inf)
     return attended(attn_mask), attn_mask.to(dtype)
 
@@ -178,7 +178,7 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows:
             lo = min(start + 1, cols)  # row `start` attends no key past itself
             above = torch.arange(lo, cols, device=device) > torch.arange(start, end, device=device)[:, None]
             first_masked.append(lo)
-            additive.append(torch.zeros(above.shape, dtype=dtype, device=device).masked_fill_(above, -math.inf)
+            additive.append(torch.zeros(above.shape, dtype=dtype, device=device).masked_fill(above, -math.inf)
                             .view(1, 1, 1, *above.shape) if lo < cols else None)
         key_valid = (torch.arange(s, device=device) < t).view(1, 1, 1, s, 1) if s > t else None  # keys no row reaches
         mask = _Mask(tiles, first_masked, additive, key_valid, None)
@@ -202,10 +202,14 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: _Mask, scale: float,
         start, end, cols = mask.tiles[i]
         additive, lo, dead_rows = mask.tile(i)
         scores = (q[..., start:end, :].to(work) * scale) @ k[..., :cols, :].to(work).mT
-        if additive is not None:
+        # in place: a tile whose neighbours reach as far (every row without a mask) holds all of P; not under a
+        # Python dispatch mode, as selective checkpointing's, which may keep the product for the recomputation
+        in_place = _get_current_dispatch_mode() is None
+        if additive is not None and in_place:
             scores[..., lo:].add_(additive)
-        # in place: a tile whose neighbours reach as far (every row without a mask) holds all of P
-        return masked_softmax(scores, dead_rows, out=scores).to(q.dtype)
+        elif additive is not None:
+            scores = torch.cat([scores[..., :lo], scores[..., lo:] + additive], dim=-1)
+        return masked_softmax(scores, dead_rows, out=scores if in_place else None).to(q.dtype)
 
     if kept is None:
         return Tiled(mask.tiles, [tile(i) for i in range(len(mask.tiles))], q.shape[-2], k.shape[-2])

@@ -65,7 +65,9 @@ def masked_softmax(scores: torch.Tensor, dead_rows: torch.Tensor | None,
         probs = torch.softmax(scores, dim=-1)
     else:
         probs = torch.ops.aten._softmax.out(scores, -1, False, out=out)
-    return probs.masked_fill_(dead_rows, 0.0) if dead_rows is not None else probs
+    if dead_rows is None:
+        return probs
+    return probs.masked_fill_(dead_rows, 0.0) if out is not None else probs.masked_fill(dead_rows, 0.0)
 
 
 def softmax_backward(d_probs: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
