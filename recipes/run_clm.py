@@ -315,6 +315,9 @@ class SpanArguments:
     span_diagnostics_per_head: bool = field(default=False, metadata={"help": "Diagnostics per head too."})
 
     def __post_init__(self):
+        # HfArgumentParser's parse_dict, parse_json_file and parse_yaml_file pass values as the file has them
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, typed(name, getattr(self, name), "SpanArguments"))
         self.span_schedule = home(self.span_schedule)
         self.config()  # a bad label or schedule fails here, before any data is read
         self.callback()
@@ -538,7 +541,7 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
                          "number") from None
 
 
-def typed(key: str, value: Any, path: Path) -> Any:
+def typed(key: str, value: Any, path: Path | str) -> Any:
     """A value from a config file in the type its argument takes, as the command line would give it: YAML
     reads 1e-3 as text and a bare no as false, and parse_dict converts nothing."""
     hints = {k: v for c in parser_classes() for k, v in typing.get_type_hints(c).items()}

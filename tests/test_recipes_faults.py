@@ -1882,6 +1882,37 @@ def test_config_file_values_are_read_as_the_command_line_reads_them(tmp_path):
     assert [k.span for k in span.callback().schedule.keyframes] == ["standard:QKV111", "score:1000"]
 
 
+def test_span_arguments_read_by_hf_argument_parser_alone_are_read_as_the_command_line_reads_them(tmp_path):
+    """HfArgumentParser's parse_dict, parse_json_file and parse_yaml_file pass values as the file has them: a list
+    of layers or of keyframes failed deep inside ('list' object has no attribute 'split'), and "false" turned
+    diagnostics per head on."""
+    from transformers import HfArgumentParser
+
+    values = {"span": "score:1000", "span_layers": [0, 2], "span_diagnostics_every": "5",
+              "span_diagnostics_per_head": "false", "span_schedule": [{"at": 0, "span": "score:1100"}]}
+    (tmp_path / "span.json").write_text(json.dumps(values))
+    (tmp_path / "span.yaml").write_text(yaml.safe_dump(values))
+    parser = HfArgumentParser(run_clm.SpanArguments)
+    for span, in (parser.parse_dict(values), parser.parse_json_file(tmp_path / "span.json"),
+                  parser.parse_yaml_file(tmp_path / "span.yaml")):
+        assert span.config().layers == (0, 2)
+        callback = span.callback()
+        assert (callback.diagnostics_every, callback.diagnostics_per_head) == (5, False)
+        assert [k.span for k in callback.schedule.keyframes] == ["score:1100"]
+    with pytest.raises(ValueError, match=r"span_diagnostics_every=2.5: expected an integer"):
+        parser.parse_dict({"span_diagnostics_every": 2.5})
+
+
+def test_span_arguments_in_a_trl_parser_config_file_are_read_as_the_command_line_reads_them(tmp_path):
+    """TRL's TrlParser sets a --config file's values as argparse defaults, which argparse does not convert: a list of
+    layers failed deep inside ('list' object has no attribute 'split')."""
+    trl = pytest.importorskip("trl")
+    (tmp_path / "run.yaml").write_text("span: score:1000\nspan_layers: [0, 2]\nspan_diagnostics_every: 2\n"
+                                       "span_diagnostics_per_head: 'false'\n")
+    span, = trl.TrlParser(run_clm.SpanArguments).parse_args_and_config(["--config", str(tmp_path / "run.yaml")])
+    assert span.config().layers == (0, 2) and span.callback().diagnostics_per_head is False
+
+
 def test_config_file_values_of_list_and_mapping_arguments_are_taken(tmp_path):
     """report_to takes a list and fsdp_config a mapping, as Transformers' own config files write them: both were
     refused as "expected text". A YAML merge key (<<: {...}) was "could not determine a constructor"."""
