@@ -99,7 +99,8 @@ from transformers.hf_argparser import string_to_bool
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
-from hf_spanattn.integration.registry import config_of, layer_count
+from hf_spanattn.integration.model_layers import layer_count
+from hf_spanattn.integration.stored import config_of
 from hf_spanattn.ops import backend_for
 from hf_spanattn.ops.inputs import shown
 from hf_spanattn.training import Schedule, SpanAttentionCallback

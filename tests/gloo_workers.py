@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from models import VOCAB, tiny
 
 from hf_spanattn import patch_model
-from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules
+from hf_spanattn.integration.model_layers import attention_modules
+from hf_spanattn.integration.registry import PROBE_ATTR
 from hf_spanattn.training.diagnostics import OrderRecorder, reduce_over_ranks
 
 BATCH = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))

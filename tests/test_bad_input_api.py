@@ -24,7 +24,7 @@ from reference import reference
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, span_attention, unpatch_model
-from hf_spanattn.integration.registry import config_of
+from hf_spanattn.integration.stored import config_of
 from hf_spanattn.training import Keyframe, OrderRecorder, Schedule, SpanAttentionCallback
 from hf_spanattn.training.diagnostics import reduce_over_ranks
 
@@ -1499,7 +1499,8 @@ def test_a_schedule_left_on_the_layers_by_a_stopped_run_gives_way(tmp_path):
     another model did not apply its schedule, both without a word."""
     from transformers import TrainerCallback
 
-    from hf_spanattn.integration.registry import attention_modules, settings_for
+    from hf_spanattn.integration.model_layers import attention_modules
+    from hf_spanattn.integration.registry import settings_for
 
     callback = SpanAttentionCallback([Keyframe(0, "score:1100")], diagnostics_every=1)
     stopped = trainer_with(tmp_path, callback, StopAtFirstStep())
@@ -1527,7 +1528,8 @@ def test_a_plain_trainer_after_a_stopped_scheduled_run_trains_with_the_models_se
     score:1000, without a word."""
     from transformers import TrainerCallback
 
-    from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules, settings_for
+    from hf_spanattn.integration.model_layers import attention_modules
+    from hf_spanattn.integration.registry import PROBE_ATTR, settings_for
 
     class StopInStep(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -1757,7 +1759,8 @@ def test_diagnostics_leave_out_calls_with_more_keys_than_queries():
     """A training step over past_key_values (prefix tuning) under the standard rule with a probe on the layers failed
     inside the backward pass ("Expected size for first two dimensions of batch2 tensor"): such calls record nothing,
     as the span rules' do (they run SDPA)."""
-    from hf_spanattn.integration.registry import PROBE_ATTR, attention_modules
+    from hf_spanattn.integration.model_layers import attention_modules
+    from hf_spanattn.integration.registry import PROBE_ATTR
 
     model = patch_model(tiny("llama"), "standard:QKV110").train()
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -143,7 +143,8 @@ def test_threads_patching_and_unpatching_models_of_their_own():
 def test_settings_changed_in_another_thread_between_forward_and_backward(change):
     """patch_model, unpatch_model or a schedule's step in another thread while a step is between its forward and
     backward passes: that backward pass applies the settings its forward pass read; the next step the new ones."""
-    from hf_spanattn.integration.registry import OVERRIDE_ATTR, attention_modules
+    from hf_spanattn.integration.model_layers import attention_modules
+    from hf_spanattn.integration.registry import OVERRIDE_ATTR
 
     def schedule_step(model: torch.nn.Module) -> None:
         for modules in attention_modules(model).values():

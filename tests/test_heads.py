@@ -19,7 +19,7 @@ from transformers import (
 )
 
 import hf_spanattn
-from hf_spanattn.integration.registry import config_of
+from hf_spanattn.integration.stored import config_of
 
 PAD = 5
 

@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig, patch_model, unpatch_model
-from hf_spanattn.integration import registry
+from hf_spanattn.integration import model_layers, registry, stored
 
 LABELS = ["standard:QKV101", "simple:10", "reductionistic:1100", "score:1000", "score:1111", "score:1100@per_block"]
 
@@ -590,7 +590,7 @@ def test_saved_layers_outside_the_model_warn_on_load_and_bad_entries_fail(tmp_pa
     model = tiny("gpt2", layers=2)
     model.config.span_attention = {**SpanAttentionConfig.from_label("score:1000").to_dict(), "layers": [7]}
     model.save_pretrained(tmp_path)
-    registry._PARSED.clear()
+    stored._PARSED.clear()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="span_attention")
     ids = tokens()
     with pytest.warns(UserWarning, match=r"layers=\[7\]: the model has layers 0\.\.1.*no layer does"):
@@ -810,7 +810,7 @@ def test_an_encoder_decoder_wrapper_is_patched_through_its_encoder_and_decoder(k
     assert torch.equal(grads(whole), grads(parts)) and rel(grads(whole), stock) > 1e-9
     whole.save_pretrained(tmp_path)
     loaded = load_pretrained(tmp_path, model_class=model_class).double()
-    assert registry.config_of(loaded.config).label == "score:1000"
+    assert stored.config_of(loaded.config).label == "score:1000"
     assert torch.equal(grads(loaded), grads(whole))
     unpatch_model(whole)
     assert whole.config._attn_implementation == whole.decoder.config._attn_implementation == "sdpa"
@@ -832,7 +832,7 @@ def test_an_encoder_decoder_built_from_towers_saved_alone_says_how_its_encoder_g
                                          "tower but not on its layers"):
         patch_model(built, "score:1000")
     for module in built.encoder.modules():
-        if registry.calls_the_registry(module):
+        if model_layers.calls_the_registry(module):
             module.config = built.encoder.config
     patch_model(built, "score:1000")
 
@@ -963,4 +963,4 @@ def test_layers_of_an_encoder_deeper_than_its_decoder_patch_without_a_warning():
         assert registry.settings_for(model.encoder.encoder.layer[2].attention.self).label == "score:1000"
     model.config.span_attention = {**model.config.span_attention, "layers": [2, 3]}  # as edited in a config.json
     with pytest.warns(UserWarning, match=r"layers=\[2, 3\]: the model has layers 0..2, so layers \[3\] do not exist"):
-        registry.config_of(model.config)
+        stored.config_of(model.config)

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_spanattn import SpanAttentionConfig, span_attention
 from hf_spanattn.config import VERSION_KEY
-from hf_spanattn.integration.registry import config_of
+from hf_spanattn.integration.stored import config_of
 from hf_spanattn.ops.inputs import MASKED_AT
 
 MASKS = ["none", "causal", "bool", "-inf", "min", "threshold"]

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import hf_spanattn
-from hf_spanattn.integration.registry import config_of
+from hf_spanattn.integration.stored import config_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"

@@ -16,7 +16,7 @@ from models import VOCAB, tiny, tiny_bert2gpt2
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_spanattn import SpanAttentionConfig, load_pretrained, patch_model, unpatch_model
-from hf_spanattn.integration.registry import config_of
+from hf_spanattn.integration.stored import config_of
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -41,7 +41,8 @@ from transformers import (
 from transformers.models.auto import modeling_auto as auto_names
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local
-from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, config_of
+from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION
+from hf_spanattn.integration.stored import config_of
 from hf_spanattn.ops.inputs import shown, user_stacklevel
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -69,7 +69,7 @@ def tag_trainers_model(trainer: Any) -> None:
     (`create_model_card`, `Trainer.push_to_hub`, `push_to_hub` after) name the method."""
     from hf_spanattn.integration.adapters import is_patched
     from hf_spanattn.integration.patch import base_model
-    from hf_spanattn.integration.registry import config_of
+    from hf_spanattn.integration.stored import config_of
 
     try:
         base = base_model(trainer.model, "Trainer.train")

@@ -10,14 +10,8 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from hf_spanattn.integration import packing, registry
-from hf_spanattn.integration.registry import (
-    CONFIG_KEY,
-    PROBE_ATTR,
-    call_settings,
-    documents_of,
-    keeps_sdpa,
-    splits_documents,
-)
+from hf_spanattn.integration.registry import PROBE_ATTR, call_settings, documents_of, keeps_sdpa, splits_documents
+from hf_spanattn.integration.stored import CONFIG_KEY
 from hf_spanattn.ops.attention import span_attention
 from hf_spanattn.ops.backward import with_scaled_grads
 from hf_spanattn.ops.inputs import attended

@@ -25,23 +25,24 @@ from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _looks_local, _
 from hf_spanattn.integration import adapters, card, gpt_neo, registry, structure, train_checks
 from hf_spanattn.integration.adapters import is_patched
 from hf_spanattn.integration.gpt_neo import neo_attn as _neo_attn  # noqa: F401 (models pickled before name it here)
+from hf_spanattn.integration.model_layers import (
+    LAYER_ATTR,
+    attention_modules,
+    calls_the_registry,
+    layer_count,
+    layer_index,
+)
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
-    CONFIG_KEY,
     CROSS_ATTR,
-    LAYER_ATTR,
     OVERRIDE_ATTR,
     OWNER_ATTR,
     PROBE_ATTR,
     REGISTERS_ATTR,
     SETTINGS_FROM_ATTR,
-    attention_modules,
-    calls_the_registry,
-    config_of,
-    layer_count,
     register,
-    stored_source,
 )
+from hf_spanattn.integration.stored import CONFIG_KEY, config_of, stored_source
 from hf_spanattn.ops.inputs import shown, user_stacklevel
 
 SUPPORTED = "models whose attention goes through Transformers' AttentionInterface (GPT-2, GPT-NeoX, Llama, " \
@@ -226,7 +227,7 @@ def _write_settings(base: PreTrainedModel, config: SpanAttentionConfig, towers: 
     if not keep:
         setattr(base.config, CONFIG_KEY, config.to_dict())
     for tower in towers.values():  # model.language_model.save_pretrained keeps them
-        if config.layers is None or any(registry.layer_index(m) is not None for m in tower.modules()):
+        if config.layers is None or any(layer_index(m) is not None for m in tower.modules()):
             setattr(tower.config, CONFIG_KEY, copy.deepcopy(getattr(base.config, CONFIG_KEY)))
         elif hasattr(tower.config, CONFIG_KEY):  # attention without a layer index: `layers` leaves it stock
             delattr(tower.config, CONFIG_KEY)

@@ -13,14 +13,9 @@ from transformers import PreTrainedModel
 from hf_spanattn.config import SpanAttentionConfig
 from hf_spanattn.integration import gpt_neo, registry
 from hf_spanattn.integration.adapters import is_patched
-from hf_spanattn.integration.registry import (
-    ATTN_IMPLEMENTATION,
-    SETTINGS_FROM_ATTR,
-    attention_modules,
-    calls_the_registry,
-    config_of,
-    stored_source,
-)
+from hf_spanattn.integration.model_layers import attention_modules, calls_the_registry, layer_index
+from hf_spanattn.integration.registry import ATTN_IMPLEMENTATION, SETTINGS_FROM_ATTR
+from hf_spanattn.integration.stored import config_of, stored_source
 from hf_spanattn.ops.inputs import shown, user_stacklevel
 
 
@@ -98,7 +93,7 @@ def warn_layers_moved(base: PreTrainedModel, layers: Any, caller: str) -> None:
         if not isinstance(block, torch.nn.ModuleList):
             continue
         for place, layer in enumerate(block):
-            indices = {registry.layer_index(m) for m in layer.modules() if m in neo or calls_the_registry(m)}
+            indices = {layer_index(m) for m in layer.modules() if m in neo or calls_the_registry(m)}
             index = next(iter(indices)) if len(indices) == 1 else None
             if isinstance(index, int) and index != place and (index in layers or place in layers):
                 moved.append(f"{path}.{place} (layer_idx {index})")
@@ -167,7 +162,7 @@ def own_configs(base: PreTrainedModel) -> set[int]:
 
 def _runs(config: SpanAttentionConfig, module: torch.nn.Module) -> SpanAttentionConfig | None:
     """The settings `module` runs under `config`: None where its layers leave it stock gradients."""
-    if config.layers is not None and registry.layer_index(module) not in config.layers:
+    if config.layers is not None and layer_index(module) not in config.layers:
         return None
     return config.replace(layers=None)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hf_spanattn.config import CONFIG_NAME, SpanAttentionConfig, _read_json
 from hf_spanattn.integration.adapters import _described, is_adapter_folder, is_patched
-from hf_spanattn.integration.registry import CONFIG_KEY, config_of
+from hf_spanattn.integration.stored import CONFIG_KEY, config_of
 from hf_spanattn.integration.structure import check_structure, tower_paths
 from hf_spanattn.ops.inputs import shown, user_stacklevel
 

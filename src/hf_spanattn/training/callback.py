@@ -32,18 +32,10 @@ from transformers.utils import (
 
 from hf_spanattn.config import CONFIG_NAME as SETTINGS_NAME
 from hf_spanattn.config import SpanAttentionConfig
+from hf_spanattn.integration.model_layers import attention_modules, calls_the_registry, layer_count, layer_index
 from hf_spanattn.integration.patch import base_model
-from hf_spanattn.integration.registry import (
-    OVERRIDE_ATTR,
-    OWNER_ATTR,
-    PROBE_ATTR,
-    attention_modules,
-    calls_the_registry,
-    config_of,
-    layer_count,
-    layer_index,
-    settings_for,
-)
+from hf_spanattn.integration.registry import OVERRIDE_ATTR, OWNER_ATTR, PROBE_ATTR, settings_for
+from hf_spanattn.integration.stored import config_of
 from hf_spanattn.integration.structure import refuse_layers_without_attention
 from hf_spanattn.integration.train_checks import from_rank_zero, same_on_every_rank
 from hf_spanattn.ops.inputs import as_int, shown, user_stacklevel

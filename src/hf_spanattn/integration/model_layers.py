@@ -1,0 +1,82 @@
+"""A model's layers as the settings select them: the attention modules of each layer index, and how many layers a
+model has."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, where the model's modules carry none
+
+
+def layer_index(module: torch.nn.Module) -> int | None:
+    for name in ("layer_idx", "layer_id", LAYER_ATTR):
+        value = getattr(module, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """The modules of each decoder layer that carry its index (where overrides and probes go). Where none
+    does (DistilBERT's and ViT's attention), the modules of each entry of the model's one list of layers are
+    given its index first (`LAYER_ATTR`), so that `layers` selects them."""
+    layers = _indexed(model)
+    if not layers:
+        n_layers = _configured_layers(model)
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers]
+        for index, layer in enumerate(lists[0] if len(lists) == 1 else ()):
+            for module in layer.modules():
+                if hasattr(module, "config"):
+                    setattr(module, LAYER_ATTR, index)
+        layers = _indexed(model)
+    return layers
+
+
+def layer_count(model: torch.nn.Module) -> int:
+    """The model's number of layers: its config's `num_hidden_layers`, or one more than the highest layer index its
+    attention modules carry where the config does not say (a custom model's) or says fewer (an encoder-decoder's
+    counts the decoder's layers, and its encoder may have more)."""
+    n_layers = _configured_layers(model)
+    numbered = max(attention_modules(model), default=-1) + 1
+    return numbered if n_layers is None else max(n_layers, numbered)
+
+
+def _configured_layers(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    n_layers = getattr(config.get_text_config(), "num_hidden_layers", None) if config is not None else None
+    return n_layers if isinstance(n_layers, int) else None
+
+
+def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    layers: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        index = layer_index(module)
+        # an attention module holds its config, or (a custom model's) calls the registry without one
+        if index is not None and (hasattr(module, "config") or calls_the_registry(module)):
+            layers.setdefault(index, []).append(module)
+    return layers
+
+
+def calls_the_registry(module: torch.nn.Module) -> bool:
+    """Whether the module's forward looks its attention up in Transformers' registry (ALL_ATTENTION_FUNCTIONS), also
+    under another name (imported `as`) or in a function or method of the module's class that the forward calls."""
+    return _reaches_registry(inspect.unwrap(type(module).forward), type(module), helpers=True)
+
+
+@functools.cache
+def _reaches_registry(function: Any, owner: type, helpers: bool) -> bool:
+    code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    codes = [code] if code is not None else []
+    for inner in codes:  # and the code of its lambdas, comprehensions and nested functions
+        codes += [c for c in inner.co_consts if inspect.iscode(c)]
+    names = {name for inner in codes for name in inner.co_names}
+    if "ALL_ATTENTION_FUNCTIONS" in names or any(scope.get(name) is ALL_ATTENTION_FUNCTIONS for name in names):
+        return True
+    called = (scope.get(name) or inspect.getattr_static(owner, name, None) for name in names) if helpers else ()
+    return any(inspect.isfunction(f) and not f.__module__.startswith("torch") and _reaches_registry(f, owner, False)
+               for f in called)
