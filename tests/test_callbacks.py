@@ -396,7 +396,9 @@ def test_diagnostics_under_ddp_are_those_of_one_process_over_the_global_batch(tm
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
-@pytest.mark.parametrize("stage,processes", [(3, 1), pytest.param(2, 2, marks=pytest.mark.slow),
+# slow: each case starts processes that import DeepSpeed (9 s alone, up to 54 s within the whole suite)
+@pytest.mark.parametrize("stage,processes", [pytest.param(3, 1, marks=pytest.mark.slow),
+                                             pytest.param(2, 2, marks=pytest.mark.slow),
                                              pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_deepspeed_zero_trains_as_one_process_without_it(stage, processes, tmp_path):
     """The Trainer with DeepSpeed ZeRO on its CPU backend (gloo), `processes` ranks over the 4 rows, against one

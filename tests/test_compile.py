@@ -40,9 +40,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-# the tiles' compiled gradients also in test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package
-@pytest.mark.parametrize("label,backend", [pytest.param("score:1000", "tiles", marks=pytest.mark.slow),
-                                           ("score:1000", "fused"),
+@pytest.mark.parametrize("label,backend", [("score:1000", "tiles"), ("score:1000", "fused"),
                                            pytest.param("score:1100@per_block", "tiles", marks=pytest.mark.slow),
                                            ("score:1100@per_block", "fused")])
 def test_compiled_training_gives_the_same_gradients(label, backend, monkeypatch):
@@ -139,7 +137,8 @@ def test_fullgraph_generation_with_a_static_cache():
     assert torch.equal(compiled, expected)
 
 
-@pytest.mark.parametrize("backend", ["tiles", "fused"])
+# the tiles' compiled gradients also in test_compiled_training_gives_the_same_gradients
+@pytest.mark.parametrize("backend", [pytest.param("tiles", marks=pytest.mark.slow), "fused"])
 def test_a_compiled_module_is_patched_and_trains_with_no_warning_from_the_package(monkeypatch, backend):
     """patch_model(torch.compile(model)) patches the model inside, also after the compiled module has run,
     and the compiled module then gives the gradients of the patched model, not the stock ones, also when it
