@@ -118,11 +118,16 @@ class _Mask:
 
 def _attend(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(attend: bool, True where the key counts for the spans; the additive mask in `dtype`)."""
-    if attn_mask.dtype == torch.bool:
-        # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
-        return attn_mask, torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
-            ~attn_mask, -math.inf)
+    if attn_mask.dtype == torch.bool:  # adding a float mask is twice as fast as masked_fill_ with a broadcast bool mask
+        return attn_mask, _additive(~attn_mask, dtype)
     return attended(attn_mask), attn_mask.to(dtype)
+
+
+def _additive(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """−inf where `masked`, else 0, in `dtype`: one new tensor, nothing written in place (which selective activation
+    checkpointing refuses of a kept output)."""
+    return torch.where(masked, torch.full((), -math.inf, dtype=dtype, device=masked.device),
+                       torch.zeros((), dtype=dtype, device=masked.device))
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
@@ -178,8 +183,7 @@ def _causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device, rows:
             lo = min(start + 1, cols)  # row `start` attends no key past itself
             above = torch.arange(lo, cols, device=device) > torch.arange(start, end, device=device)[:, None]
             first_masked.append(lo)
-            additive.append(torch.zeros(above.shape, dtype=dtype, device=device).masked_fill(above, -math.inf)
-                            .view(1, 1, 1, *above.shape) if lo < cols else None)
+            additive.append(_additive(above, dtype).view(1, 1, 1, *above.shape) if lo < cols else None)
         key_valid = (torch.arange(s, device=device) < t).view(1, 1, 1, s, 1) if s > t else None  # keys no row reaches
         mask = _Mask(tiles, first_masked, additive, key_valid, None)
         if key is not None:  # list() and pop(·, None): threads building other shapes may evict the same entries
