@@ -542,10 +542,15 @@ def parse_file(parser: HfArgumentParser, path: Path) -> tuple:
                          "number") from None
 
 
+@functools.cache
+def _argument_types() -> dict[str, Any]:
+    return {k: v for c in parser_classes() for k, v in typing.get_type_hints(c).items()}
+
+
 def typed(key: str, value: Any, path: Path | str) -> Any:
     """A value from a config file in the type its argument takes, as the command line would give it: YAML
     reads 1e-3 as text and a bare no as false, and parse_dict converts nothing."""
-    hints = {k: v for c in parser_classes() for k, v in typing.get_type_hints(c).items()}
+    hints = _argument_types()
     if key not in hints or value is None:
         return value  # an unknown key: parse_dict names it
     kind = hints[key]
