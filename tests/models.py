@@ -4,54 +4,54 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     GPT2Config,
-    GPT2LMHeadModel,
     GPTNeoConfig,
-    GPTNeoForCausalLM,
     GPTNeoXConfig,
-    GPTNeoXForCausalLM,
     LlamaConfig,
-    LlamaForCausalLM,
+    PretrainedConfig,
     Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 VOCAB = 97
 
 
-def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
+def tiny_config(family: str, layers: int = 2) -> PretrainedConfig:
+    """The config of a tiny `family` model without dropout, vocabulary VOCAB, token 0 for BOS and EOS."""
     if family == "gpt2":
-        config = GPT2Config(n_embd=32, n_head=4, n_layer=layers, vocab_size=VOCAB, n_positions=64,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(config)
-        # as recipes/run_clm.py: no loss_type warning, tied lm_head.weight re-tied without a warning on load
-        model.loss_type = "ForCausalLM"
-        model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
-        return model
+        return GPT2Config(n_embd=32, n_head=4, n_layer=layers, vocab_size=VOCAB, n_positions=64,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     if family == "gpt_neo":
-        config = GPTNeoConfig(hidden_size=32, num_heads=4, num_layers=layers, vocab_size=VOCAB,
-                              attention_types=[[["global", "local"], layers // 2]] if layers > 1 else [[["global"], 1]],
-                              max_position_embeddings=64, window_size=6, resid_dropout=0.0, embed_dropout=0.0,
-                              attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
-        return GPTNeoForCausalLM(config)
+        return GPTNeoConfig(hidden_size=32, num_heads=4, num_layers=layers, vocab_size=VOCAB,
+                            attention_types=[[["global", "local"], layers // 2]] if layers > 1 else [[["global"], 1]],
+                            max_position_embeddings=64, window_size=6, resid_dropout=0.0, embed_dropout=0.0,
+                            attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
     if family == "gpt_neox":
-        config = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=layers, intermediate_size=64,
-                               vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
-                               bos_token_id=0, eos_token_id=0)
-        return GPTNeoXForCausalLM(config)
+        return GPTNeoXConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=layers, intermediate_size=64,
+                             vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                             bos_token_id=0, eos_token_id=0)
     kwargs = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
     if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(**kwargs))
+        return LlamaConfig(**kwargs)
     if family == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**kwargs))
+        return Qwen2Config(**kwargs)
     if family == "gpt_oss":  # attention sinks: not SDPA's attention, so not supported
-        from transformers import GptOssConfig, GptOssForCausalLM
+        from transformers import GptOssConfig
 
-        return GptOssForCausalLM(GptOssConfig(**{**kwargs, "intermediate_size": 32}, head_dim=8, num_local_experts=2,
-                                              num_experts_per_tok=1, layer_types=["full_attention"] * layers))
+        return GptOssConfig(**{**kwargs, "intermediate_size": 32}, head_dim=8, num_local_experts=2,
+                            num_experts_per_tok=1, layer_types=["full_attention"] * layers)
     raise ValueError(family)
+
+
+def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
+    if family == "gpt2":
+        # as recipes/run_clm.py: no loss_type warning, tied lm_head.weight re-tied without a warning on load
+        model.loss_type = "ForCausalLM"
+        model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
+    return model
 
 
 def tiny_llava(patch_size: int = 8, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

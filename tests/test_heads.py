@@ -7,15 +7,12 @@ import copy
 
 import pytest
 import torch
-from models import VOCAB
+from models import VOCAB, tiny_config
 from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
-    GPT2Config,
-    LlamaConfig,
-    Qwen2Config,
 )
 
 import hf_spanattn
@@ -27,13 +24,7 @@ PAD = 5
 def head(auto_class, family: str, **fields):
     """A tiny model of `family` with the head of `auto_class`, float64, padding token PAD."""
     torch.manual_seed(0)
-    if family == "gpt2":
-        config = GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    else:
-        config = (LlamaConfig if family == "llama" else Qwen2Config)(
-            hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
-            vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    config = tiny_config(family)
     config.pad_token_id = PAD
     config.update(fields)
     return auto_class.from_config(config).double()
