@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     GPT2Config,
     GPTNeoConfig,
     GPTNeoXConfig,
@@ -46,7 +46,8 @@ def tiny_config(family: str, layers: int = 2) -> PretrainedConfig:
 
 def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
+    config = tiny_config(family, layers)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)  # not from_config: under ZeRO-3 that partitions it
     if family == "gpt2":
         # as recipes/run_clm.py: no loss_type warning, tied lm_head.weight re-tied without a warning on load
         model.loss_type = "ForCausalLM"
