@@ -283,6 +283,8 @@ def span_attention_forward(
     if kwargs.get("s_aux") is not None:  # SDPA would drop the sinks silently
         raise NotImplementedError(f"span_attention does not support attention sinks ('s_aux', attention of "
                                   f"{type(module).__name__}); its forward pass is SDPA's, which has none")
+    if kwargs.get("indices") is not None:  # DeepSeek sparse attention: SDPA's call would drop the selection
+        attention_mask = selected_keys(attention_mask, kwargs.pop("indices"), query, key.shape[2], is_causal, module)
     config = call_settings(module, (query, key, value), dropout)
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -318,6 +320,25 @@ def span_attention_forward(
     out = span_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
                          scale=scaling, config=config, probe=probe)
     return out.transpose(1, 2).contiguous(), None
+
+
+def selected_keys(attention_mask: torch.Tensor | None, indices: torch.Tensor, query: torch.Tensor, k_length: int,
+                  is_causal: bool | None, module: torch.nn.Module) -> torch.Tensor:
+    """The attention mask of DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, Mistral Large 3, ...): each query
+    attends only the keys its indexer selected (`indices`, (B, T, top-k) key positions) among those `attention_mask`
+    lets it attend. These models build this mask themselves for eager and SDPA attention only, and hand any other
+    attention function the indices (which a sparse kernel reads), so without it the attention would be dense."""
+    b, t = query.shape[0], query.shape[2]
+    picked = torch.zeros(b, t, k_length, dtype=torch.bool, device=query.device)
+    picked = picked.scatter(-1, indices.long(), True)[:, None]
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        ones = torch.ones(t, k_length, dtype=torch.bool, device=query.device)
+        return picked & ones.tril(k_length - t) if causal and t > 1 else picked
+    attention_mask = attention_mask[..., :k_length]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & picked
+    return attention_mask.masked_fill(~picked, torch.finfo(query.dtype).min)
 
 
 def splits_documents(config: SpanAttentionConfig, probe: Any, q_length: int, k_length: int) -> bool:

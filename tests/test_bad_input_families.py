@@ -1,0 +1,90 @@
+"""Model families beyond the five of the suite (MLA, hybrids, sliding/global mixes, MoE, sparse attention): the
+forward pass is stock SDPA's, and the gradients are the rule's on the attention each layer computes."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from models import VOCAB
+from reference import reference
+from transformers import AttentionInterface
+
+from hf_spanattn import SpanAttentionConfig, patch_model
+from hf_spanattn.integration import registry
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def tokens(batch=2, length=24, seed=1):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def grads(model, ids):
+    model.zero_grad()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tiny_dsa():
+    """DeepSeek-V3.2: MLA whose queries attend only the keys a lightning indexer selects (top 8 of 24)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV32Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                               intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, kv_lora_rank=16,
+                               q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, head_dim=4,
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                               first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, index_topk=8,
+                               index_head_dim=8, index_n_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config._experts_implementation = "eager"  # the grouped matmul of the experts takes no float64
+    return DeepseekV32ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64).train()
+
+
+def test_sparse_attention_keeps_the_indexers_selection():
+    """DeepSeek-V3.2 builds the mask of the keys its indexer selected for eager and SDPA attention only, and hands
+    other attention functions the indices instead: span_attention took them as dense attention (logits 12 % off)."""
+    stock, ids = tiny_dsa(), tokens()
+    logits, expected = grads(stock, ids)
+    model = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    patched_logits, patched = grads(model, ids)
+    assert rel(patched_logits, logits) < 1e-12
+    assert all(rel(patched[n], expected[n]) < 1e-10 for n in expected)
+    stock.eval(), model.eval()
+    prompt = ids[:, :10]
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
+                       stock.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_sparse_attention_rule_on_the_selected_keys(monkeypatch):
+    """Under score:1000 each layer's dQ, dK, dV are the float64 reference's on the mask the model builds for SDPA
+    (its causal mask without the keys the indexer left out)."""
+    calls = []
+
+    def recorder(module, query, key, value, attention_mask, **kwargs):
+        for t in (query, key, value):
+            t.retain_grad()
+        indices = kwargs["indices"]
+        left_out = torch.ones(*indices.shape[:2], key.shape[2], dtype=torch.bool).scatter(-1, indices.long(), False)
+        call = dict(q=query, k=key, v=value, mask=attention_mask & ~left_out[:, None], scale=kwargs["scaling"])
+        out, weights = registry.span_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out.register_hook(lambda g: call.__setitem__("d_out", g.transpose(1, 2)))
+        calls.append(call)
+        return out, weights
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "span_attention", recorder)
+    model = patch_model(tiny_dsa(), "score:1000")
+    ids = tokens()
+    model(ids, labels=ids).loss.backward()
+    assert len(calls) == 2
+    for call in calls:
+        assert not call["mask"].all()  # the indexer left keys out
+        _, (dq, dk, dv) = reference(call["q"], call["k"], call["v"], call["d_out"],
+                                    SpanAttentionConfig.from_label("score:1000"), attn_mask=call["mask"],
+                                    scale=call["scale"])
+        assert rel(call["q"].grad, dq) < 1e-10
+        assert rel(call["k"].grad, dk) < 1e-10
+        assert rel(call["v"].grad, dv) < 1e-10
