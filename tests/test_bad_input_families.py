@@ -88,3 +88,30 @@ def test_sparse_attention_rule_on_the_selected_keys(monkeypatch):
         assert rel(call["q"].grad, dq) < 1e-10
         assert rel(call["k"].grad, dk) < 1e-10
         assert rel(call["v"].grad, dv) < 1e-10
+
+
+def test_block_sparse_attention_keeps_the_indexers_blocks():
+    """MiniMax-M3 builds the mask of the key blocks its indexer selected for eager and SDPA attention only, and hands
+    other attention functions the block indices: span_attention took them as dense attention (logits 33 % off)."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    torch.manual_seed(0)
+    config = MiniMaxM3VLTextConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64,
+                                   num_local_experts=2, num_experts_per_tok=1, dense_intermediate_size=32,
+                                   shared_intermediate_size=16, rotary_dim=4, index_n_heads=2, index_head_dim=8,
+                                   index_block_size=4, index_topk_blocks=2, index_local_blocks=1, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0, layer_types=["minimax_m3_sparse"] * 2)
+    config._experts_implementation = "eager"
+    stock = MiniMaxM3VLForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64).train()
+    ids = tokens()
+    logits, expected = grads(stock, ids)
+    model = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    patched_logits, patched = grads(model, ids)
+    assert rel(patched_logits, logits) < 1e-12
+    assert all(rel(patched[n], expected[n]) < 1e-10 for n in expected)
+    stock.eval(), model.eval()
+    prompt = ids[:, :10]
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
+                       stock.generate(prompt, max_new_tokens=8, do_sample=False))

@@ -285,6 +285,8 @@ def span_attention_forward(
                                   f"{type(module).__name__}); its forward pass is SDPA's, which has none")
     if kwargs.get("indices") is not None:  # DeepSeek sparse attention: SDPA's call would drop the selection
         attention_mask = selected_keys(attention_mask, kwargs.pop("indices"), query, key.shape[2], is_causal, module)
+    if kwargs.get("block_indices") is not None:  # and block-sparse attention (MiniMax-M3)
+        attention_mask = selected_blocks(module, attention_mask, kwargs.pop("block_indices"), query, key, kwargs)
     config = call_settings(module, (query, key, value), dropout)
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -339,6 +341,24 @@ def selected_keys(attention_mask: torch.Tensor | None, indices: torch.Tensor, qu
     if attention_mask.dtype == torch.bool:
         return attention_mask & picked
     return attention_mask.masked_fill(~picked, torch.finfo(query.dtype).min)
+
+
+def selected_blocks(module: torch.nn.Module, attention_mask: torch.Tensor | None, block_indices: torch.Tensor,
+                    query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The attention mask of block-sparse attention (MiniMax-M3): each query attends only the blocks of keys its
+    indexer selected (`block_indices`), as the module's indexer builds it (`build_block_mask`) for eager and SDPA
+    attention; other attention functions are handed the indices instead."""
+    build = getattr(getattr(module, "indexer", None), "build_block_mask", None)
+    if build is None:
+        raise NotImplementedError(f"span_attention: {type(module).__name__} passes block_indices (block-sparse "
+                                  "attention) but holds no indexer with build_block_mask, which gives the mask SDPA's "
+                                  "attention takes; its forward pass would attend every key")
+    t, s = query.shape[2], key.shape[2]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # as the module numbers its queries
+        position_ids = torch.arange(s - t, s, device=query.device)
+    position_ids = (position_ids if position_ids.ndim > 1 else position_ids[None]).expand(query.shape[0], -1)
+    return build(block_indices, attention_mask, s, query.dtype, query.device, position_ids)
 
 
 def splits_documents(config: SpanAttentionConfig, probe: Any, q_length: int, k_length: int) -> bool:
