@@ -115,3 +115,30 @@ def test_block_sparse_attention_keeps_the_indexers_blocks():
     prompt = ids[:, :10]
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
                        stock.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_a_hybrid_models_alphas_and_diagnostics_name_its_attention_layers_only(tmp_path):
+    """LFM2's convolution layers carry a layer index and the config as its attention does: the callback logged α
+    for them (span/layer0/alpha0, ...) as if they trained under the schedule's rule."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM, Trainer, TrainingArguments
+
+    from hf_spanattn.training import Keyframe, SpanAttentionCallback
+
+    torch.manual_seed(0)
+    config = Lfm2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                        layer_types=["conv", "full_attention", "conv", "full_attention"],
+                        block_auto_adjust_ff_dim=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = patch_model(Lfm2ForCausalLM(config), "score:1000")
+    ids = tokens(batch=4)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    callback = SpanAttentionCallback([Keyframe(0, "standard:QKV111"), Keyframe(1, {"0-3": "score:1100"})],
+                                     diagnostics_every=1)
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    logged = {key.split("/")[1] for entry in trainer.state.log_history for key in entry if key.startswith("span/")}
+    assert logged == {"layer1", "layer3"}
+    last = [entry for entry in trainer.state.log_history if "loss" in entry][-1]
+    assert [last[f"span/layer3/alpha{i}"] for i in range(4)] == [1, 1, 0, 0]
