@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from models import VOCAB
 from reference import reference
@@ -142,3 +143,24 @@ def test_a_hybrid_models_alphas_and_diagnostics_name_its_attention_layers_only(t
     assert logged == {"layer1", "layer3"}
     last = [entry for entry in trainer.state.log_history if "loss" in entry][-1]
     assert [last[f"span/layer3/alpha{i}"] for i in range(4)] == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_kv_shared_layers_under_logits_to_keep(grad):
+    """Gemma 4 feeds its KV-shared layers only the last `logits_to_keep` queries (as TRL's GRPO asks), slicing each
+    mask's rows, which it skips under SDPA where a mask is None; span_attention's masks were None there, so those
+    layers attended as SDPA's causal attention aligned to the first keys (logits 47 % off)."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64,
+                              sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+                              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                              bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    stock = Gemma4ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    model = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    ids = tokens()
+    with torch.set_grad_enabled(grad):
+        assert rel(model(ids, logits_to_keep=4).logits, stock(ids, logits_to_keep=4).logits) < 1e-12

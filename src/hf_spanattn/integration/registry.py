@@ -47,7 +47,7 @@ logger = logging.get_logger("hf_spanattn")
 
 def register() -> None:
     """Register the attention function and its mask function (SDPA's masks: bool, or None when
-    pure causal). Without the mask registration a padded batch would get no padding mask.
+    pure causal; `span_attention_mask`). Without the mask registration a padded batch would get no padding mask.
     Idempotent: an entry already registered under the name is kept, unless it is this function as an
     earlier import of this module defined it (importlib.reload): models then run the code imported now."""
     registered = ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION)
@@ -56,7 +56,18 @@ def register() -> None:
     if registered is None or earlier and registered is not span_attention_forward:
         AttentionInterface.register(ATTN_IMPLEMENTATION, span_attention_forward)
     if ATTN_IMPLEMENTATION not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, span_attention_mask)
+
+
+def span_attention_mask(*args: Any, config: Any = None, allow_is_causal_skip: bool = True,
+                        **kwargs: Any) -> torch.Tensor | None:
+    """SDPA's mask, also where it could be None (pure causal) for a model with KV-shared layers (Gemma 4): such a model
+    feeds those layers only the last `logits_to_keep` queries with the rows of each mask, which it skips for SDPA
+    alone where a mask is None (SDPA's causal attention without a mask would align the queries with the first
+    keys); under any other attention it slices, so the mask must be there."""
+    if getattr(config, "num_kv_shared_layers", None):
+        allow_is_causal_skip = False
+    return sdpa_mask(*args, config=config, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 class _Registers:
@@ -389,7 +400,8 @@ def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross:
         return True
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
-        "where they differ (a forward with a cache, cache= or past_key_values=, under autograd) and cross-attention, "
+        "where they differ (a forward with a cache, cache= or past_key_values=, under autograd; Gemma 4's KV-shared "
+        "layers under logits_to_keep > 1) and cross-attention, "
         "whatever its lengths, get SDPA's result with the standard gradient.")
     return True
 
