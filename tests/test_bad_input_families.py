@@ -164,3 +164,12 @@ def test_kv_shared_layers_under_logits_to_keep(grad):
     ids = tokens()
     with torch.set_grad_enabled(grad):
         assert rel(model(ids, logits_to_keep=4).logits, stock(ids, logits_to_keep=4).logits) < 1e-12
+
+
+def test_selected_keys_without_a_mask_stay_causal():
+    """Indices handed without a mask (SDPA's causal attention): a query attends the selected keys at or before it."""
+    query = torch.zeros(1, 2, 4, 8)
+    indices = torch.tensor([[[0, 3], [1, 3], [0, 2], [1, 3]]])
+    mask = registry.selected_keys(None, indices, query, 4, True, torch.nn.Module())
+    expected = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], expected)
