@@ -337,10 +337,11 @@ def span_attention_forward(
 
 def selected_keys(attention_mask: torch.Tensor | None, indices: torch.Tensor, query: torch.Tensor, k_length: int,
                   is_causal: bool | None, module: torch.nn.Module) -> torch.Tensor:
-    """The attention mask of DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, Mistral Large 3, ...): each query
-    attends only the keys its indexer selected (`indices`, (B, T, top-k) key positions) among those `attention_mask`
-    lets it attend. These models build this mask themselves for eager and SDPA attention only, and hand any other
-    attention function the indices (which a sparse kernel reads), so without it the attention would be dense."""
+    """The attention mask of DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4, ...): each
+    query attends only the keys its indexer selected (`indices`, (B, T, top-k) key positions) among those
+    `attention_mask` lets it attend. These models build this mask themselves for eager and SDPA attention only, and
+    hand any other attention function the indices (which a sparse kernel reads), so without it the attention would be
+    dense."""
     b, t = query.shape[0], query.shape[2]
     picked = torch.zeros(b, t, k_length, dtype=torch.bool, device=query.device)
     picked = picked.scatter(-1, indices.long(), True)[:, None]
