@@ -47,7 +47,7 @@ logger = logging.get_logger("hf_spanattn")
 
 def register() -> None:
     """Register the attention function and its mask function (SDPA's masks: bool, or None when
-    pure causal). Without the mask registration a padded batch would get no padding mask.
+    pure causal; `span_attention_mask`). Without the mask registration a padded batch would get no padding mask.
     Idempotent: an entry already registered under the name is kept, unless it is this function as an
     earlier import of this module defined it (importlib.reload): models then run the code imported now."""
     registered = ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION)
@@ -56,7 +56,18 @@ def register() -> None:
     if registered is None or earlier and registered is not span_attention_forward:
         AttentionInterface.register(ATTN_IMPLEMENTATION, span_attention_forward)
     if ATTN_IMPLEMENTATION not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, span_attention_mask)
+
+
+def span_attention_mask(*args: Any, config: Any = None, allow_is_causal_skip: bool = True,
+                        **kwargs: Any) -> torch.Tensor | None:
+    """SDPA's mask, also where it could be None (pure causal) for a model with KV-shared layers (Gemma 4): such a model
+    feeds those layers only the last `logits_to_keep` queries with the rows of each mask, which it skips for SDPA
+    alone where a mask is None (SDPA's causal attention without a mask would align the queries with the first
+    keys); under any other attention it slices, so the mask must be there."""
+    if getattr(config, "num_kv_shared_layers", None):
+        allow_is_causal_skip = False
+    return sdpa_mask(*args, config=config, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 class _Registers:
@@ -283,6 +294,10 @@ def span_attention_forward(
     if kwargs.get("s_aux") is not None:  # SDPA would drop the sinks silently
         raise NotImplementedError(f"span_attention does not support attention sinks ('s_aux', attention of "
                                   f"{type(module).__name__}); its forward pass is SDPA's, which has none")
+    if kwargs.get("indices") is not None:  # DeepSeek sparse attention: SDPA's call would drop the selection
+        attention_mask = selected_keys(attention_mask, kwargs.pop("indices"), query, key.shape[2], is_causal, module)
+    if kwargs.get("block_indices") is not None:  # and block-sparse attention (MiniMax-M3)
+        attention_mask = selected_blocks(module, attention_mask, kwargs.pop("block_indices"), query, key, kwargs)
     config = call_settings(module, (query, key, value), dropout)
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -320,6 +335,44 @@ def span_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def selected_keys(attention_mask: torch.Tensor | None, indices: torch.Tensor, query: torch.Tensor, k_length: int,
+                  is_causal: bool | None, module: torch.nn.Module) -> torch.Tensor:
+    """The attention mask of DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4, ...): each
+    query attends only the keys its indexer selected (`indices`, (B, T, top-k) key positions) among those
+    `attention_mask` lets it attend. These models build this mask themselves for eager and SDPA attention only, and
+    hand any other attention function the indices (which a sparse kernel reads), so without it the attention would be
+    dense."""
+    b, t = query.shape[0], query.shape[2]
+    picked = torch.zeros(b, t, k_length, dtype=torch.bool, device=query.device)
+    picked = picked.scatter(-1, indices.long(), True)[:, None]
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        ones = torch.ones(t, k_length, dtype=torch.bool, device=query.device)
+        return picked & ones.tril(k_length - t) if causal and t > 1 else picked
+    attention_mask = attention_mask[..., :k_length]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & picked
+    return attention_mask.masked_fill(~picked, torch.finfo(query.dtype).min)
+
+
+def selected_blocks(module: torch.nn.Module, attention_mask: torch.Tensor | None, block_indices: torch.Tensor,
+                    query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The attention mask of block-sparse attention (MiniMax-M3): each query attends only the blocks of keys its
+    indexer selected (`block_indices`), as the module's indexer builds it (`build_block_mask`) for eager and SDPA
+    attention; other attention functions are handed the indices instead."""
+    build = getattr(getattr(module, "indexer", None), "build_block_mask", None)
+    if build is None:
+        raise NotImplementedError(f"span_attention: {type(module).__name__} passes block_indices (block-sparse "
+                                  "attention) but holds no indexer with build_block_mask, which gives the mask SDPA's "
+                                  "attention takes; its forward pass would attend every key")
+    t, s = query.shape[2], key.shape[2]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # as the module numbers its queries
+        position_ids = torch.arange(s - t, s, device=query.device)
+    position_ids = (position_ids if position_ids.ndim > 1 else position_ids[None]).expand(query.shape[0], -1)
+    return build(block_indices, attention_mask, s, query.dtype, query.device, position_ids)
+
+
 def splits_documents(config: SpanAttentionConfig, probe: Any, q_length: int, k_length: int) -> bool:
     """Whether a packed row's documents are attended apart: spans are per document, while a standard rule without
     diagnostics is SDPA on the packed row itself, drawing the dropout mask SDPA draws there."""
@@ -348,7 +401,8 @@ def keeps_sdpa(config: SpanAttentionConfig, q_length: int, k_length: int, cross:
         return True
     logger.warning_once(
         f"span_attention: the {config.method!r} rule needs self-attention with as many queries as keys; calls "
-        "where they differ (a forward with a cache, cache= or past_key_values=, under autograd) and cross-attention, "
+        "where they differ (a forward with a cache, cache= or past_key_values=, under autograd; Gemma 4's KV-shared "
+        "layers under logits_to_keep > 1) and cross-attention, "
         "whatever its lengths, get SDPA's result with the standard gradient.")
     return True
 

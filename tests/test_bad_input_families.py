@@ -1,0 +1,175 @@
+"""Model families beyond the five of the suite (MLA, hybrids, sliding/global mixes, MoE, sparse attention): the
+forward pass is stock SDPA's, and the gradients are the rule's on the attention each layer computes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import VOCAB
+from reference import reference
+from transformers import AttentionInterface
+
+from hf_spanattn import SpanAttentionConfig, patch_model
+from hf_spanattn.integration import registry
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def tokens(batch=2, length=24, seed=1):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def grads(model, ids):
+    model.zero_grad()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tiny_dsa():
+    """DeepSeek-V3.2: MLA whose queries attend only the keys a lightning indexer selects (top 8 of 24)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV32Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                               intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, kv_lora_rank=16,
+                               q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, head_dim=4,
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                               first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, index_topk=8,
+                               index_head_dim=8, index_n_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config._experts_implementation = "eager"  # the grouped matmul of the experts takes no float64
+    return DeepseekV32ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64).train()
+
+
+def test_sparse_attention_keeps_the_indexers_selection():
+    """DeepSeek-V3.2 builds the mask of the keys its indexer selected for eager and SDPA attention only, and hands
+    other attention functions the indices instead: span_attention took them as dense attention (logits 12 % off)."""
+    stock, ids = tiny_dsa(), tokens()
+    logits, expected = grads(stock, ids)
+    model = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    patched_logits, patched = grads(model, ids)
+    assert rel(patched_logits, logits) < 1e-12
+    assert all(rel(patched[n], expected[n]) < 1e-10 for n in expected)
+    stock.eval(), model.eval()
+    prompt = ids[:, :10]
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
+                       stock.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_sparse_attention_rule_on_the_selected_keys(monkeypatch):
+    """Under score:1000 each layer's dQ, dK, dV are the float64 reference's on the mask the model builds for SDPA
+    (its causal mask without the keys the indexer left out)."""
+    calls = []
+
+    def recorder(module, query, key, value, attention_mask, **kwargs):
+        for t in (query, key, value):
+            t.retain_grad()
+        indices = kwargs["indices"]
+        left_out = torch.ones(*indices.shape[:2], key.shape[2], dtype=torch.bool).scatter(-1, indices.long(), False)
+        call = dict(q=query, k=key, v=value, mask=attention_mask & ~left_out[:, None], scale=kwargs["scaling"])
+        out, weights = registry.span_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out.register_hook(lambda g: call.__setitem__("d_out", g.transpose(1, 2)))
+        calls.append(call)
+        return out, weights
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "span_attention", recorder)
+    model = patch_model(tiny_dsa(), "score:1000")
+    ids = tokens()
+    model(ids, labels=ids).loss.backward()
+    assert len(calls) == 2
+    for call in calls:
+        assert not call["mask"].all()  # the indexer left keys out
+        _, (dq, dk, dv) = reference(call["q"], call["k"], call["v"], call["d_out"],
+                                    SpanAttentionConfig.from_label("score:1000"), attn_mask=call["mask"],
+                                    scale=call["scale"])
+        assert rel(call["q"].grad, dq) < 1e-10
+        assert rel(call["k"].grad, dk) < 1e-10
+        assert rel(call["v"].grad, dv) < 1e-10
+
+
+def test_block_sparse_attention_keeps_the_indexers_blocks():
+    """MiniMax-M3 builds the mask of the key blocks its indexer selected for eager and SDPA attention only, and hands
+    other attention functions the block indices: span_attention took them as dense attention (logits 33 % off)."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    torch.manual_seed(0)
+    config = MiniMaxM3VLTextConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64,
+                                   num_local_experts=2, num_experts_per_tok=1, dense_intermediate_size=32,
+                                   shared_intermediate_size=16, rotary_dim=4, index_n_heads=2, index_head_dim=8,
+                                   index_block_size=4, index_topk_blocks=2, index_local_blocks=1, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0, layer_types=["minimax_m3_sparse"] * 2)
+    config._experts_implementation = "eager"
+    stock = MiniMaxM3VLForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64).train()
+    ids = tokens()
+    logits, expected = grads(stock, ids)
+    model = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    patched_logits, patched = grads(model, ids)
+    assert rel(patched_logits, logits) < 1e-12
+    assert all(rel(patched[n], expected[n]) < 1e-10 for n in expected)
+    stock.eval(), model.eval()
+    prompt = ids[:, :10]
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
+                       stock.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_a_hybrid_models_alphas_and_diagnostics_name_its_attention_layers_only(tmp_path):
+    """LFM2's convolution layers carry a layer index and the config as its attention does: the callback logged α
+    for them (span/layer0/alpha0, ...) as if they trained under the schedule's rule."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM, Trainer, TrainingArguments
+
+    from hf_spanattn.training import Keyframe, SpanAttentionCallback
+
+    torch.manual_seed(0)
+    config = Lfm2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                        layer_types=["conv", "full_attention", "conv", "full_attention"],
+                        block_auto_adjust_ff_dim=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = patch_model(Lfm2ForCausalLM(config), "score:1000")
+    ids = tokens(batch=4)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    callback = SpanAttentionCallback([Keyframe(0, "standard:QKV111"), Keyframe(1, {"0-3": "score:1100"})],
+                                     diagnostics_every=1)
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    logged = {key.split("/")[1] for entry in trainer.state.log_history for key in entry if key.startswith("span/")}
+    assert logged == {"layer1", "layer3"}
+    last = [entry for entry in trainer.state.log_history if "loss" in entry][-1]
+    assert [last[f"span/layer3/alpha{i}"] for i in range(4)] == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_kv_shared_layers_under_logits_to_keep(grad):
+    """Gemma 4 feeds its KV-shared layers only the last `logits_to_keep` queries (as TRL's GRPO asks), slicing each
+    mask's rows, which it skips under SDPA where a mask is None; span_attention's masks were None there, so those
+    layers attended as SDPA's causal attention aligned to the first keys (logits 47 % off)."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64,
+                              sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+                              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                              bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    stock = Gemma4ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    model = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    ids = tokens()
+    with torch.set_grad_enabled(grad):
+        assert rel(model(ids, logits_to_keep=4).logits, stock(ids, logits_to_keep=4).logits) < 1e-12
+
+
+def test_selected_keys_without_a_mask_stay_causal():
+    """Indices handed without a mask (SDPA's causal attention): a query attends the selected keys at or before it."""
+    query = torch.zeros(1, 2, 4, 8)
+    indices = torch.tensor([[[0, 3], [1, 3], [0, 2], [1, 3]]])
+    mask = registry.selected_keys(None, indices, query, 4, True, torch.nn.Module())
+    expected = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], expected)
