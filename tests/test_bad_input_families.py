@@ -45,10 +45,9 @@ def tiny_dsa():
     return DeepseekV32ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64).train()
 
 
-def test_sparse_attention_keeps_the_indexers_selection():
-    """DeepSeek-V3.2 builds the mask of the keys its indexer selected for eager and SDPA attention only, and hands
-    other attention functions the indices instead: span_attention took them as dense attention (logits 12 % off)."""
-    stock, ids = tiny_dsa(), tokens()
+def trains_and_generates_as_stock(stock: torch.nn.Module) -> None:
+    """Patched under standard:QKV111: the stock logits and gradients, and the same greedy generation."""
+    ids = tokens()
     logits, expected = grads(stock, ids)
     model = patch_model(copy.deepcopy(stock), "standard:QKV111")
     patched_logits, patched = grads(model, ids)
@@ -58,6 +57,12 @@ def test_sparse_attention_keeps_the_indexers_selection():
     prompt = ids[:, :10]
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
                        stock.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_sparse_attention_keeps_the_indexers_selection():
+    """DeepSeek-V3.2 builds the mask of the keys its indexer selected for eager and SDPA attention only, and hands
+    other attention functions the indices instead: span_attention took them as dense attention (logits 12 % off)."""
+    trains_and_generates_as_stock(tiny_dsa())
 
 
 def test_sparse_attention_rule_on_the_selected_keys(monkeypatch):
@@ -106,16 +111,7 @@ def test_block_sparse_attention_keeps_the_indexers_blocks():
                                    eos_token_id=0, pad_token_id=0, layer_types=["minimax_m3_sparse"] * 2)
     config._experts_implementation = "eager"
     stock = MiniMaxM3VLForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64).train()
-    ids = tokens()
-    logits, expected = grads(stock, ids)
-    model = patch_model(copy.deepcopy(stock), "standard:QKV111")
-    patched_logits, patched = grads(model, ids)
-    assert rel(patched_logits, logits) < 1e-12
-    assert all(rel(patched[n], expected[n]) < 1e-10 for n in expected)
-    stock.eval(), model.eval()
-    prompt = ids[:, :10]
-    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
-                       stock.generate(prompt, max_new_tokens=8, do_sample=False))
+    trains_and_generates_as_stock(stock)
 
 
 def test_a_hybrid_models_alphas_and_diagnostics_name_its_attention_layers_only(tmp_path):
