@@ -53,7 +53,8 @@ _PATCHED: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()  # the models pat
 
 def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTrainedModel:
     """The Transformers model under a DistributedDataParallel (or DataParallel), DeepSpeedEngine, `torch.compile` or
-    PEFT wrapper (or the model itself)."""
+    PEFT wrapper, or the one Transformers model inside another module (a sentence-transformers SentenceTransformer or
+    CrossEncoder, a module of one's own around a Transformers backbone), or the model itself."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)  # as Accelerate's `prepare` gives
     deepspeed = sys.modules.get("deepspeed")  # imported wherever an engine was made
     if deepspeed is not None and isinstance(getattr(deepspeed, "DeepSpeedEngine", None), type):
@@ -61,10 +62,26 @@ def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTraine
     while isinstance(model, (*parallel, torch._dynamo.eval_frame.OptimizedModule)):
         model = model.module if isinstance(model, parallel) else model._orig_mod
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
-                        f"DistributedDataParallel or DeepSpeedEngine around one), got {type(model).__name__}")
-    return base
+    if isinstance(base, PreTrainedModel):
+        return base
+    inside = _outermost_models(base) if isinstance(base, torch.nn.Module) else []
+    if len(inside) == 1:
+        return base_model(inside[0][1], caller)
+    held = f"; it holds {len(inside)} of them ({', '.join(name for name, _ in inside)}): give {caller} each one" \
+        if inside else ""
+    raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
+                    f"DistributedDataParallel, DeepSpeedEngine or other module around one), got "
+                    f"{type(model).__name__}{held}")
+
+
+def _outermost_models(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The Transformers (or PEFT) models inside `module` that are not inside another one, with their paths."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, inner in module.named_modules():
+        if (isinstance(inner, PreTrainedModel) or hasattr(inner, "get_base_model")) and inner is not module \
+                and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, inner))
+    return found
 
 
 def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
