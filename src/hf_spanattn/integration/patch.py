@@ -566,13 +566,13 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
         raise FileNotFoundError(f"load_pretrained: {name_or_path} holds {CONFIG_NAME} but neither a model "
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
+    adapters.refuse_adapters_below(folder)
     if os.path.isdir(folder) and "gguf_file" not in kwargs and not any(  # Transformers: "Unrecognized model"
             os.path.lexists(os.path.join(folder, name)) for name in ("config.json", adapters.ADAPTER_CONFIG)):
         raise FileNotFoundError(f"load_pretrained: {folder} holds no config.json (nor a PEFT adapter's "
                                 f"{adapters.ADAPTER_CONFIG}): weights alone, as accelerator.save_state and save_model "
                                 "write them? Build the model from its config, patch it and load the weights into it "
                                 "(accelerator.load_state, load_state_dict), or save it with save_pretrained")
-    adapters.refuse_adapters_below(folder)
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)
