@@ -56,8 +56,8 @@ def test_a_module_around_one_transformers_model_is_patched_through_it():
     for got, want in zip(grads(around), grads(stock)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     two = torch.nn.ModuleDict({"query": tiny("gpt2"), "document": tiny("gpt2")})
-    with pytest.raises(TypeError, match=r"patch_model needs .* got ModuleDict; it holds 2 of them \(query, document\): "
-                                        r"give patch_model each one"):
+    with pytest.raises(TypeError, match=r"patch_model needs .* got ModuleDict; it holds 2 of them \(query, document\), "
+                                        r"and patch_model takes one: give it each one alone"):
         patch_model(two, "score:1000")
 
 

@@ -67,8 +67,8 @@ def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTraine
     inside = _outermost_models(base) if isinstance(base, torch.nn.Module) else []
     if len(inside) == 1:
         return base_model(inside[0][1], caller)
-    held = f"; it holds {len(inside)} of them ({', '.join(name for name, _ in inside)}): give {caller} each one" \
-        if inside else ""
+    held = f"; it holds {len(inside)} of them ({', '.join(name for name, _ in inside)}), and {caller} takes one: " \
+        "give it each one alone" if inside else ""
     raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
                     f"DistributedDataParallel, DeepSpeedEngine or other module around one), got "
                     f"{type(model).__name__}{held}")
