@@ -94,12 +94,8 @@ def test_a_schedule_runs_on_a_module_around_a_patched_model(tmp_path):
         assert around[key] == pytest.approx(value, rel=1e-6), key
 
 
-def test_sentence_transformer_patched_whole_trains_as_its_model_patched_alone(tmp_path):
-    """patch_model of a SentenceTransformer (on a tiny BERT saved to a folder) patches its Transformers model: one
-    training step with MultipleNegativesRankingLoss gives the weights of the inner model patched alone; under
-    standard:QKV111 those of the stock one; saved and loaded again, the inner config.json keeps the settings."""
-    st = pytest.importorskip("sentence_transformers")
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+def tiny_bert_folder(folder) -> str:
+    """A tiny BERT and a word-level tokenizer saved to `folder`, as a sentence-transformers model starts."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
@@ -109,11 +105,22 @@ def test_sentence_transformer_patched_whole_trains_as_its_model_patched_alone(tm
     backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
                                                            special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                            sep_token="[SEP]").save_pretrained(tmp_path / "bert")
+                            sep_token="[SEP]").save_pretrained(folder)
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                         attention_probs_dropout_prob=0.0)).save_pretrained(tmp_path / "bert")
+                         attention_probs_dropout_prob=0.0)).save_pretrained(folder)
+    return str(folder)
+
+
+def test_sentence_transformer_patched_whole_trains_as_its_model_patched_alone(tmp_path):
+    """patch_model of a SentenceTransformer (on a tiny BERT saved to a folder) patches its Transformers model: one
+    training step with MultipleNegativesRankingLoss gives the weights of the inner model patched alone; under
+    standard:QKV111 those of the stock one; saved and loaded again, the inner config.json keeps the settings."""
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    tiny_bert_folder(tmp_path / "bert")
     texts = ["the cat sat on a mat " * 4, "a dog ran", "red blue mat " * 7, "the dog sat on the cat"]
     pairs = [st.InputExample(texts=[a, b]) for a, b in zip(texts, texts[::-1])]
 
@@ -140,3 +147,28 @@ def test_sentence_transformer_patched_whole_trains_as_its_model_patched_alone(tm
     assert config_of(again[0].auto_model.config).label == "score:1100"
     for got, want in zip(step(again), step(whole)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_sentence_transformer_resumed_unpatched_from_a_patched_checkpoint_says_so(tmp_path):
+    """SentenceTransformerTrainer resuming a checkpoint saved patched (its config.json holds the settings) with a
+    SentenceTransformer that is not patched trained on with the standard gradient without the stock Trainer's
+    resume warning; now that warning, naming both."""
+    st = pytest.importorskip("sentence_transformers")
+    from datasets import Dataset
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    folder = tiny_bert_folder(tmp_path / "bert")
+    pairs = Dataset.from_dict({"anchor": ["the cat sat", "a dog ran"] * 2, "positive": ["red mat", "blue cat"] * 2})
+
+    def trainer(model, steps: int):
+        args = st.SentenceTransformerTrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=2,
+                                                       max_steps=steps, save_steps=1, report_to=[], use_cpu=True,
+                                                       disable_tqdm=True)
+        return st.SentenceTransformerTrainer(model=model, args=args, train_dataset=pairs,
+                                             loss=MultipleNegativesRankingLoss(model))
+
+    trainer(patch_model(st.SentenceTransformer(folder, device="cpu"), "score:1100"), 1).train()
+    with pytest.warns(UserWarning, match=r"resume_from_checkpoint: .*checkpoint-1 was saved with span attention "
+                                         r"settings score:1100, but the model given to the Trainer trains with the "
+                                         r"standard gradient"):
+        trainer(st.SentenceTransformer(folder, device="cpu"), 2).train(resume_from_checkpoint=True)
