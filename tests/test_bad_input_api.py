@@ -64,6 +64,16 @@ def qkv(t: int = 5):
     return [torch.randn(1, 2, t, 4, generator=gen, requires_grad=True) for _ in range(3)]
 
 
+def weights_alone(tmp: Path) -> Path:
+    """A patched tiny GPT-2's weights saved to `tmp/weights` without its config, as Accelerate's save_model does."""
+    from safetensors.torch import save_file
+
+    (tmp / "weights").mkdir()
+    save_file({k: v.contiguous() for k, v in patch_model(tiny("gpt2")).state_dict().items() if k != "lm_head.weight"},
+              tmp / "weights" / "model.safetensors")
+    return tmp / "weights"
+
+
 def saved_model(tmp: Path, **fields) -> Path:
     """A patched tiny GPT-2 saved to `tmp/model`, its config.json's span_attention then edited by hand."""
     model = tiny("gpt2")
@@ -357,6 +367,10 @@ CASES = [
      "it holds those of standard@exact and this call is 'score@per_block'"),
     ("load_pretrained of a folder that is not there", lambda t: load_pretrained(t / "no-such-model"),
      FileNotFoundError, "load_pretrained: {tmp}/no-such-model: no such folder; expected a saved model's folder"),
+    ("load_pretrained of a folder of weights alone (accelerator.save_model)",
+     lambda t: load_pretrained(weights_alone(t)), FileNotFoundError,
+     "load_pretrained: {tmp}/weights holds no config.json (nor a PEFT adapter's adapter_config.json): weights alone, "
+     "as accelerator.save_state and save_model write them?"),
     ("load_pretrained of a model's config.json", lambda t: load_pretrained(saved_model(t) / "config.json"),
      FileNotFoundError, "load_pretrained: {tmp}/model/config.json: a file; expected a saved model's folder"),
     ("span_attention probe a class", lambda t: span_attention(*qkv(), probe=OrderRecorder), TypeError,

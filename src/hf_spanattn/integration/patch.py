@@ -53,7 +53,8 @@ _PATCHED: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()  # the models pat
 
 def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTrainedModel:
     """The Transformers model under a DistributedDataParallel (or DataParallel), DeepSpeedEngine, `torch.compile` or
-    PEFT wrapper (or the model itself)."""
+    PEFT wrapper, or the one Transformers model inside another module (a sentence-transformers SentenceTransformer or
+    CrossEncoder, a module of one's own around a Transformers backbone), or the model itself."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)  # as Accelerate's `prepare` gives
     deepspeed = sys.modules.get("deepspeed")  # imported wherever an engine was made
     if deepspeed is not None and isinstance(getattr(deepspeed, "DeepSpeedEngine", None), type):
@@ -61,10 +62,26 @@ def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTraine
     while isinstance(model, (*parallel, torch._dynamo.eval_frame.OptimizedModule)):
         model = model.module if isinstance(model, parallel) else model._orig_mod
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not isinstance(base, PreTrainedModel):
-        raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
-                        f"DistributedDataParallel or DeepSpeedEngine around one), got {type(model).__name__}")
-    return base
+    if isinstance(base, PreTrainedModel):
+        return base
+    inside = _outermost_models(base) if isinstance(base, torch.nn.Module) else []
+    if len(inside) == 1:
+        return base_model(inside[0][1], caller)
+    held = f"; it holds {len(inside)} of them ({', '.join(name for name, _ in inside)}), and {caller} takes one: " \
+        "give it each one alone" if inside else ""
+    raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
+                    f"DistributedDataParallel, DeepSpeedEngine or other module around one), got "
+                    f"{type(model).__name__}{held}")
+
+
+def _outermost_models(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The Transformers (or PEFT) models inside `module` that are not inside another one, with their paths."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, inner in module.named_modules():
+        if (isinstance(inner, PreTrainedModel) or hasattr(inner, "get_base_model")) and inner is not module \
+                and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, inner))
+    return found
 
 
 def patch_model(model: torch.nn.Module, config: SpanAttentionConfig | str | None = None,
@@ -550,6 +567,12 @@ def load_pretrained(name_or_path: str | os.PathLike, config: SpanAttentionConfig
                                 f"(config.json) nor a PEFT adapter ({adapters.ADAPTER_CONFIG}): a save stopped before "
                                 "it wrote them? Save the model or adapter again")
     adapters.refuse_adapters_below(folder)
+    if os.path.isdir(folder) and "gguf_file" not in kwargs and not any(  # Transformers: "Unrecognized model"
+            os.path.lexists(os.path.join(folder, name)) for name in ("config.json", adapters.ADAPTER_CONFIG)):
+        raise FileNotFoundError(f"load_pretrained: {folder} holds no config.json (nor a PEFT adapter's "
+                                f"{adapters.ADAPTER_CONFIG}): weights alone, as accelerator.save_state and save_model "
+                                "write them? Build the model from its config, patch it and load the weights into it "
+                                "(accelerator.load_state, load_state_dict), or save it with save_pretrained")
     beside_adapter = adapters.is_adapter_folder(folder)
     if beside_adapter:
         adapters.refuse_unfinished(folder)

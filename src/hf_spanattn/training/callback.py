@@ -181,7 +181,7 @@ class SpanAttentionCallback(TrainerCallback, ExportableState):
             state.stateful_callbacks.setdefault(type(self).__name__, self.state())  # where the Trainer saves it
         self._start_afresh()
         self._move_first()
-        base = base_model(model)
+        base = base_model(model, "SpanAttentionCallback")
         self._layers = attention_modules(base)
         numbered = {id(module) for modules in self._layers.values() for module in modules}
         self._unnumbered = [module for module in base.modules() if id(module) not in numbered
