@@ -169,3 +169,30 @@ def test_selected_keys_without_a_mask_stay_causal():
     mask = registry.selected_keys(None, indices, query, 4, True, torch.nn.Module())
     expected = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
     assert torch.equal(mask[0, 0], expected)
+
+
+def test_layers_do_not_reach_an_attention_shared_by_several_layers_and_say_so(caplog):
+    """Zamba2, set up without patch_model (which refuses it): its shared attention carries layer_idx -1, so `layers`
+    cannot select it. It keeps stock gradients, as a module without an index does, and now says so; it said nothing."""
+    import logging
+
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Zamba2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
+                          intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, n_mamba_heads=4,
+                          layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, chunk_size=8,
+                          num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=4, pad_token_id=0,
+                          bos_token_id=0, eos_token_id=0)
+    config.span_attention = SpanAttentionConfig.from_label("score:1000", layers=[1]).to_dict()
+    registry.register()
+    model = Zamba2ForCausalLM._from_config(config, attn_implementation="span_attention", dtype=torch.float64)
+    stock = copy.deepcopy(model)
+    stock.set_attn_implementation("sdpa")
+    registry.logger.warning_once.cache_clear()
+    ids = tokens()
+    with caplog.at_level(logging.WARNING, logger="hf_spanattn"):
+        _, got = grads(model.train(), ids)
+    _, expected = grads(stock.train(), ids)
+    assert all(rel(got[n], expected[n]) < 1e-10 for n in expected)
+    assert any("carries no layer index, so layers=[1] cannot select it" in r.getMessage() for r in caplog.records)

@@ -14,10 +14,12 @@ LAYER_ATTR = "span_attention_layer"  # module attribute: its layer's index, wher
 
 
 def layer_index(module: torch.nn.Module) -> int | None:
+    """The index of the module's layer; None where it carries none, or a negative one (Zamba2's attention, shared by
+    several layers, carries -1)."""
     for name in ("layer_idx", "layer_id", LAYER_ATTR):
         value = getattr(module, name, None)
         if isinstance(value, int):
-            return value
+            return value if value >= 0 else None
     return None
 
 
