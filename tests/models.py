@@ -27,7 +27,8 @@ def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
         model = GPT2LMHeadModel(config)
         # as recipes/run_clm.py: no loss_type warning, tied lm_head.weight re-tied without a warning on load
         model.loss_type = "ForCausalLM"
-        model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
+        tied = getattr(model, "all_tied_weights_keys", None)  # Transformers 4: the class's _tied_weights_keys
+        model._keys_to_ignore_on_save = set(model._tied_weights_keys if tied is None else tied)
         return model
     if family == "gpt_neo":
         config = GPTNeoConfig(hidden_size=32, num_heads=4, num_layers=layers, vocab_size=VOCAB,
@@ -85,3 +86,15 @@ def tiny_bert2gpt2(encoder_layers: int = 2, decoder_layers: int = 2) -> torch.nn
     config = EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
     config.decoder_start_token_id, config.pad_token_id = 1, 0
     return EncoderDecoderModel(config)
+
+
+def route_hub(monkeypatch, fake, *modules) -> None:
+    """Hub calls of Transformers' `modules` go to `fake` (`hf_api()` in Transformers 5, the functions imported by
+    name in Transformers 4)."""
+    for module in modules:
+        if hasattr(module, "hf_api"):
+            monkeypatch.setattr(module, "hf_api", lambda: fake)
+            continue
+        for name in ("create_repo", "create_commit", "upload_folder", "model_info"):
+            if hasattr(module, name) and hasattr(fake, name):
+                monkeypatch.setattr(module, name, getattr(fake, name))
