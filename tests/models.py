@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -98,3 +100,12 @@ def route_hub(monkeypatch, fake, *modules) -> None:
         for name in ("create_repo", "create_commit", "upload_folder", "model_info"):
             if hasattr(module, name) and hasattr(fake, name):
                 monkeypatch.setattr(module, name, getattr(fake, name))
+
+
+def needs_attention_backend(*classes: type) -> None:
+    """Skips the test where one of `classes` does not declare attention-backend support in the installed Transformers
+    (BERT and DistilBERT, for one, declare it from Transformers 4.57 on), since `patch_model` refuses such a model."""
+    missing = [cls.__name__ for cls in classes if not cls._supports_attention_backend]
+    if missing:
+        pytest.skip(f"{', '.join(missing)}: no attention-backend support declared in Transformers "
+                    f"{transformers.__version__}")
