@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 import yaml
 from models import VOCAB, needs_attention_backend, tiny, tiny_llava
 from reference import reference
@@ -2517,6 +2518,10 @@ def test_a_model_and_an_adapter_saved_into_one_folder_load_as_transformers_loads
     if last == "model":
         lora.save_pretrained(tmp_path / "both")
         model.save_pretrained(tmp_path / "both")
+        stock = AutoModelForCausalLM.from_pretrained(tmp_path / "both")
+        if not torch.equal(stock.transformer.wte.weight, model.transformer.wte.weight):
+            pytest.skip(f"Transformers {transformers.__version__} loads the adapter's base model from such a folder, "
+                        "as load_pretrained does there")
         with pytest.warns(UserWarning, match=r"span_attention_config.json holds span attention settings \(simple:10\)"
                                              r".* it trains with score:1100 on layers \[1\]"):
             loaded = load_pretrained(tmp_path / "both")
