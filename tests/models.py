@@ -76,8 +76,9 @@ FAMILIES = ["gpt2", "gpt_neo", "gpt_neox", "llama", "qwen2"]
 
 def tiny_bert2gpt2(encoder_layers: int = 2, decoder_layers: int = 2) -> torch.nn.Module:
     """An EncoderDecoderModel of a BERT encoder and a GPT-2 decoder with cross-attention, without dropout."""
-    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+    from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderConfig, EncoderDecoderModel
 
+    needs_attention_backend(BertModel, BertLMHeadModel)
     torch.manual_seed(0)
     encoder = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=encoder_layers, num_attention_heads=2,
                          intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
