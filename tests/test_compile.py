@@ -6,15 +6,16 @@ import pytest
 import torch
 import transformers
 from models import VOCAB, tiny
+from packaging.version import Version
 from transformers import CompileConfig
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
 
-# Transformers 4 gives the attention a 4-D mask under torch.compile also without padding, which span_attention reads
-# on the host: a graph break that names the mask comes first there
+# Transformers before 5.18 gives the attention a 4-D mask under torch.compile also without padding, which
+# span_attention reads on the host: a graph break that names the mask comes first there
 mask_free_under_compile = pytest.mark.skipif(
-    int(transformers.__version__.split(".")[0]) < 5,
+    Version(transformers.__version__) < Version("5.18"),
     reason=f"Transformers {transformers.__version__} passes a 4-D mask under torch.compile")
 
 
