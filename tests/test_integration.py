@@ -475,7 +475,7 @@ def test_gpt_neo_attention_put_in_after_patching_returns_the_stock_attention_wei
     stock = tiny("gpt_neo").double()
     model = patch_model(copy.deepcopy(stock), "score:1000")
     old = model.transformer.h[1].attn.attention
-    new = GPTNeoSelfAttention(model.config, old.attention_type, layer_id=1).double()
+    new = GPTNeoSelfAttention(model.config, model.config.attention_layers[1], layer_id=1).double()
     new.load_state_dict(old.state_dict())
     model.transformer.h[1].attn.attention = new
     expected = stock(ids, output_attentions=True).attentions
