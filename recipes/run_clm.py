@@ -468,9 +468,19 @@ def parser_classes() -> tuple[type, ...]:
     return classes if hasattr(TrainingArguments, "overwrite_output_dir") else (*classes, OutputArguments)
 
 
+def launched_processes() -> int:
+    """WORLD_SIZE, the number of processes a launcher started (1 where unset)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.strip().isdecimal():
+        raise ValueError(f"the environment variable WORLD_SIZE={world!r:.40}: expected the number of processes a "
+                         "launcher started (torchrun sets it), or leave it unset")
+    return int(world)
+
+
 def parse_args(argv: list[str] | None = None):
     """The argument dataclasses, from flags or one .yaml/.json file, completed with the paper's defaults
     and checked (a bad value fails here, before any model or data is read)."""
+    launched_processes()  # Transformers 4's TrainingArguments reads it first, with int()
     parser = HfArgumentParser(parser_classes())
     argv = sys.argv[1:] if argv is None else argv
     if argv and not argv[0].startswith("-") and argv[0].lower().endswith((".yaml", ".yml", ".json")):
@@ -636,11 +646,7 @@ def check(model: ModelArguments, data: DataArguments, span: SpanArguments, train
         raise ValueError("--fsdp: Accelerate shards only on GPUs and other accelerators; on CPUs this would train "
                          "unsharded, as DDP. Drop --fsdp (torchrun --nproc_per_node N gives DDP on CPUs), or run on "
                          "GPUs")
-    world = os.environ.get("WORLD_SIZE", "1")
-    if not world.strip().isdecimal():
-        raise ValueError(f"the environment variable WORLD_SIZE={world!r:.40}: expected the number of processes a "
-                         "launcher started (torchrun sets it), or leave it unset")
-    launched = int(world)
+    launched = launched_processes()
     if launched > 1 and training.world_size == 1:
         raise ValueError(f"a launcher started {launched} processes, but the Trainer would run each alone (on a "
                          "machine without GPUs, torchrun needs --use_cpu true)")

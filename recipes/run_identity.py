@@ -43,6 +43,7 @@ NOT_IDENTITY = {
     "log_on_each_node", "dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_persistent_workers",
     "dataloader_pin_memory", "dataloader_multiprocessing_context", "per_device_eval_batch_size",
     "eval_accumulation_steps", "skip_memory_metrics", "local_rank", "ddp_timeout", "torch_empty_cache_steps",
+    "logging_dir",  # Transformers 4 stamps its default with the time: each rerun would be another run
 }
 
 

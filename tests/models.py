@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     GPT2Config,
@@ -51,7 +53,8 @@ def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
     if family == "gpt2":
         # as recipes/run_clm.py: no loss_type warning, tied lm_head.weight re-tied without a warning on load
         model.loss_type = "ForCausalLM"
-        model._keys_to_ignore_on_save = set(model.all_tied_weights_keys)
+        tied = getattr(model, "all_tied_weights_keys", None)  # Transformers 4: the class's _tied_weights_keys
+        model._keys_to_ignore_on_save = set(model._tied_weights_keys if tied is None else tied)
     return model
 
 
@@ -74,8 +77,9 @@ FAMILIES = ["gpt2", "gpt_neo", "gpt_neox", "llama", "qwen2"]
 
 def tiny_bert2gpt2(encoder_layers: int = 2, decoder_layers: int = 2) -> torch.nn.Module:
     """An EncoderDecoderModel of a BERT encoder and a GPT-2 decoder with cross-attention, without dropout."""
-    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+    from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderConfig, EncoderDecoderModel
 
+    needs_attention_backend(BertModel, BertLMHeadModel)
     torch.manual_seed(0)
     encoder = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=encoder_layers, num_attention_heads=2,
                          intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
@@ -86,3 +90,24 @@ def tiny_bert2gpt2(encoder_layers: int = 2, decoder_layers: int = 2) -> torch.nn
     config = EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
     config.decoder_start_token_id, config.pad_token_id = 1, 0
     return EncoderDecoderModel(config)
+
+
+def route_hub(monkeypatch, fake, *modules) -> None:
+    """Hub calls of Transformers' `modules` go to `fake` (`hf_api()` in Transformers 5, the functions imported by
+    name in Transformers 4)."""
+    for module in modules:
+        if hasattr(module, "hf_api"):
+            monkeypatch.setattr(module, "hf_api", lambda: fake)
+            continue
+        for name in ("create_repo", "create_commit", "upload_folder", "model_info"):
+            if hasattr(module, name) and hasattr(fake, name):
+                monkeypatch.setattr(module, name, getattr(fake, name))
+
+
+def needs_attention_backend(*classes: type) -> None:
+    """Skips the test where one of `classes` does not declare attention-backend support in the installed Transformers
+    (BERT and DistilBERT, for one, declare it from Transformers 4.57 on), since `patch_model` refuses such a model."""
+    missing = [cls.__name__ for cls in classes if not cls._supports_attention_backend]
+    if missing:
+        pytest.skip(f"{', '.join(missing)}: no attention-backend support declared in Transformers "
+                    f"{transformers.__version__}")

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from models import VOCAB, tiny
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -126,12 +127,20 @@ def test_a_prompt_learning_adapter_loads_for_inference_and_the_error_names_is_tr
     tiny("llama").save_pretrained(tmp_path / "base")
     base = hf_spanattn.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), "score:1100")
     model = get_peft_model(base, getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    stock = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                           getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    try:
+        with torch.no_grad():
+            stock(input_ids=ids)
+    except Exception as error:  # PEFT 0.13's prefix tuning hands Transformers 4.56 a legacy tuple cache
+        pytest.skip(f"{kind} fails without hf_spanattn in PEFT {peft.__version__} with Transformers "
+                    f"{transformers.__version__}: {error!r}")
     model.save_pretrained(tmp_path / "adapter")
     with pytest.raises(ValueError, match=r"adapter \(prompt learning\), which PEFT loads for inference only: pass "
                                          "is_trainable=False"):
         hf_spanattn.load_pretrained(tmp_path / "adapter")
     loaded = hf_spanattn.load_pretrained(tmp_path / "adapter", is_trainable=False)
-    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
     settings = loaded.get_base_model().config.span_attention
@@ -142,6 +151,8 @@ def test_a_prompt_learning_adapter_loads_for_inference_and_the_error_names_is_tr
 def test_an_attention_module_in_modules_to_save_trains_with_the_models_settings(order, tmp_path):
     """PEFT's modules_to_save trains a deep copy of the module, config included: the copy of an attention module
     follows patch_model and unpatch_model as the module it copies does."""
+    import peft
+
     tiny("llama").save_pretrained(tmp_path / "base")
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -159,6 +170,11 @@ def test_an_attention_module_in_modules_to_save_trains_with_the_models_settings(
     if order == "patched before wrapping":
         hf_spanattn.patch_model(base, "score:1100")
     lora = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["model.layers.1.self_attn"])
+    try:
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), lora)(input_ids=ids, labels=ids)
+    except Exception as error:  # PEFT 0.13 wraps no module holding a LoRA target, calls none with keywords
+        pytest.skip(f"modules_to_save of an attention module fails without hf_spanattn in PEFT {peft.__version__} "
+                    f"with Transformers {transformers.__version__}: {error!r}")
     model = get_peft_model(base, lora)
     if order == "patched after wrapping":
         hf_spanattn.patch_model(model, "score:1100")

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 import yaml
-from models import VOCAB, tiny, tiny_llava
+from models import VOCAB, needs_attention_backend, tiny, tiny_llava
 from reference import reference
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -246,6 +247,8 @@ def mllama_text_and_cross_attention() -> torch.nn.Module:
                   supported_aspect_ratios=[[1, 1]])
     text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=32,
                 vocab_size=VOCAB, cross_attention_layers=[1], pad_token_id=0)
+    if not hasattr(MllamaConfig().text_config, "rope_parameters"):  # Transformers 4 builds no default rope_scaling
+        text["rope_scaling"] = {"rope_type": "default"}
     return MllamaForConditionalGeneration(MllamaConfig(vision_config=vision, text_config=text, image_token_index=1))
 
 
@@ -1257,6 +1260,7 @@ def unnumbered(family: str):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     if family == "distilbert":
+        needs_attention_backend(DistilBertModel)
         model = DistilBertModel(DistilBertConfig(dim=32, n_heads=8, n_layers=2, hidden_dim=64, vocab_size=VOCAB,
                                                  max_position_embeddings=16, dropout=0.0, attention_dropout=0.0))
         return model, {"input_ids": torch.randint(0, VOCAB, (2, 12), generator=gen)}
@@ -1281,7 +1285,8 @@ def test_layers_select_the_layers_of_a_model_whose_attention_carries_no_layer_in
             patch_model(model, "score:1000", layers=layers)
         (model.train()(**batch).last_hidden_state * weights).sum().backward()
         (layer1,) = [p.grad for n, p in model.named_parameters() if n.endswith(("1.attention.q_lin.weight",
-                                                                                 "1.attention.q_proj.weight"))]
+                                                                                 "1.attention.q_proj.weight",
+                                                                                 "1.attention.attention.query.weight"))]
         return layer1
 
     def rel(a, b):
@@ -1325,6 +1330,7 @@ def test_a_schedule_and_diagnostics_reach_the_layers_of_a_model_whose_attention_
 
     model = DistilBertForMaskedLM(DistilBertConfig(dim=32, n_heads=8, n_layers=2, hidden_dim=64, vocab_size=VOCAB,
                                                    max_position_embeddings=16))
+    needs_attention_backend(DistilBertForMaskedLM)
     patch_model(model, "score:1000")
     ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
     trainer = Trainer(model=model, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
@@ -1372,7 +1378,7 @@ def custom_model():
 
         def forward(self, x):
             q, k, v = self.qkv(x).unflatten(-1, (3, 4, 4)).permute(2, 0, 3, 1, 4)
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
+            attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, sdpa_attention_forward)
             return attend(self, q, k, v, None)[0].flatten(-2)
 
     class Model(PreTrainedModel):
@@ -2526,6 +2532,10 @@ def test_a_model_and_an_adapter_saved_into_one_folder_load_as_transformers_loads
     if last == "model":
         lora.save_pretrained(tmp_path / "both")
         model.save_pretrained(tmp_path / "both")
+        stock = AutoModelForCausalLM.from_pretrained(tmp_path / "both")
+        if not torch.equal(stock.transformer.wte.weight, model.transformer.wte.weight):
+            pytest.skip(f"Transformers {transformers.__version__} loads the adapter's base model from such a folder, "
+                        "as load_pretrained does there")
         with pytest.warns(UserWarning, match=r"span_attention_config.json holds span attention settings \(simple:10\)"
                                              r".* it trains with score:1100 on layers \[1\]"):
             loaded = load_pretrained(tmp_path / "both")

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import transformers
 from models import VOCAB, tiny
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -201,6 +202,12 @@ def test_selective_activation_checkpointing_gives_the_gradients_without_it(label
     model = patch_model(tiny("llama"), label).train()
     mask = torch.ones_like(IDS)
     mask[0, :3] = 0
+    stock = tiny("llama").train()
+    try:
+        checkpoint(lambda ids: stock(ids, attention_mask=mask, labels=ids).loss, IDS, use_reentrant=False,
+                   context_fn=_saving(ops)).backward()
+    except RuntimeError as error:  # Transformers 4.56's model writes into a kept tensor
+        pytest.skip(f"fails without hf_spanattn in Transformers {transformers.__version__}: {error}")
 
     def loss(ids):
         return model(ids, attention_mask=mask, labels=ids).loss

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from models import VOCAB, tiny, tiny_llava
+from models import VOCAB, needs_attention_backend, tiny, tiny_llava
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_spanattn import SpanAttentionConfig, patch_model, span_attention
@@ -481,6 +481,7 @@ def _bert2bert(decoder_heads: int, encoder_layers: int = 2):
     """A tiny BERT2BERT EncoderDecoderModel: an encoder of 2 heads, a decoder of `decoder_heads` and 2 layers."""
     import transformers
 
+    needs_attention_backend(transformers.BertModel, transformers.BertLMHeadModel)
     torch.manual_seed(0)
     bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                 max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -591,9 +592,11 @@ def test_a_schedule_of_labels_reaches_a_vision_tower_whose_attention_carries_no_
     assert any(not torch.allclose(want[n], other[n], rtol=1e-4) for n in want)  # the rule shows in the vision tower
     assert_same(recorder.grads[0], want)
     records = [json.loads(line) for line in (tmp_path / "span_diagnostics.jsonl").read_text().splitlines()]
+    # CLIP's layers: model.vision_tower.encoder.layers (Transformers 5), ...vision_tower.vision_model.encoder.layers (4)
+    vision = next(name for name, _ in tiny_llava().named_modules() if name.endswith("vision_tower.encoder.layers")
+                  or name.endswith("vision_tower.vision_model.encoder.layers"))
     assert sorted((r["tower"], r["layer"], r["span"]) for r in records) == [
-        (tower, layer, "score:1000") for tower in ("model.language_model.layers", "model.vision_tower.encoder.layers")
-        for layer in (0, 1)]
+        (tower, layer, "score:1000") for tower in ("model.language_model.layers", vision) for layer in (0, 1)]
     with pytest.warns(UserWarning, match=r"2 attention modules of the model \(CLIPAttention\) carry no layer index, "
                                          "so a layer table cannot name them; they keep the model's settings"):
         train(patch_model(tiny_llava(patch_size=4), "score:1100"), tmp_path / "table", max_steps=1,

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from models import FAMILIES, VOCAB, tiny, tiny_bert2gpt2
+from models import FAMILIES, VOCAB, needs_attention_backend, tiny, tiny_bert2gpt2
 from reference import reference
 from transformers import AttentionInterface
 
@@ -475,7 +475,7 @@ def test_gpt_neo_attention_put_in_after_patching_returns_the_stock_attention_wei
     stock = tiny("gpt_neo").double()
     model = patch_model(copy.deepcopy(stock), "score:1000")
     old = model.transformer.h[1].attn.attention
-    new = GPTNeoSelfAttention(model.config, old.attention_type, layer_id=1).double()
+    new = GPTNeoSelfAttention(model.config, model.config.attention_layers[1], layer_id=1).double()
     new.load_state_dict(old.state_dict())
     model.transformer.h[1].attn.attention = new
     expected = stock(ids, output_attentions=True).attentions
@@ -771,6 +771,7 @@ def _encoder_decoder(kind: str):
 
     torch.manual_seed(0)
     if kind == "text":
+        needs_attention_backend(transformers.BertModel, transformers.BertLMHeadModel)
         bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                     max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(
@@ -849,6 +850,7 @@ def test_an_encoder_decoder_whose_decoder_lacks_the_flag_names_it():
     """BERT encoder, BART decoder: refused, naming the decoder's class (the message named only the wrapper)."""
     import transformers
 
+    needs_attention_backend(transformers.BertModel)
     bart = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
                                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
                                    decoder_ffn_dim=32, is_decoder=True, add_cross_attention=True)
@@ -865,6 +867,7 @@ def test_layers_selects_a_layer_of_an_encoder_deeper_than_its_decoder():
     "EncoderDecoderModel has layers 0..1"; it selects the encoder's layer 2, the only one of that index."""
     import transformers
 
+    needs_attention_backend(transformers.BertModel, transformers.BertLMHeadModel)
     bert = dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, intermediate_size=32,
                 max_position_embeddings=32)
     config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(

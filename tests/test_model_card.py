@@ -15,7 +15,7 @@ import transformers.trainer
 import transformers.utils.hub
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import EntryNotFoundError
-from models import VOCAB, tiny
+from models import VOCAB, route_hub, tiny
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 
@@ -48,8 +48,7 @@ class FakeHub:
 @pytest.fixture
 def hub(monkeypatch):
     fake = FakeHub()
-    for module in (transformers.utils.hub, transformers.trainer, transformers.modelcard):
-        monkeypatch.setattr(module, "hf_api", lambda: fake)
+    route_hub(monkeypatch, fake, transformers.utils.hub, transformers.trainer, transformers.modelcard)
 
     def no_card_yet(*args, **kwargs):
         raise EntryNotFoundError("no README.md in the repository yet")

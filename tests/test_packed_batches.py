@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+import transformers
 from models import VOCAB, tiny
 from test_fused import HostReads, graph_capture
 from transformers import DataCollatorWithFlattening
@@ -16,6 +17,10 @@ from hf_spanattn import patch_model
 from hf_spanattn.integration import packing, registry
 
 LENGTHS = (5, 9, 3)
+# Transformers 4: GPT-Neo builds its causal mask without the documents, and GPT-2 passes no cu_seq_lens to its
+# attention, so their packed documents attend across each other in stock SDPA too (span_attention follows it)
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+PACKING_OF_5 = f"packing of this model not read in Transformers {transformers.__version__}"
 
 
 def documents(lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
@@ -91,6 +96,8 @@ def test_trl_padding_free_packing(backend, monkeypatch):
 def test_gpt_neo_packed_documents_within_its_local_window(monkeypatch):
     """GPT-Neo's own attention adapter reads the packing from its float mask too (documents no longer
     than the local window of 6, which would otherwise cut them into blocks that are not documents)."""
+    if TRANSFORMERS_4:
+        pytest.skip(PACKING_OF_5)
     check_packed_equals_alone("gpt_neo", "score:1100", DataCollatorWithFlattening(), monkeypatch, "tiles", (5, 6, 3))
 
 
@@ -111,6 +118,8 @@ def sliding(family: str, window: int = 4) -> torch.nn.Module:
 def test_documents_longer_than_the_sliding_window(family, backend, monkeypatch):
     """A sliding window (Mistral's, Qwen2's, GPT-Neo's local one of 6) shorter than a packed document: each
     document keeps its own part of the windowed mask, as it has alone (the row's spans were taken before)."""
+    if TRANSFORMERS_4 and family == "gpt_neo":
+        pytest.skip(PACKING_OF_5)
     model = tiny("gpt_neo") if family == "gpt_neo" else sliding(family)
     check_packed_equals_alone(model, "score:1100", DataCollatorWithFlattening(), monkeypatch, backend, (5, 9, 12))
 
@@ -145,6 +154,8 @@ def test_mask_reading_finds_documents_padding_and_blocks():
 def test_cu_seq_lens_without_a_mask_that_separates_documents_warns(caplog):
     """cu_seq_lens without position ids: SDPA's forward attends across the documents, so spans
     follow it, and a warning says why."""
+    if TRANSFORMERS_4:
+        pytest.skip(PACKING_OF_5)
     model = patch_model(tiny("gpt2"), "score:1000").train()
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
     batch = collator([{"input_ids": doc} for doc in documents()])
@@ -157,6 +168,8 @@ def test_cu_seq_lens_without_a_mask_that_separates_documents_warns(caplog):
 def test_cu_seq_lens_with_a_padding_mask_that_joins_documents_warns(caplog):
     """With a 2-D padding mask Transformers builds no block-diagonal mask from the position ids, so SDPA
     attends across the documents cu_seq_lens mark; the spans follow it, and a warning says why."""
+    if TRANSFORMERS_4:
+        pytest.skip(PACKING_OF_5)
     model = patch_model(tiny("gpt2"), "score:1000").train()
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": doc} for doc in documents()])
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
@@ -385,10 +398,15 @@ def test_a_model_on_the_meta_device_takes_a_four_dimensional_mask(family):
     same = torch.tensor([0] * 5 + [1] * 9 + [2] * 3)
     mask = (torch.ones(17, 17, dtype=torch.bool).tril() & (same[:, None] == same[None, :]))[None, None]
     with torch.device("meta"):
+        stock = tiny(family).train()
         model = patch_model(tiny(family), "score:1000").train()
     ids = torch.ones(1, 17, dtype=torch.long, device="meta")
     kwargs = {"attention_mask": mask.to("meta")} if family == "llama" else \
         {"attention_mask": torch.ones(1, 17, dtype=torch.long, device="meta")}
+    try:
+        stock(input_ids=ids, use_cache=False, **kwargs)
+    except RuntimeError as error:  # Transformers 4.56's rotary embedding under autocast on meta
+        pytest.skip(f"fails without hf_spanattn in Transformers {transformers.__version__}: {error}")
     out = model(input_ids=ids, use_cache=False, **kwargs)
     out.logits.sum().backward()
     assert out.logits.shape == (1, 17, VOCAB) and out.logits.device.type == "meta"

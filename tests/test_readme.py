@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import route_hub
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -147,7 +148,7 @@ def hub(monkeypatch) -> FakeHub:
     from huggingface_hub.errors import EntryNotFoundError
 
     fake = FakeHub()
-    monkeypatch.setattr(transformers.utils.hub, "hf_api", lambda: fake)
+    route_hub(monkeypatch, fake, transformers.utils.hub)
 
     def no_card_yet(*args, **kwargs):
         raise EntryNotFoundError("no README.md in the repository yet")

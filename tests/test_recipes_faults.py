@@ -2470,3 +2470,11 @@ def test_gpu_scripts_read_a_relative_out_from_where_they_are_called(script, tmp_
     subprocess.run(["bash", str(repo / "scripts" / script), *(["tests"] if script == "gpu_check.sh" else [])],
                    capture_output=True, text=True, env=env, cwd=tmp_path / "elsewhere")
     assert (tmp_path / "elsewhere" / "out").is_dir() and not (repo / "out").exists()
+
+
+def test_a_rerun_whose_logging_dir_differs_is_the_same_run():
+    """Transformers 4 sets logging_dir to runs/<time>_<host> by default, so each rerun of one command recorded another
+    one and was refused as a run made with other settings instead of resuming."""
+    saved = {"training": {"learning_rate": 1e-3, "logging_dir": "out/runs/Nov28_10-09-38_vm"}}
+    assert run_identity.differences(saved, {"training": {**saved["training"],
+                                                         "logging_dir": "out/runs/Nov28_10-10-02_vm"}}) == []

@@ -134,7 +134,7 @@ def from_cu_seq_lens(cu_seq_lens: torch.Tensor, max_length: Any, t: int, causal:
 _last_read = LastMaskRead(while_capturing="captured")
 _SAID = {"msg": "span_attention reads a 4-D attention mask on the host to find the documents packed into a row, "
                 "which breaks the graph (fullgraph=True fails): leave the mask out to compile without a break (no "
-                "padding or packing, use_cache left on, as Transformers then passes none)"}
+                "padding or packing, use_cache left on, as Transformers from 5.18 on then passes none)"}
 if "msg" not in inspect.signature(torch._dynamo.graph_break).parameters:  # torch before 2.7 says no more than the break
     _SAID = {}
 

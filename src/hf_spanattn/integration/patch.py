@@ -156,6 +156,11 @@ def _patch_towers_alone(base: PreTrainedModel, towers: dict[str, PreTrainedModel
         patch_model(towers[key])
 
 
+def _lacks_sdpa(model: PreTrainedModel) -> bool:
+    # Transformers 4 marks Gemma 2 as supporting SDPA, whose path there drops the logit soft-capping
+    return model._supports_sdpa is False or getattr(model.config, "attn_logit_softcapping", None) is not None
+
+
 def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo: list[torch.nn.Module]) -> None:
     """Refuse a model whose attention span_attention cannot take (no attention-backend support, no SDPA), a layer
     selection it cannot apply, and modules that another patched model runs under other settings."""
@@ -171,7 +176,7 @@ def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo:
                          "output_attentions=False)), and pass output_attentions=True to a call of the unpatched model "
                          "for the weights")
     # the model, or a model inside it (a composite model's language model: PaliGemma 2 around Gemma 2)
-    no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and m._supports_sdpa is False), None)
+    no_sdpa = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and _lacks_sdpa(m)), None)
     if not neo and no_sdpa is not None:
         what = type(base).__name__ + (f" holds {type(no_sdpa).__name__}, which" if no_sdpa is not base else "")
         raise ValueError(f"{what} does not support SDPA attention in Transformers (its attention has parts SDPA "

@@ -317,8 +317,9 @@ def span_attention_forward(
         attention_mask = None if attention_mask is None else attention_mask[..., :q_length]
         k_length = q_length
     if keeps_sdpa(config, q_length, k_length, is_cross_attention(module)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        # SDPA's causal flag only without a mask (Transformers 4 passes a flag it is given to SDPA as it is)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=bool(q_length > 1 and attention_mask is None and is_causal), **kwargs)
     probe = getattr(module, PROBE_ATTR, None) if q_length == k_length else None  # diagnostics: self-attention
     docs = documents_of(query, attention_mask, is_causal, kwargs) if splits_documents(config, probe, q_length,
                                                                                       k_length) else None
