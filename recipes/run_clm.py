@@ -1008,8 +1008,10 @@ def stock_causal_lm(model: PreTrainedModel) -> PreTrainedModel:
     its tied lm_head.weight is left out of checkpoints, which the Trainer reports as missing on every
     load unless it is listed as a key not saved (then it re-ties it)."""
     model.loss_type = "ForCausalLM"
-    tied = getattr(model, "all_tied_weights_keys", None)  # Transformers 4: the class's _tied_weights_keys
-    model._keys_to_ignore_on_save = set(model._tied_weights_keys if tied is None else tied)
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None:  # Transformers 4: the class's _tied_weights_keys, which name the head also where it is not tied
+        tied = model._tied_weights_keys or [] if model.config.get_text_config().tie_word_embeddings else []
+    model._keys_to_ignore_on_save = set(tied)
     return model
 
 
