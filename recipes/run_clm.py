@@ -128,6 +128,7 @@ COMMA_SEPARATED = ("span_layers", "config_overrides")  # the text arguments a co
 PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 1024  # bytes of a path (Linux: 4096)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
 def home(path: str | None) -> str | None:
@@ -694,12 +695,15 @@ def load_tokenizer(name: str, model_name_or_path: str | None):
     advice = "pass --tokenizer_name with the folder or Hub id of the model's tokenizer"
     try:
         tokenizer = from_hub(AutoTokenizer.from_pretrained, name)
-    except ValueError as err:  # "Couldn't instantiate the backend tokenizer ...", naming no folder
+    # "Couldn't instantiate the backend tokenizer ...", naming no folder; Transformers 4: a TypeError without vocab.json
+    except (ValueError, TypeError) as err:
         if not os.path.isdir(name):
             raise
-        raise ValueError(f"{flag} {name}: no tokenizer could be read from it ({str(err).splitlines()[0][:200]}); "
-                         f"{advice}") from None
-    if len(tokenizer.get_vocab()) <= len(set(tokenizer.all_special_ids)):
+        if isinstance(err, ValueError) or any(os.path.isfile(os.path.join(name, f)) for f in VOCABULARY_FILES):
+            raise ValueError(f"{flag} {name}: no tokenizer could be read from it ({str(err).splitlines()[0][:200]}); "
+                             f"{advice}") from None
+        tokenizer = None
+    if tokenizer is None or len(tokenizer.get_vocab()) <= len(set(tokenizer.all_special_ids)):
         raise ValueError(f"{flag} {name}: holds no tokenizer vocabulary (such as {', '.join(TOKENIZER_FILES[:4])}); "
                          f"{advice}")
     return tokenizer
@@ -954,7 +958,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                              f"(SafetensorError: {shown(str(err), 200)}); a file cut short or damaged: save or copy "
                              "them again") from None
         except RuntimeError as err:  # Transformers' report names the weights, not the flag that reshaped them
-            if "ignore_mismatched_sizes" not in str(err):
+            if "ignore_mismatched_sizes" not in str(err) and "size mismatch" not in str(err):  # Transformers 5, 4
                 raise
             if not model_args.config_overrides:  # "You set `ignore_mismatched_sizes` to `False`", which no one did
                 name = model_args.config_name or model_args.model_name_or_path

@@ -188,7 +188,7 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
     ({"do_eval": False, "eval_strategy": "epoch"}, "--do_eval false and --eval_strategy epoch"),
     ({"output_dir": "{tmp}/data/train.parquet"}, "--output_dir {tmp}/data/train.parquet: exists and is not a folder"),
     ({"output_dir": "{tmp}/data/train.parquet/run"}, "{tmp}/data/train.parquet is a file"),
-    ({"fsdp": None, "fsdp_config": '{"fsdp_version": 2}'}, "--fsdp: Accelerate shards only on GPUs"),
+    ({"fsdp": "full_shard", "fsdp_config": '{"fsdp_version": 2}'}, "--fsdp: Accelerate shards only on GPUs"),
     ({"tokenizer_name": "./no-such-tokenizer"}, "--tokenizer_name ./no-such-tokenizer: no such folder"),
     ({"tokenizer_name": "{tmp}/start/tokenizer.json"},
      "--tokenizer_name {tmp}/start/tokenizer.json: a file, not a folder; give the folder that holds it ({tmp}/start)"),
