@@ -32,6 +32,7 @@ def grads(model, ids):
 
 def tiny_dsa():
     """DeepSeek-V3.2: MLA whose queries attend only the keys a lightning indexer selects (top 8 of 24)."""
+    pytest.importorskip("transformers.models.deepseek_v32", reason="DeepSeek-V3.2 is not in this Transformers")
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     torch.manual_seed(0)
@@ -99,6 +100,7 @@ def test_sparse_attention_rule_on_the_selected_keys(monkeypatch):
 def test_block_sparse_attention_keeps_the_indexers_blocks():
     """MiniMax-M3 builds the mask of the key blocks its indexer selected for eager and SDPA attention only, and hands
     other attention functions the block indices: span_attention took them as dense attention (logits 33 % off)."""
+    pytest.importorskip("transformers.models.minimax_m3_vl", reason="MiniMax-M3 is not in this Transformers")
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
@@ -146,6 +148,7 @@ def test_kv_shared_layers_under_logits_to_keep(grad):
     """Gemma 4 feeds its KV-shared layers only the last `logits_to_keep` queries (as TRL's GRPO asks), slicing each
     mask's rows, which it skips under SDPA where a mask is None; span_attention's masks were None there, so those
     layers attended as SDPA's causal attention aligned to the first keys (logits 47 % off)."""
+    pytest.importorskip("transformers.models.gemma4", reason="Gemma 4 is not in this Transformers")
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
