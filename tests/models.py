@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 import torch
 import transformers
@@ -50,11 +53,12 @@ def tiny(family: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = tiny_config(family, layers)
     model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)  # not from_config: under ZeRO-3 that partitions it
-    if family == "gpt2":
-        # as recipes/run_clm.py: no loss_type warning, tied lm_head.weight re-tied without a warning on load
-        model.loss_type = "ForCausalLM"
-        tied = getattr(model, "all_tied_weights_keys", None)  # Transformers 4: the class's _tied_weights_keys
-        model._keys_to_ignore_on_save = set(model._tied_weights_keys if tied is None else tied)
+    if family == "gpt2":  # as recipes/run_clm.py makes it: no loss_type warning, its tied head re-tied on load
+        recipes = str(pathlib.Path(__file__).parents[1] / "recipes")
+        sys.path[:0] = [] if recipes in sys.path else [recipes]
+        from run_clm import stock_causal_lm
+
+        stock_causal_lm(model)
     return model
 
 

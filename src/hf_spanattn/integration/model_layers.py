@@ -61,7 +61,15 @@ def _indexed(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
         # an attention module holds its config, or (a custom model's) calls the registry without one
         if index is not None and (hasattr(module, "config") or calls_the_registry(module)):
             layers.setdefault(index, []).append(module)
-    return layers
+    # a hybrid model's convolution or state-space layers carry a layer index and the config too, but no attention
+    attending = {index: modules for index, modules in layers.items() if any(map(_attends, modules))}
+    return attending or layers  # else attention that reaches the registry unseen (through a helper): every layer
+
+
+def _attends(module: torch.nn.Module) -> bool:
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention  # which bypasses the registry
+
+    return isinstance(module, GPTNeoSelfAttention) or calls_the_registry(module)
 
 
 def calls_the_registry(module: torch.nn.Module) -> bool:

@@ -173,9 +173,7 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     a layer removed from the model (its config still counting it), or a hybrid model's convolution or state-space
     layer, which carries a layer index too."""
     present = attention_modules(base)
-    neo = gpt_neo.attentions(base)
-    attending = {i for i, modules in present.items() if any(m in neo or calls_the_registry(m) for m in modules)}
-    attending = attending or set(present)  # attention that reaches the registry through a helper: every layer
+    attending = set(present)
     cross = {m for path, m in base.named_modules() if under_cross_attention(path) or registry.is_cross_attention(m)}
     calling = {i: [m for m in present.get(i, ()) if calls_the_registry(m)] for i in attending}
     crossing = {i for i in attending if calling[i] and all(m in cross for m in calling[i])}  # SDPA's gradient

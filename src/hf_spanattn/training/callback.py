@@ -32,7 +32,6 @@ from transformers.utils import (
 
 from hf_spanattn.config import CONFIG_NAME as SETTINGS_NAME
 from hf_spanattn.config import SpanAttentionConfig
-from hf_spanattn.integration import gpt_neo
 from hf_spanattn.integration.model_layers import attention_modules, calls_the_registry, layer_count, layer_index
 from hf_spanattn.integration.patch import base_model
 from hf_spanattn.integration.registry import OVERRIDE_ATTR, OWNER_ATTR, PROBE_ATTR, settings_for
@@ -459,10 +458,6 @@ def _towers(model: torch.nn.Module, layers: dict[int, list], unnumbered: list) -
                              and isinstance(named.get(path), torch.nn.ModuleList)), (index, ""))
         if entry is not None:
             towers.setdefault((entry, tower), []).append(module)
-    # a hybrid model's convolution or state-space layers carry a layer index and the config too, but no attention
-    neo = gpt_neo.attentions(model)
-    attending = {key for key, modules in towers.items() if any(m in neo or calls_the_registry(m) for m in modules)}
-    towers = {key: modules for key, modules in towers.items() if key in attending} if attending else towers
     if len({tower for _, tower in towers}) == 1:
         return {(index, ""): modules for (index, _), modules in towers.items()}
     return towers
