@@ -199,3 +199,110 @@ def test_layers_do_not_reach_an_attention_shared_by_several_layers_and_say_so(ca
     _, expected = grads(stock.train(), ids)
     assert all(rel(got[n], expected[n]) < 1e-10 for n in expected)
     assert any("carries no layer index, so layers=[1] cannot select it" in r.getMessage() for r in caplog.records)
+
+
+def tiny_unflagged(family: str) -> torch.nn.Module:
+    """A 4-layer model of a family whose class leaves Transformers' attention-backend flag False though its attention
+    is plain self-attention numbered by layer (the hybrids' attention at layers 1 and 3; every layer elsewhere)."""
+    import transformers
+
+    common = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                  pad_token_id=0)
+    moe = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    mamba = dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_state=4, mamba_n_groups=1, mamba_expand=1,
+                 mamba_chunk_size=8)
+    configs = {
+        "jamba": lambda: transformers.JambaConfig(**common, attn_layer_period=2, attn_layer_offset=1, num_experts=2,
+                                                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                                                  mamba_d_conv=2, mamba_expand=1, mamba_dt_rank=4,
+                                                  use_mamba_kernels=False),
+        "bamba": lambda: transformers.BambaConfig(**common, **mamba, attn_layer_indices=[1, 3]),
+        "falcon_h1": lambda: transformers.FalconH1Config(**common, **mamba, mamba_d_ssm=32, head_dim=8),
+        "nemotron_h": lambda: transformers.NemotronHConfig(**common, hybrid_override_pattern="M*M*", head_dim=8,
+                                                           mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=4,
+                                                           n_groups=1, chunk_size=8),
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(**common, **moe, **linear, head_dim=8,
+                                                           layer_types=["linear_attention", "full_attention"] * 2),
+        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**common, **linear, head_dim=8,
+                                                               layer_types=["linear_attention", "full_attention"] * 2),
+        "stablelm": lambda: transformers.StableLmConfig(**common, hidden_dropout=0.0, attention_dropout=0.0),
+        "biogpt": lambda: transformers.BioGptConfig(**common, hidden_dropout_prob=0.0, activation_dropout=0.0,
+                                                    attention_probs_dropout_prob=0.0),
+    }
+    try:
+        config = configs[family]()
+    except AttributeError:
+        pytest.skip(f"{family} is not in this Transformers")
+    config._experts_implementation = "eager"  # the grouped matmul of the experts takes no float64
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    assert not cls._supports_attention_backend, f"{cls.__name__} declares the flag now: the test means one without it"
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation="sdpa", dtype=torch.float64).train()
+
+
+UNFLAGGED = ["jamba", "bamba", "falcon_h1", "nemotron_h", "qwen3_next", "qwen3_5_text", "stablelm", "biogpt"]
+
+
+@pytest.mark.parametrize("family", UNFLAGGED)
+def test_plain_self_attention_is_patched_without_the_backend_flag(family, monkeypatch):
+    """Hybrids (Jamba, Bamba, Qwen3-Next, Qwen3.5, ...), StableLM and BioGPT call the registry with every argument
+    but leave the attention-backend flag False, and patch_model refused them. Patched: the stock logits, gradients
+    and generation; under score:1000 on the last layer, that layer's dQ, dK, dV are the float64 reference's and the
+    other attention layers' are the standard gradient."""
+    stock = tiny_unflagged(family)
+    trains_and_generates_as_stock(stock)
+    calls = []
+
+    def recorder(module, query, key, value, attention_mask, **kwargs):
+        for t in (query, key, value):
+            t.retain_grad()
+        call = dict(q=query, k=key, v=value, mask=attention_mask, scale=kwargs["scaling"], index=module.layer_idx)
+        out, weights = registry.span_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out.register_hook(lambda g: call.__setitem__("d_out", g.transpose(1, 2)))
+        calls.append(call)
+        return out, weights
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "span_attention", recorder)
+    model = patch_model(copy.deepcopy(stock), "score:1000", layers=[3])
+    ids = tokens()
+    model(ids, labels=ids).loss.backward()
+    assert 3 in [call["index"] for call in calls]
+    for call in calls:
+        label = "score:1000" if call["index"] == 3 else "standard:QKV111"
+        _, (dq, dk, dv) = reference(call["q"], call["k"], call["v"], call["d_out"],
+                                    SpanAttentionConfig.from_label(label), attn_mask=call["mask"],
+                                    scale=call["scale"], is_causal=call["mask"] is None)
+        assert max(rel(call["q"].grad, dq), rel(call["k"].grad, dk), rel(call["v"].grad, dv)) < 1e-10
+
+
+def test_a_hybrids_layers_without_attention_are_refused_by_name():
+    """Jamba's layers 0 and 2 are Mamba layers: `layers=[0]` selects no attention, and the error names the layers
+    that have it."""
+    with pytest.raises(ValueError, match=r"layers=\[0\]: JambaForCausalLM has no attention module of layer 0; its "
+                                         r"attention modules carry the layer indices 1, 3"):
+        patch_model(tiny_unflagged("jamba"), "score:1000", layers=[0])
+
+
+def test_an_attention_shared_by_several_layers_is_still_refused():
+    """Zamba2's attention, shared by its hybrid layers, carries no layer index (-1): patch_model refuses it, naming
+    the module, since `layers` could not select it."""
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    config = Zamba2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
+                          intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, n_mamba_heads=4,
+                          layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, chunk_size=8,
+                          num_mem_blocks=2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ValueError, match=r"Zamba2ForCausalLM does not declare .* plain self-attention numbered by "
+                                         r"layer, but its attention module model\..*self_attn carries no layer index"):
+        patch_model(Zamba2ForCausalLM(config), "score:1000")
+
+
+def test_an_attention_module_serving_several_layers_is_refused():
+    """One attention module placed at two depths (its layer index that of one of them) cannot be selected by layer:
+    a model that does not declare the attention-backend flag is refused, naming the module."""
+    stock = tiny_unflagged("stablelm")
+    stock.model.layers[3].self_attn = stock.model.layers[1].self_attn
+    with pytest.raises(ValueError, match=r"its attention module model\.layers\.3\.self_attn serves several layers"):
+        patch_model(stock, "score:1000")

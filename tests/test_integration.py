@@ -536,10 +536,12 @@ def test_a_patched_model_saves_reorder_and_upcast_attn_as_the_user_set_it(tmp_pa
 def test_unsupported_model_gets_a_clear_error():
     from transformers import BertConfig, BertModel
 
-    model = BertModel(BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64))
+    model = BertModel(BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                                 is_decoder=True, add_cross_attention=True))
     model._supports_attention_backend = False
-    with pytest.raises(ValueError, match="BertModel does not declare Transformers' attention-backend "
-                                         "support.*Supported"):
+    with pytest.raises(ValueError, match="BertModel does not declare Transformers' attention-backend support.*but "
+                                         "its module encoder.layer.0.crossattention.self is cross-attention. "
+                                         "Supported"):
         patch_model(model, "score:1000")
     with pytest.raises(ValueError, match="layers=\\[5\\]"):
         patch_model(tiny("gpt2"), "score:1000", layers=[5])

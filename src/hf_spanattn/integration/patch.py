@@ -327,29 +327,52 @@ def _warn_attention_of_ones_own(base: PreTrainedModel, implementation: str | dic
 
 def _declares_backend(base: PreTrainedModel) -> bool:
     """Whether the model's class declares Transformers' attention-backend support, or the model wraps models that each
-    do and holds no attention of its own (EncoderDecoderModel and VisionEncoderDecoderModel around BERT, ViT, GPT-2)."""
+    do and holds no attention of its own (EncoderDecoderModel and VisionEncoderDecoderModel around BERT, ViT, GPT-2),
+    or its attention is plain self-attention numbered by layer (`_not_plain`), as in the hybrids (Jamba, Bamba,
+    Qwen3-Next, Qwen3.5), StableLM and BioGPT, whose classes leave the flag False."""
     if getattr(base, "_supports_attention_backend", False):
         return True
     parts = [m for m in base.children() if isinstance(m, PreTrainedModel)]
     inside = {m for part in parts for m in part.modules()}
-    return bool(parts) and all(part._supports_attention_backend for part in parts) and \
+    wraps = bool(parts) and all(part._supports_attention_backend for part in parts) and \
         not any(calls_the_registry(m) for m in base.modules() if m not in inside)
+    return wraps or _not_plain(base) is None
+
+
+def _not_plain(base: PreTrainedModel) -> str | None:
+    """What keeps the attention of `base` from plain self-attention numbered by layer, which span_attention takes
+    whatever the model's class declares: a module that calls the registry as cross-attention, or without a layer
+    index (Zamba's attention, shared by several layers; a vision tower's) or serving several layers, or a learned
+    position bias (T5's); None where nothing does."""
+    calling = [(path, m) for path, m in base.named_modules(remove_duplicate=False) if calls_the_registry(m)]
+    if not calling:
+        return "none of its modules calls Transformers' attention registry"
+    seen = set()
+    for path, module in calling:
+        if structure.under_cross_attention(path) or registry.is_cross_attention(module):
+            return f"its module {path} is cross-attention"
+        if layer_index(module) is None:
+            return f"its attention module {path} carries no layer index"
+        if id(module) in seen:
+            return f"its attention module {path} serves several layers"
+        seen.add(id(module))
+    if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind
+        return ("its attention also adds a learned relative position bias ('position_bias'), which span_attention "
+                "does not take")
+    return None
 
 
 def _not_a_backend(base: PreTrainedModel) -> str:
-    """Why a model whose class does not set `_supports_attention_backend` is refused (it may call the registry all
-    the same, as BART, Whisper and T5 do: the flag is what is missing), and what else its attention holds."""
+    """Why a model whose class does not set `_supports_attention_backend`, and whose attention is not plain, is refused
+    (it may call the registry all the same, as BART, Whisper and T5 do)."""
     parts = [getattr(base.config, key, None) for key in getattr(base.config, "sub_configs", None) or {}]
     lacking = [type(m).__name__ for m in base.children() if isinstance(m, PreTrainedModel) and
                any(m.config is part for part in parts) and not m._supports_attention_backend]  # a composite's model
     holds = f" (it holds {', '.join(lacking)}, which does not)" if lacking else ""
-    text = (f"{type(base).__name__}{holds} does not declare Transformers' attention-backend support (its class leaves "
+    return (f"{type(base).__name__}{holds} does not declare Transformers' attention-backend support (its class leaves "
             "_supports_attention_backend False, the mark of models that pass every attention argument through to "
-            "the registered attention function), and span gradients are attached only to models that declare it")
-    if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind
-        text += ("; its attention also adds a learned relative position bias ('position_bias'), which "
-                 "span_attention does not take")
-    return f"{text}. Supported: {SUPPORTED}."
+            "the registered attention function), and span gradients are attached to such a model only where its "
+            f"attention is plain self-attention numbered by layer, but {_not_plain(base)}. Supported: {SUPPORTED}.")
 
 
 def _default_settings(model_config: Any) -> SpanAttentionConfig:
