@@ -935,6 +935,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                             attn_pdrop=m.dropout)
     if model_args.config_overrides:
         apply_overrides(config, model_args.config_overrides)
+    refuse_quantized(model_args, config)
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if positions is not None and data.block_size > positions:
         raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
@@ -984,6 +985,37 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
     if rows > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(rows)
     return stock_causal_lm(model)
+
+
+def quantization_method(config) -> str | None:
+    """The method a quantized model's config names (its `quantization_config`, which Transformers saves with the
+    weights of a model it quantized: bitsandbytes, torchao, ...), or None for a model that is not quantized."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    return str(getattr(method, "value", method) or "of an unnamed method")
+
+
+def refuse_quantized(model_args: ModelArguments, config) -> None:
+    """A quantized start fails here, naming the flag: the Trainer refuses a quantized model without trainable
+    adapters (also for evaluation alone), and run_clm.py trains every weight. A --config_name of a quantized model
+    gives its architecture only: the model built from it (or loaded into it) is not quantized, so its
+    quantization_config goes, which would quantize it on load (and the saved model on every reload)."""
+    if model_args.config_name and (method := quantization_method(config)):
+        logger.warning("--config_name %s: the config of a quantized model (%s); its quantization_config is dropped, "
+                       "and the model is built and saved unquantized", model_args.config_name, method)
+        del config.quantization_config
+    if not model_args.model_name_or_path:
+        return
+    own = from_hub(AutoConfig.from_pretrained, model_args.model_name_or_path) if model_args.config_name else config
+    if method := quantization_method(own):
+        raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: a quantized model ({method}, the "
+                         "quantization_config of its config.json); run_clm.py trains every weight of the model, and "
+                         "the Trainer it trains and evaluates with takes a quantized model only with trainable "
+                         "adapters on it. Start from the model before quantization, or train adapters on the "
+                         "quantized one with PEFT and the stock Trainer (README: With LoRA)")
 
 
 def vocab_rows(tokenizer) -> int:
