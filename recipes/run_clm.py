@@ -99,6 +99,7 @@ from transformers.hf_argparser import string_to_bool
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
+from hf_spanattn.integration.adapters import ADAPTER_CONFIG, is_adapter_folder
 from hf_spanattn.integration.model_layers import layer_count
 from hf_spanattn.integration.stored import config_of
 from hf_spanattn.ops import backend_for
@@ -148,6 +149,19 @@ def no_folder(path: str) -> str:
     return "no such folder (a local path; a Hub id reads 'owner/name')"
 
 
+def adapter_not_model(path: str) -> str:
+    """Why a PEFT adapter's folder, given for a model, is none, in words (Transformers' "Unrecognized model ... Should
+    have a `model_type` key in its config.json" names a file the folder does not hold)."""
+    try:
+        base = json.loads(Path(path, ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    on = f", on the base model {base}" if isinstance(base, str) and base else ""
+    return (f"a PEFT adapter ({ADAPTER_CONFIG}{on}), not a model (no config.json); run_clm.py trains every weight of a "
+            "model: give the base model, or merge the adapter into it (merge_and_unload, then save_pretrained) and "
+            "give that folder")
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={
@@ -183,6 +197,8 @@ class ModelArguments:
                                  + (" (the paper's GPT-2 from scratch)" if flag == "model_name_or_path" else ""))
             if name is not None and looks_local(name) and not os.path.isdir(name):
                 raise ValueError(f"--{flag} {name}: {no_folder(name)}")
+            if name is not None and is_adapter_folder(name) and not os.path.isfile(os.path.join(name, "config.json")):
+                raise ValueError(f"--{flag} {name}: {adapter_not_model(name)}")
         if self.config_overrides is not None:
             overrides(self.config_overrides)  # the syntax; the keys are checked on the config
         shape = {k: getattr(self, k) for k in PAPER_GPT2}

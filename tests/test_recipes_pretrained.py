@@ -85,6 +85,10 @@ def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
                                ).save_pretrained(folder / "t5")  # not a causal language model
     shutil.copytree(start, folder / "quantized")  # as Transformers saves a model it quantized (bitsandbytes 4-bit)
     (folder / "quantized" / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZED}))
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(GPT2LMHeadModel.from_pretrained(start), LoraConfig(r=2, target_modules=["c_attn"])).save_pretrained(
+        folder / "adapter")  # a LoRA adapter of the start, as a fine-tuning with PEFT leaves it
     shutil.copytree(start, folder / "cut")
     weights = (folder / "cut" / "model.safetensors").read_bytes()
     (folder / "cut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a copy stopped halfway
@@ -212,6 +216,10 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
      "config.json); run_clm.py trains every"),
     ({"model_name_or_path": "{tmp}/quantized", "do_train": False}, "--model_name_or_path {tmp}/quantized: a quantized"),
     ({"model_name_or_path": "{tmp}/quantized", "config_name": "{tmp}/start"}, "--model_name_or_path {tmp}/quantized"),
+    ({"model_name_or_path": "{tmp}/adapter"},
+     "--model_name_or_path {tmp}/adapter: a PEFT adapter (adapter_config.json, on the base model {tmp}/start), not a "
+     "model (no config.json)"),
+    ({"config_name": "{tmp}/adapter"}, "--config_name {tmp}/adapter: a PEFT adapter"),
 ])
 def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
