@@ -1030,8 +1030,9 @@ def refuse_quantized(model_args: ModelArguments, config) -> None:
         raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: a quantized model ({method}, the "
                          "quantization_config of its config.json); run_clm.py trains every weight of the model, and "
                          "the Trainer it trains and evaluates with takes a quantized model only with trainable "
-                         "adapters on it. Start from the model before quantization, or train adapters on the "
-                         "quantized one with PEFT and the stock Trainer (README: With LoRA)")
+                         "adapters on it. Start from the model before quantization (or from this one dequantized: "
+                         "model.dequantize(), then save_pretrained), or train adapters on the quantized one with PEFT "
+                         "and the stock Trainer (README: With LoRA)")
 
 
 def vocab_rows(tokenizer) -> int:
