@@ -1014,19 +1014,32 @@ def quantization_method(config) -> str | None:
     return str(getattr(method, "value", method) or "of an unnamed method")
 
 
+def trains_whole(config) -> bool:
+    """Whether Transformers trains a model of this quantization whole, as the Trainer allows (quantization-aware
+    training: BitNet's online mode, compressed-tensors decompressed); read from the config, without loading."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    try:
+        quantizer = AutoHfQuantizer.from_config(config.quantization_config)
+    except (ValueError, TypeError, KeyError, ImportError):  # a method unknown here, or its package missing
+        return False
+    return getattr(quantizer, "is_qat_trainable", False) is True
+
+
 def refuse_quantized(model_args: ModelArguments, config) -> None:
     """A quantized start fails here, naming the flag: the Trainer refuses a quantized model without trainable
     adapters (also for evaluation alone), and run_clm.py trains every weight. A --config_name of a quantized model
     gives its architecture only: the model built from it (or loaded into it) is not quantized, so its
-    quantization_config goes, which would quantize it on load (and the saved model on every reload)."""
-    if model_args.config_name and (method := quantization_method(config)):
+    quantization_config goes, which would quantize it on load (and the saved model on every reload). A quantization
+    that Transformers trains whole (quantization-aware training) stays, as the Trainer takes it."""
+    if model_args.config_name and (method := quantization_method(config)) and not trains_whole(config):
         logger.warning("--config_name %s: the config of a quantized model (%s); its quantization_config is dropped, "
                        "and the model is built and saved unquantized", model_args.config_name, method)
         del config.quantization_config
     if not model_args.model_name_or_path:
         return
     own = from_hub(AutoConfig.from_pretrained, model_args.model_name_or_path) if model_args.config_name else config
-    if method := quantization_method(own):
+    if (method := quantization_method(own)) and not trains_whole(own):
         raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: a quantized model ({method}, the "
                          "quantization_config of its config.json); run_clm.py trains every weight of the model, and "
                          "the Trainer it trains and evaluates with takes a quantized model only with trainable "

@@ -259,6 +259,13 @@ def test_the_config_of_a_quantized_model_gives_the_architecture_only(gpt2_and_da
         assert "quantization_config" not in model.config.to_dict()
     stock = GPT2LMHeadModel.from_pretrained(start)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), stock.state_dict().values()))
+    # a quantization that Transformers trains whole (BitNet's online quantization-aware training) is the Trainer's
+    qat = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
+    for args in ({"model_name_or_path": str(start)}, {"config_name": str(start)}):
+        config = run_clm.AutoConfig.from_pretrained(start)
+        config.quantization_config = qat
+        run_clm.refuse_quantized(run_clm.ModelArguments(**args), config)
+        assert config.quantization_config == qat
 
 
 def test_a_start_saved_with_an_attention_not_installed_here_loads_as_sdpa(gpt2_and_data, tmp_path):
