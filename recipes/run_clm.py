@@ -99,6 +99,7 @@ from transformers.hf_argparser import string_to_bool
 
 import hf_spanattn
 from hf_spanattn import SpanAttentionConfig
+from hf_spanattn.integration.adapters import ADAPTER_CONFIG, is_adapter_folder
 from hf_spanattn.integration.model_layers import layer_count
 from hf_spanattn.integration.stored import config_of
 from hf_spanattn.ops import backend_for
@@ -148,6 +149,19 @@ def no_folder(path: str) -> str:
     return "no such folder (a local path; a Hub id reads 'owner/name')"
 
 
+def adapter_not_model(path: str) -> str:
+    """Why a PEFT adapter's folder, given for a model, is none, in words (Transformers' "Unrecognized model ... Should
+    have a `model_type` key in its config.json" names a file the folder does not hold)."""
+    try:
+        base = json.loads(Path(path, ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    on = f", on the base model {base}" if isinstance(base, str) and base else ""
+    return (f"a PEFT adapter ({ADAPTER_CONFIG}{on}), not a model (no config.json); run_clm.py trains every weight of a "
+            "model: give the base model, or merge the adapter into it (merge_and_unload, then save_pretrained) and "
+            "give that folder")
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={
@@ -183,6 +197,8 @@ class ModelArguments:
                                  + (" (the paper's GPT-2 from scratch)" if flag == "model_name_or_path" else ""))
             if name is not None and looks_local(name) and not os.path.isdir(name):
                 raise ValueError(f"--{flag} {name}: {no_folder(name)}")
+            if name is not None and is_adapter_folder(name) and not os.path.isfile(os.path.join(name, "config.json")):
+                raise ValueError(f"--{flag} {name}: {adapter_not_model(name)}")
         if self.config_overrides is not None:
             overrides(self.config_overrides)  # the syntax; the keys are checked on the config
         shape = {k: getattr(self, k) for k in PAPER_GPT2}
@@ -935,6 +951,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
                             attn_pdrop=m.dropout)
     if model_args.config_overrides:
         apply_overrides(config, model_args.config_overrides)
+    refuse_quantized(model_args, config)
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if positions is not None and data.block_size > positions:
         raise ValueError(f"--block_size {data.block_size}: the model reads at most {positions} positions; use "
@@ -984,6 +1001,51 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer) -> P
     if rows > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(rows)
     return stock_causal_lm(model)
+
+
+def quantization_method(config) -> str | None:
+    """The method a quantized model's config names (its `quantization_config`, which Transformers saves with the
+    weights of a model it quantized: bitsandbytes, torchao, ...), or None for a model that is not quantized."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    return str(getattr(method, "value", method) or "of an unnamed method")
+
+
+def trains_whole(config) -> bool:
+    """Whether Transformers trains a model of this quantization whole, as the Trainer allows (quantization-aware
+    training: BitNet's online mode, compressed-tensors decompressed); read from the config, without loading."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    try:
+        quantizer = AutoHfQuantizer.from_config(config.quantization_config)
+    except (ValueError, TypeError, KeyError, ImportError):  # a method unknown here, or its package missing
+        return False
+    return getattr(quantizer, "is_qat_trainable", False) is True
+
+
+def refuse_quantized(model_args: ModelArguments, config) -> None:
+    """A quantized start fails here, naming the flag: the Trainer refuses a quantized model without trainable
+    adapters (also for evaluation alone), and run_clm.py trains every weight. A --config_name of a quantized model
+    gives its architecture only: the model built from it (or loaded into it) is not quantized, so its
+    quantization_config goes, which would quantize it on load (and the saved model on every reload). A quantization
+    that Transformers trains whole (quantization-aware training) stays, as the Trainer takes it."""
+    if model_args.config_name and (method := quantization_method(config)) and not trains_whole(config):
+        logger.warning("--config_name %s: the config of a quantized model (%s); its quantization_config is dropped, "
+                       "and the model is built and saved unquantized", model_args.config_name, method)
+        del config.quantization_config
+    if not model_args.model_name_or_path:
+        return
+    own = from_hub(AutoConfig.from_pretrained, model_args.model_name_or_path) if model_args.config_name else config
+    if (method := quantization_method(own)) and not trains_whole(own):
+        raise ValueError(f"--model_name_or_path {model_args.model_name_or_path}: a quantized model ({method}, the "
+                         "quantization_config of its config.json); run_clm.py trains every weight of the model, and "
+                         "the Trainer it trains and evaluates with takes a quantized model only with trainable "
+                         "adapters on it. Start from the model before quantization (or from this one dequantized: "
+                         "model.dequantize(), then save_pretrained), or train adapters on the quantized one with PEFT "
+                         "and the stock Trainer (README: With LoRA)")
 
 
 def vocab_rows(tokenizer) -> int:

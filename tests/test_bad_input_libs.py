@@ -5,6 +5,7 @@ case gives the stock model's (SDPA's) result, the model patched alone's, or a cl
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -172,3 +173,90 @@ def test_a_sentence_transformer_resumed_unpatched_from_a_patched_checkpoint_says
                                          r"settings score:1100, but the model given to the Trainer trains with the "
                                          r"standard gradient"):
         trainer(st.SentenceTransformer(folder, device="cpu"), 2).train(resume_from_checkpoint=True)
+
+
+class Int8Linear(torch.nn.Module):
+    """A Linear whose frozen weight is stored as int8 with a scale per output row, dequantized in the forward pass
+    (what weight-only quantization of a projection amounts to)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.register_buffer("scale", weight.abs().amax(1, keepdim=True) / 127)
+        self.register_buffer("weight", torch.round(weight / self.scale).to(torch.int8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dequantized())
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.to(self.scale.dtype) * self.scale
+
+
+def trained_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients of the parameters that train (frozen and quantized weights have none)."""
+    model.zero_grad()
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_projections_quantized_to_int8_get_the_rule_of_their_dequantized_weights():
+    """A model whose q, k and v projections hold frozen int8 weights trains, under each rule, with the gradients of
+    the same model holding the dequantized weights in plain Linear layers (float64, so to rounding): a rule acts on
+    the attention's dQ and dK, whatever the projections are; and standard:QKV111 is the quantized model's own."""
+    quantized = tiny("llama").double()
+    for layer in quantized.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(layer.self_attn, name, Int8Linear(getattr(layer.self_attn, name)))
+    reference = copy.deepcopy(quantized)
+    for layer in reference.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weight = getattr(layer.self_attn, name).dequantized()
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            setattr(layer.self_attn, name, linear)
+    stock = trained_grads(quantized)
+    torch.testing.assert_close(trained_grads(patch_model(copy.deepcopy(quantized), "standard:QKV111")), stock,
+                               rtol=0, atol=0)
+    for label in ("score:1000", "score:1100@per_block", "reductionistic:1100", "simple:10"):
+        got = trained_grads(patch_model(copy.deepcopy(quantized), label))
+        want = trained_grads(patch_model(copy.deepcopy(reference), label))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+        assert not all(torch.allclose(a, b) for a, b in zip(got, stock))  # the rule acts
+
+
+def test_a_bitsandbytes_qlora_model_trains_as_stock_under_the_standard_rule_and_saves_both_configs(tmp_path):
+    """QLoRA: a 4-bit bitsandbytes model (CPU backend) with LoRA on q, k and v gets the stock model's gradients under
+    standard:QKV111 and trains under score:1000; saved, the folder keeps quantization_config beside the settings,
+    and load_pretrained gives it back quantized and patched."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    from hf_spanattn import load_pretrained
+
+    torch.manual_seed(0)  # bitsandbytes' CPU kernel takes rows of at least its block size, 64
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                 intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64)
+                     ).save_pretrained(tmp_path / "base")
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+
+    def qlora(label: str | None) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quantization)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"],
+                                                 init_lora_weights=False))
+        return model if label is None else patch_model(model, label)
+
+    stock = trained_grads(qlora(None))
+    assert len(stock) == 12  # lora_A and lora_B of q, k and v in two layers
+    torch.testing.assert_close(trained_grads(qlora("standard:QKV111")), stock, rtol=0, atol=0)
+    model = qlora("score:1000")
+    assert not all(torch.allclose(a, b) for a, b in zip(trained_grads(model), stock))
+    merged = model.merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    saved = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert saved["quantization_config"]["load_in_4bit"] and saved["span_attention"]["method"] == "score"
+    loaded = load_pretrained(tmp_path / "merged")
+    assert type(loaded.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    assert config_of(loaded.config).label == "score:1000" and loaded.config._attn_implementation == "span_attention"

@@ -37,6 +37,10 @@ SMALL = {"block_size": 32, "num_train_epochs": 1, "per_device_train_batch_size":
          "max_eval_samples": 4, "save_strategy": "no", "load_best_model_at_end": False}
 
 
+QUANTIZED = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+             "bnb_4bit_compute_dtype": "float32"}
+
+
 def pretrained(folder: Path, family: str) -> Path:
     """A tiny model of `family` with the GPT-2 tokenizer, saved as a user's pretrained model would be."""
     tokenizer = AutoTokenizer.from_pretrained(DATA / "gpt2-tokenizer")
@@ -79,6 +83,12 @@ def gpt2_and_data(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     shutil.copy(start / "tokenizer_config.json", folder / "config_only")
     T5ForConditionalGeneration(T5Config(d_model=8, d_ff=16, d_kv=4, num_heads=2, num_layers=1, vocab_size=64)
                                ).save_pretrained(folder / "t5")  # not a causal language model
+    shutil.copytree(start, folder / "quantized")  # as Transformers saves a model it quantized (bitsandbytes 4-bit)
+    (folder / "quantized" / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZED}))
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(GPT2LMHeadModel.from_pretrained(start), LoraConfig(r=2, target_modules=["c_attn"])).save_pretrained(
+        folder / "adapter")  # a LoRA adapter of the start, as a fine-tuning with PEFT leaves it
     shutil.copytree(start, folder / "cut")
     weights = (folder / "cut" / "model.safetensors").read_bytes()
     (folder / "cut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a copy stopped halfway
@@ -201,6 +211,15 @@ def test_the_paper_gpt2_is_built_as_before_from_a_yaml_file(tmp_path):
     ({"config_name": "{tmp}/t5"}, "--config_name {tmp}/t5: a t5 model"),
     ({"model_name_or_path": "{tmp}/cut"}, "--model_name_or_path {tmp}/cut: its weights could not be read"),
     ({"model_name_or_path": "{tmp}/edited"}, "--model_name_or_path {tmp}/edited: its weights do not fit the config of"),
+    ({"model_name_or_path": "{tmp}/quantized"},
+     "--model_name_or_path {tmp}/quantized: a quantized model (bitsandbytes, the quantization_config of its "
+     "config.json); run_clm.py trains every"),
+    ({"model_name_or_path": "{tmp}/quantized", "do_train": False}, "--model_name_or_path {tmp}/quantized: a quantized"),
+    ({"model_name_or_path": "{tmp}/quantized", "config_name": "{tmp}/start"}, "--model_name_or_path {tmp}/quantized"),
+    ({"model_name_or_path": "{tmp}/adapter"},
+     "--model_name_or_path {tmp}/adapter: a PEFT adapter (adapter_config.json, on the base model {tmp}/start), not a "
+     "model (no config.json)"),
+    ({"config_name": "{tmp}/adapter"}, "--config_name {tmp}/adapter: a PEFT adapter"),
 ])
 def test_bad_arguments_fail_before_any_data_is_read(extra, message, gpt2_and_data, tmp_path, monkeypatch):
     monkeypatch.setattr(run_clm, "load_texts", lambda *a: pytest.fail("data was read"))
@@ -223,6 +242,30 @@ def test_config_overrides_that_reshape_a_pretrained_model_name_the_flag(gpt2_and
         run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="n_embd=64"), data, tokenizer)
     model = run_clm.build_model(run_clm.ModelArguments(**args, config_overrides="resid_pdrop=0.3"), data, tokenizer)
     assert model.config.resid_pdrop == 0.3
+
+
+def test_the_config_of_a_quantized_model_gives_the_architecture_only(gpt2_and_data, caplog):
+    """--config_name of a quantized model kept its quantization_config on the model built from it: saved with it, the
+    trained weights were quantized at every reload (a pretrained start's, on loading, and the Trainer refused it).
+    Now the field goes, with a warning, and the model is the one the config shapes, unquantized."""
+    folder, start, _ = gpt2_and_data
+    tokenizer, data = AutoTokenizer.from_pretrained(start), run_clm.DataArguments(block_size=32)
+    quantized = str(folder / "quantized")
+    for args in ({"config_name": quantized}, {"config_name": quantized, "model_name_or_path": str(start)}):
+        with caplog.at_level("WARNING", logger=run_clm.logger.name):
+            model = run_clm.build_model(run_clm.ModelArguments(**args), data, tokenizer)
+        assert f"--config_name {quantized}: the config of a quantized model (bitsandbytes)" in caplog.text
+        assert not hasattr(model.config, "quantization_config") and not getattr(model, "is_quantized", False)
+        assert "quantization_config" not in model.config.to_dict()
+    stock = GPT2LMHeadModel.from_pretrained(start)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), stock.state_dict().values()))
+    # a quantization that Transformers trains whole (BitNet's online quantization-aware training) is the Trainer's
+    qat = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
+    for args in ({"model_name_or_path": str(start)}, {"config_name": str(start)}):
+        config = run_clm.AutoConfig.from_pretrained(start)
+        config.quantization_config = qat
+        run_clm.refuse_quantized(run_clm.ModelArguments(**args), config)
+        assert config.quantization_config == qat
 
 
 def test_a_start_saved_with_an_attention_not_installed_here_loads_as_sdpa(gpt2_and_data, tmp_path):
