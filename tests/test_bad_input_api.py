@@ -238,6 +238,20 @@ def paligemma_around_gemma2() -> torch.nn.Module:
     return PaliGemmaForConditionalGeneration._from_config(config, attn_implementation="eager")
 
 
+def blip2_around_t5() -> torch.nn.Module:
+    """A composite model that declares attention-backend support around a language model that does not (T5)."""
+    from transformers import Blip2Config, Blip2ForConditionalGeneration, T5Config
+
+    vision = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32, image_size=8,
+                  patch_size=4)
+    qformer = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32,
+                   encoder_hidden_size=32)
+    text = T5Config(vocab_size=VOCAB + 1, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    config = Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text, num_query_tokens=4,
+                         image_token_index=VOCAB)
+    return Blip2ForConditionalGeneration(config)
+
+
 def mllama_text_and_cross_attention() -> torch.nn.Module:
     """Mllama: text layer 0 self-attention, layer 1 cross-attention to the image."""
     from transformers import MllamaConfig, MllamaForConditionalGeneration
@@ -517,6 +531,10 @@ CASES = [
      "GptOssForCausalLM does not support SDPA attention in Transformers (its attention has parts SDPA lacks"),
     ("patch_model of a model holding one without SDPA", lambda t: patch_model(paligemma_around_gemma2()), ValueError,
      "PaliGemmaForConditionalGeneration holds Gemma2Model, which does not support SDPA attention in Transformers"),
+    ("patch_model of a model holding one without attention-backend support",  # was taken: T5 failed in training
+     lambda t: patch_model(blip2_around_t5()), ValueError,
+     "Blip2ForConditionalGeneration holds T5ForConditionalGeneration, which does not declare Transformers' "
+     "attention-backend support"),
     ("patch_model layers naming a cross-attention layer only",  # was taken: no layer got span gradients
      lambda t: patch_model(mllama_text_and_cross_attention(), "score:1000", layers=[1]), ValueError,
      "layers=[1]: layer 1 of MllamaForConditionalGeneration holds cross-attention only, which keeps SDPA's gradient "

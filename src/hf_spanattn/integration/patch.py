@@ -166,6 +166,11 @@ def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo:
     selection it cannot apply, and modules that another patched model runs under other settings."""
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
+    # a composite's tower that does not declare it (BLIP-2 around T5): its attention would get span_attention too
+    lacking = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and not _declares_backend(m) and
+                    any(calls_the_registry(part) for part in m.modules())), None)
+    if lacking is not None:
+        raise ValueError(_not_a_backend(lacking, holder=base))
     if not neo and getattr(base.config, "output_attentions", False) is True:
         # Transformers gives such a config eager attention, the one that returns the weights, and refuses to save it
         # under any other
@@ -336,14 +341,16 @@ def _declares_backend(base: PreTrainedModel) -> bool:
         not any(calls_the_registry(m) for m in base.modules() if m not in inside)
 
 
-def _not_a_backend(base: PreTrainedModel) -> str:
+def _not_a_backend(base: PreTrainedModel, holder: PreTrainedModel | None = None) -> str:
     """Why a model whose class does not set `_supports_attention_backend` is refused (it may call the registry all
-    the same, as BART, Whisper and T5 do: the flag is what is missing), and what else its attention holds."""
+    the same, as BART, Whisper and T5 do: the flag is what is missing), and what else its attention holds; `holder`:
+    the composite model that holds it."""
     parts = [getattr(base.config, key, None) for key in getattr(base.config, "sub_configs", None) or {}]
     lacking = [type(m).__name__ for m in base.children() if isinstance(m, PreTrainedModel) and
                any(m.config is part for part in parts) and not m._supports_attention_backend]  # a composite's model
     holds = f" (it holds {', '.join(lacking)}, which does not)" if lacking else ""
-    text = (f"{type(base).__name__}{holds} does not declare Transformers' attention-backend support (its class leaves "
+    name = f"{type(holder).__name__} holds {type(base).__name__}, which" if holder is not None else type(base).__name__
+    text = (f"{name}{holds} does not declare Transformers' attention-backend support (its class leaves "
             "_supports_attention_backend False, the mark of models that pass every attention argument through to "
             "the registered attention function), and span gradients are attached only to models that declare it")
     if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind
