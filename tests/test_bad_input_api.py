@@ -2534,6 +2534,25 @@ def test_a_composite_model_saved_with_a_tower_patched_apart_loads_as_it_trained(
     _llava_grads_match(model, loaded, image_tokens=16)
 
 
+@pytest.mark.parametrize("settings", [{}, {"layers": [1]}], ids=["every layer", "layers=[1]"])
+def test_a_composite_model_s_settings_set_again_by_hand_load_as_it_trained(settings, tmp_path):
+    """Settings set on a patched composite model's config by hand (as README allows) reach every tower at once, but
+    the copies patch_model had written on the towers' sub-configs stayed as they were: the saved model loaded with the
+    old settings on its towers (with a warning that they trained so). The copies follow at the next forward pass."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = patch_model(tiny_llava(patch_size=4, dtype=torch.float64), "score:1000")
+    model.config.span_attention = SpanAttentionConfig.from_label("score:1100", **settings).to_dict()
+    _llava_grads_match(patch_model(tiny_llava(patch_size=4, dtype=torch.float64), "score:1100", **settings), model,
+                       image_tokens=16)
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, dtype=torch.float64)
+    assert not [w for w in said if "differs" in str(w.message)]
+    _llava_grads_match(model, loaded, image_tokens=16)
+
+
 @pytest.mark.parametrize("last", ["model", "adapter"])
 def test_a_model_and_an_adapter_saved_into_one_folder_load_as_transformers_loads_them(last, tmp_path):
     """A model saved into a folder that holds an adapter (or an adapter saved into a model's folder): Transformers'
