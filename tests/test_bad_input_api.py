@@ -531,6 +531,8 @@ CASES = [
      "GptOssForCausalLM does not support SDPA attention in Transformers (its attention has parts SDPA lacks"),
     ("patch_model of a model holding one without SDPA", lambda t: patch_model(paligemma_around_gemma2()), ValueError,
      "PaliGemmaForConditionalGeneration holds Gemma2Model, which does not support SDPA attention in Transformers"),
+    ("patch_model of a Trainer", lambda t: patch_model(trainer_with(t, model=tiny("gpt2"))), TypeError,
+     "got Trainer; give it the model the Trainer holds, its .model"),
     ("patch_model of a model holding one without attention-backend support",  # was taken: T5 failed in training
      lambda t: patch_model(blip2_around_t5()), ValueError,
      "Blip2ForConditionalGeneration holds T5ForConditionalGeneration, which does not declare Transformers' "

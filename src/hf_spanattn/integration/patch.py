@@ -69,6 +69,8 @@ def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTraine
         return base_model(inside[0][1], caller)
     held = f"; it holds {len(inside)} of them ({', '.join(name for name, _ in inside)}), and {caller} takes one: " \
         "give it each one alone" if inside else ""
+    if not isinstance(base, torch.nn.Module) and isinstance(getattr(base, "model", None), torch.nn.Module):
+        held = f"; give it the model the {type(base).__name__} holds, its .model"  # a pipeline's, a Trainer's
     raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
                     f"DistributedDataParallel, DeepSpeedEngine or other module around one), got "
                     f"{type(model).__name__}{held}")
