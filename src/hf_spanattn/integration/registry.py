@@ -139,7 +139,8 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
                 f"span_attention: {type(module).__name__} carries no layer index, so "
                 f"layers={shown(list(config.layers))} cannot select it and it keeps stock gradients; "
                 "hf_spanattn.patch_model numbers the layers of a model whose attention modules all carry none, as a "
-                "composite model's tower patched alone (patch_model(model.model.vision_tower, ..., layers=...)).")
+                "composite model's tower patched alone (patch_model(tower, ..., layers=...), the tower that holds "
+                f"the {type(module).__name__} modules, as LLaVA's model.model.vision_tower).")
         return None
     return config
 
