@@ -150,7 +150,7 @@ def _follow_model_settings(module: torch.nn.Module, model_config: Any, config: S
     that the tower saved alone keeps them), while its layers read the model's: where those were set again by hand
     (`model.config.span_attention = ...`), the copy follows, so that a save keeps what the tower trains with."""
     tower = getattr(module, "config", None)
-    if tower is model_config or not any(getattr(model_config, key, None) is tower
+    if tower is None or tower is model_config or not any(getattr(model_config, key, None) is tower
                                         for key in getattr(model_config, "sub_configs", None) or {}):
         return
     section, copied = getattr(model_config, CONFIG_KEY), getattr(tower, CONFIG_KEY, None)
