@@ -2555,6 +2555,36 @@ def test_a_composite_model_s_settings_set_again_by_hand_load_as_it_trained(setti
     _llava_grads_match(model, loaded, image_tokens=16)
 
 
+def test_a_composite_model_holding_a_tower_without_the_backend_flag_that_takes_sdpa_s_arguments_is_patched():
+    """Phi-4-multimodal declares attention-backend support around an audio encoder that does not, but whose attention
+    passes SDPA's arguments (its learned relative bias inside the mask): patched, its gradients are the stock ones
+    under score:1111 (BLIP-2 around T5, whose attention takes a position bias, is refused)."""
+    from transformers import Phi4MultimodalConfig, Phi4MultimodalForCausalLM
+
+    torch.manual_seed(0)
+    audio = dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=4, input_size=8,
+                 ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32, time_reduction=2,
+                 audio_token_id=VOCAB + 2, left_chunk=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=4, crop_size=16, image_token_id=VOCAB + 1)
+    config = Phi4MultimodalConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=VOCAB + 3, pad_token_id=0, bos_token_id=0,
+                                  eos_token_id=0, vision_config=vision, audio_config=audio)
+    stock = Phi4MultimodalForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    model = patch_model(copy.deepcopy(stock), "score:1111")
+    features = torch.randn(2, 24, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        encoder = model.model.embed_tokens_extend.audio_embed.encoder
+        encoder(features, None).pow(2).sum().backward()
+        return {name: p.grad for name, p in encoder.named_parameters() if p.grad is not None}
+
+    expected, got = grads(stock), grads(model)
+    assert model.config.audio_config._attn_implementation == "span_attention"
+    scale = max(grad.norm() for grad in expected.values())  # (key biases have a gradient of 0, up to rounding)
+    assert all((got[name] - grad).norm() <= 1e-12 * scale for name, grad in expected.items())
+
+
 @pytest.mark.parametrize("last", ["model", "adapter"])
 def test_a_model_and_an_adapter_saved_into_one_folder_load_as_transformers_loads_them(last, tmp_path):
     """A model saved into a folder that holds an adapter (or an adapter saved into a model's folder): Transformers'

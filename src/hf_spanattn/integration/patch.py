@@ -168,9 +168,10 @@ def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo:
     selection it cannot apply, and modules that another patched model runs under other settings."""
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
-    # a composite's tower that does not declare it (BLIP-2 around T5): its attention would get span_attention too
+    # a composite's tower that does not declare it and whose attention adds T5's learned position bias (BLIP-2 around
+    # T5), which span_attention does not take: refused here, not at the first training step
     lacking = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and not _declares_backend(m) and
-                    any(calls_the_registry(part) for part in m.modules())), None)
+                    any(hasattr(part, "relative_attention_bias") for part in m.modules())), None)
     if lacking is not None:
         raise ValueError(_not_a_backend(lacking, holder=base))
     if not neo and getattr(base.config, "output_attentions", False) is True:
