@@ -238,6 +238,20 @@ def paligemma_around_gemma2() -> torch.nn.Module:
     return PaliGemmaForConditionalGeneration._from_config(config, attn_implementation="eager")
 
 
+def blip2_around_t5() -> torch.nn.Module:
+    """A composite model that declares attention-backend support around a language model that does not (T5)."""
+    from transformers import Blip2Config, Blip2ForConditionalGeneration, T5Config
+
+    vision = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32, image_size=8,
+                  patch_size=4)
+    qformer = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32,
+                   encoder_hidden_size=32)
+    text = T5Config(vocab_size=VOCAB + 1, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    config = Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text, num_query_tokens=4,
+                         image_token_index=VOCAB)
+    return Blip2ForConditionalGeneration(config)
+
+
 def mllama_text_and_cross_attention() -> torch.nn.Module:
     """Mllama: text layer 0 self-attention, layer 1 cross-attention to the image."""
     from transformers import MllamaConfig, MllamaForConditionalGeneration
@@ -517,6 +531,12 @@ CASES = [
      "GptOssForCausalLM does not support SDPA attention in Transformers (its attention has parts SDPA lacks"),
     ("patch_model of a model holding one without SDPA", lambda t: patch_model(paligemma_around_gemma2()), ValueError,
      "PaliGemmaForConditionalGeneration holds Gemma2Model, which does not support SDPA attention in Transformers"),
+    ("patch_model of a Trainer", lambda t: patch_model(trainer_with(t, model=tiny("gpt2"))), TypeError,
+     "got Trainer; give it the model the Trainer holds, its .model"),
+    ("patch_model of a model holding one without attention-backend support",  # was taken: T5 failed in training
+     lambda t: patch_model(blip2_around_t5()), ValueError,
+     "Blip2ForConditionalGeneration holds T5ForConditionalGeneration, which does not declare Transformers' "
+     "attention-backend support"),
     ("patch_model layers naming a cross-attention layer only",  # was taken: no layer got span gradients
      lambda t: patch_model(mllama_text_and_cross_attention(), "score:1000", layers=[1]), ValueError,
      "layers=[1]: layer 1 of MllamaForConditionalGeneration holds cross-attention only, which keeps SDPA's gradient "
@@ -2514,6 +2534,55 @@ def test_a_composite_model_saved_with_a_tower_patched_apart_loads_as_it_trained(
     with pytest.warns(UserWarning, match=said):
         loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, dtype=torch.float64)
     _llava_grads_match(model, loaded, image_tokens=16)
+
+
+@pytest.mark.parametrize("settings", [{}, {"layers": [1]}], ids=["every layer", "layers=[1]"])
+def test_a_composite_model_s_settings_set_again_by_hand_load_as_it_trained(settings, tmp_path):
+    """Settings set on a patched composite model's config by hand (as README allows) reach every tower at once, but
+    the copies patch_model had written on the towers' sub-configs stayed as they were: the saved model loaded with the
+    old settings on its towers (with a warning that they trained so). The copies follow at the next forward pass."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = patch_model(tiny_llava(patch_size=4, dtype=torch.float64), "score:1000")
+    model.config.span_attention = SpanAttentionConfig.from_label("score:1100", **settings).to_dict()
+    _llava_grads_match(patch_model(tiny_llava(patch_size=4, dtype=torch.float64), "score:1100", **settings), model,
+                       image_tokens=16)
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        loaded = load_pretrained(tmp_path, model_class=LlavaForConditionalGeneration, dtype=torch.float64)
+    assert not [w for w in said if "differs" in str(w.message)]
+    _llava_grads_match(model, loaded, image_tokens=16)
+
+
+def test_a_composite_model_holding_a_tower_without_the_backend_flag_that_takes_sdpa_s_arguments_is_patched():
+    """Phi-4-multimodal declares attention-backend support around an audio encoder that does not, but whose attention
+    passes SDPA's arguments (its learned relative bias inside the mask): patched, its gradients are the stock ones
+    under score:1111 (BLIP-2 around T5, whose attention takes a position bias, is refused)."""
+    from transformers import Phi4MultimodalConfig, Phi4MultimodalForCausalLM
+
+    torch.manual_seed(0)
+    audio = dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=4, input_size=8,
+                 ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32, time_reduction=2,
+                 audio_token_id=VOCAB + 2, left_chunk=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=4, crop_size=16, image_token_id=VOCAB + 1)
+    config = Phi4MultimodalConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=VOCAB + 3, pad_token_id=0, bos_token_id=0,
+                                  eos_token_id=0, vision_config=vision, audio_config=audio)
+    stock = Phi4MultimodalForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    model = patch_model(copy.deepcopy(stock), "score:1111")
+    features = torch.randn(2, 24, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        encoder = model.model.embed_tokens_extend.audio_embed.encoder
+        encoder(features, None).pow(2).sum().backward()
+        return {name: p.grad for name, p in encoder.named_parameters() if p.grad is not None}
+
+    expected, got = grads(stock), grads(model)
+    assert model.config.audio_config._attn_implementation == "span_attention"
+    scale = max(grad.norm() for grad in expected.values())  # (key biases have a gradient of 0, up to rounding)
+    assert all((got[name] - grad).norm() <= 1e-12 * scale for name, grad in expected.items())
 
 
 @pytest.mark.parametrize("last", ["model", "adapter"])

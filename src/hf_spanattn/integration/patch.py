@@ -69,6 +69,8 @@ def base_model(model: torch.nn.Module, caller: str = "patch_model") -> PreTraine
         return base_model(inside[0][1], caller)
     held = f"; it holds {len(inside)} of them ({', '.join(name for name, _ in inside)}), and {caller} takes one: " \
         "give it each one alone" if inside else ""
+    if not isinstance(base, torch.nn.Module) and isinstance(getattr(base, "model", None), torch.nn.Module):
+        held = f"; give it the model the {type(base).__name__} holds, its .model"  # a pipeline's, a Trainer's
     raise TypeError(f"{caller} needs a transformers PreTrainedModel (or a PEFT model, torch.compile module, "
                     f"DistributedDataParallel, DeepSpeedEngine or other module around one), got "
                     f"{type(model).__name__}{held}")
@@ -166,6 +168,12 @@ def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo:
     selection it cannot apply, and modules that another patched model runs under other settings."""
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
+    # a composite's tower that does not declare it and whose attention adds T5's learned position bias (BLIP-2 around
+    # T5), which span_attention does not take: refused here, not at the first training step
+    lacking = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and not _declares_backend(m) and
+                    any(hasattr(part, "relative_attention_bias") for part in m.modules())), None)
+    if lacking is not None:
+        raise ValueError(_not_a_backend(lacking, holder=base))
     if not neo and getattr(base.config, "output_attentions", False) is True:
         # Transformers gives such a config eager attention, the one that returns the weights, and refuses to save it
         # under any other
@@ -362,14 +370,15 @@ def _not_plain(base: PreTrainedModel) -> str | None:
     return None
 
 
-def _not_a_backend(base: PreTrainedModel) -> str:
+def _not_a_backend(base: PreTrainedModel, holder: PreTrainedModel | None = None) -> str:
     """Why a model whose class does not set `_supports_attention_backend`, and whose attention is not plain, is refused
-    (it may call the registry all the same, as BART, Whisper and T5 do)."""
+    (it may call the registry all the same, as BART, Whisper and T5 do); `holder`: the composite model that holds it."""
     parts = [getattr(base.config, key, None) for key in getattr(base.config, "sub_configs", None) or {}]
     lacking = [type(m).__name__ for m in base.children() if isinstance(m, PreTrainedModel) and
                any(m.config is part for part in parts) and not m._supports_attention_backend]  # a composite's model
     holds = f" (it holds {', '.join(lacking)}, which does not)" if lacking else ""
-    return (f"{type(base).__name__}{holds} does not declare Transformers' attention-backend support (its class leaves "
+    name = f"{type(holder).__name__} holds {type(base).__name__}, which" if holder is not None else type(base).__name__
+    return (f"{name}{holds} does not declare Transformers' attention-backend support (its class leaves "
             "_supports_attention_backend False, the mark of models that pass every attention argument through to "
             "the registered attention function), and span gradients are attached to such a model only where its "
             f"attention is plain self-attention numbered by layer, but {_not_plain(base)}. Supported: {SUPPORTED}.")

@@ -7,6 +7,7 @@ config is the single source of truth: saving, loading and pushing a model carrie
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import warnings
@@ -130,15 +131,35 @@ def settings_for(module: torch.nn.Module) -> SpanAttentionConfig | None:
     if config is None:
         _note_default(model_config)
         config = SpanAttentionConfig()
+    elif not torch.compiler.is_compiling():
+        _follow_model_settings(module, model_config, config)
     if config.layers is not None and layer_index(module) not in config.layers:
         if layer_index(module) is None:
             logger.warning_once(
                 f"span_attention: {type(module).__name__} carries no layer index, so "
                 f"layers={shown(list(config.layers))} cannot select it and it keeps stock gradients; "
                 "hf_spanattn.patch_model numbers the layers of a model whose attention modules all carry none, as a "
-                "composite model's tower patched alone (patch_model(model.model.vision_tower, ..., layers=...)).")
+                "composite model's tower patched alone (patch_model(tower, ..., layers=...), the tower that holds "
+                f"the {type(module).__name__} modules, as LLaVA's model.model.vision_tower).")
         return None
     return config
+
+
+def _follow_model_settings(module: torch.nn.Module, model_config: Any, config: SpanAttentionConfig) -> None:
+    """A composite model's tower holds a copy of the model's settings on its sub-config (patch_model writes it, so
+    that the tower saved alone keeps them), while its layers read the model's: where those were set again by hand
+    (`model.config.span_attention = ...`), the copy follows, so that a save keeps what the tower trains with."""
+    tower = getattr(module, "config", None)
+    if tower is None or tower is model_config or not any(getattr(model_config, key, None) is tower
+                                        for key in getattr(model_config, "sub_configs", None) or {}):
+        return
+    section, copied = getattr(model_config, CONFIG_KEY), getattr(tower, CONFIG_KEY, None)
+    if copied is None and config.layers is not None and layer_index(module) is None or copied == section:
+        return
+    if config.layers is not None and layer_index(module) is None:  # `layers` leaves such a tower stock: no copy
+        delattr(tower, CONFIG_KEY)  # (given back by a module of the tower that carries an index, where it has one)
+    else:
+        setattr(tower, CONFIG_KEY, copy.deepcopy(section))
 
 
 # The model configs patch_model was given (by id, held weakly), and the modules of the models it patched: a model
