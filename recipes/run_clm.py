@@ -1075,7 +1075,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(model_args, data_args, span_args, training_args, stop_args, output_args, span, stop_callbacks) -> dict:
     all_args = (model_args, data_args, span_args, training_args, stop_args)
-    config = run_config(all_args, training_args.world_size)
+    config = run_config(all_args, training_args.world_size, mixed_precision(training_args))
     with training_args.main_process_first(desc="checking the output dir"):  # only the first moves or writes
         first = training_args.local_process_index == 0
         resume = resume_point(training_args.output_dir, config, training_args.resume_from_checkpoint,
@@ -1190,10 +1190,10 @@ def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> d
         "resumed_from": resumed_from,
         "world_size": training_args.world_size,
         "device": device_name(training_args.device),
-        "backend": backend_for(training_args.device.type, torch.bfloat16 if training_args.bf16
-                               else torch.float16 if training_args.fp16 else torch.float32),
+        "backend": backend_for(training_args.device.type, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            mixed_precision(training_args), torch.float32)),
         "early_stopping": early_stopping(trainer, stop_args),
-        "config": run_config(all_args, training_args.world_size),
+        "config": run_config(all_args, training_args.world_size, mixed_precision(training_args)),
     }
 
 
@@ -1211,12 +1211,21 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({platform.machine()})"
 
 
-def run_config(all_args, world_size: int | None) -> dict:
+def mixed_precision(training: TrainingArguments) -> str:
+    """The mixed precision the Trainer trains in: --bf16/--fp16, else Accelerate's (`accelerate launch
+    --mixed_precision` or its config file's mixed_precision, which reach the Trainer as ACCELERATE_MIXED_PRECISION
+    and not through --bf16)."""
+    return "bf16" if training.bf16 else "fp16" if training.fp16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+def run_config(all_args, world_size: int | None, precision: str | None = None) -> dict:
     """Everything that configures a run (run_identity.py says which parts make its result), the contents of its
-    data files and tokenizer included: a file edited between a run and its rerun makes another run."""
+    data files and tokenizer included: a file edited between a run and its rerun makes another run. `world_size` and
+    `precision` (`mixed_precision`) are the launcher's, None where not known."""
     model_args, data_args, span_args, training_args, stop_args = all_args
     return {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
             "training": training_args.to_dict(), "stopping": asdict(stop_args), "world_size": world_size,
+            "mixed_precision": precision,
             "data_sha256": input_digests(data_args),
             "hf_spanattn": hf_spanattn.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__}

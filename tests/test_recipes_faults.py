@@ -1062,6 +1062,21 @@ def test_a_data_file_or_tokenizer_edited_since_a_run_makes_another_run(edited, t
     assert run_identity.differences(first["config"], {**first["config"], "data_sha256": None}) == []  # older records
 
 
+@needs_data
+def test_a_run_launched_in_accelerates_mixed_precision_is_another_run_than_one_without(tmp_path, monkeypatch):
+    """accelerate launch with mixed_precision bf16 (flag or config file) trains in bf16 autocast without --bf16, so
+    a rerun without it into the same folder returned the bf16 run's metrics as its own, or resumed its checkpoint."""
+    start = pretrained(tmp_path / "start", "gpt2")
+    args = flags({**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start,
+                  "output_dir": tmp_path / "out", "use_cpu": True})
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what accelerate launch gives the process
+    bf16 = run_clm.main(args)
+    assert bf16["config"]["mixed_precision"] == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(ValueError, match=r"holds a run made with other settings \(mixed_precision: 'bf16' → 'no'\)"):
+        run_clm.main(args)
+
+
 @pytest.mark.parametrize("group,value,message", [
     ("data", "wikitext", "data='wikitext': expected an object of settings"),  # was: AttributeError, no file named
     ("span", {"span": "score:12"}, "alphas=(1.0, 2.0): expected 4 values"),
