@@ -1065,7 +1065,8 @@ def main(argv: list[str] | None = None) -> dict:
     stop_callbacks = stop_args.callbacks(training_args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
                         if training_args.should_log else logging.WARNING)
-    transformers.utils.logging.set_verbosity_warning()
+    # as the Trainer: --log_level (--log_level_replica on other processes), else TRANSFORMERS_VERBOSITY, else warnings
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     datasets.disable_progress_bars()  # the Trainer's bars are the ones to watch
     span = span_args.config()
     first = training_args.process_index == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -1060,6 +1061,22 @@ def test_a_data_file_or_tokenizer_edited_since_a_run_makes_another_run(edited, t
         run_clm.main(args)
     assert run_clm.main([*args, "--overwrite_output_dir"])["config"]["data_sha256"] != first["config"]["data_sha256"]
     assert run_identity.differences(first["config"], {**first["config"], "data_sha256": None}) == []  # older records
+
+
+@pytest.mark.parametrize("flag,level", [([], "INFO"), (["--log_level", "error"], "ERROR")])
+def test_transformers_logs_at_the_verbosity_the_user_set(flag, level, tmp_path, monkeypatch):
+    """TRANSFORMERS_VERBOSITY=info (which sets Transformers' verbosity when it is imported) gave no info logs:
+    run_clm.py set warnings only; --log_level wins over it, as in the Trainer."""
+    import transformers
+
+    before = transformers.utils.logging.get_verbosity()
+    monkeypatch.setattr(run_clm, "run", lambda *args: transformers.utils.logging.get_verbosity())
+    transformers.utils.logging.set_verbosity_info()
+    try:
+        during = run_clm.main(["--output_dir", str(tmp_path / "out"), *flag])
+    finally:
+        transformers.utils.logging.set_verbosity(before)
+    assert during == getattr(logging, level)
 
 
 @needs_data
