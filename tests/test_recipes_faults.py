@@ -2386,6 +2386,22 @@ def test_scripts_read_a_relative_data_folder_from_where_they_are_called(script, 
 
 
 @needs_data
+def test_compare_script_names_spanattn_data_where_it_holds_no_data(tmp_path):
+    """SPANATTN_DATA one folder off (../shared for ../shared/data) stopped in sweep.py with "--train_file
+    .../wikitext-2-v1/train.txt: no such file", naming a flag the user never gave."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "compare.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
+    for name in (".venv", "recipes"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "compare.sh"), "--dry_run"], capture_output=True,
+                          text=True, env={**os.environ, "SPANATTN_DATA": str(DATA.parent)})
+    assert done.returncode == 2 and done.stderr == (f"compare.sh: SPANATTN_DATA={DATA.parent} holds no wikitext-2-v1/"
+                                                    "train.txt: give the folder that holds wikitext-2-v1/ and "
+                                                    "gpt2-tokenizer/ (../shared/data, see its README.md)\n")
+
+
+@needs_data
 def test_compare_script_dry_run_lists_the_runs_and_reports_nothing(tmp_path):
     """After sweep.py's list of runs, report.py stopped the script with "runs/quick/runs: no such folder", exit 1."""
     (tmp_path / "scripts").mkdir()
