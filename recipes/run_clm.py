@@ -31,8 +31,9 @@ Several processes (DDP; 2 here, the global batch is the sum of the processes' ba
     accelerate launch --multi_gpu --num_processes 2 recipes/run_clm.py ...   # the same; --use_cpu true on CPUs
 
 On a machine without GPUs, `accelerate launch --num_processes 2` (without --multi_gpu, or with
---cpu) starts one process only. Sharded (FSDP2: fully_shard on each decoder layer, parameters
-resharded after the forward), on GPUs:
+--cpu) starts one process only, and so does a config file (--config_file) with distributed_type
+MULTI_CPU but no mpirun_hostfile: write distributed_type MULTI_GPU there and pass --use_cpu true.
+Sharded (FSDP2: fully_shard on each decoder layer, parameters resharded after the forward), on GPUs:
 
     torchrun --nproc_per_node 2 recipes/run_clm.py ... --fsdp --fsdp_config '{"fsdp_version": 2}'
 
