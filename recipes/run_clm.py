@@ -31,8 +31,9 @@ Several processes (DDP; 2 here, the global batch is the sum of the processes' ba
     accelerate launch --multi_gpu --num_processes 2 recipes/run_clm.py ...   # the same; --use_cpu true on CPUs
 
 On a machine without GPUs, `accelerate launch --num_processes 2` (without --multi_gpu, or with
---cpu) starts one process only. Sharded (FSDP2: fully_shard on each decoder layer, parameters
-resharded after the forward), on GPUs:
+--cpu) starts one process only, and so does a config file (--config_file) with distributed_type
+MULTI_CPU but no mpirun_hostfile: write distributed_type MULTI_GPU there and pass --use_cpu true.
+Sharded (FSDP2: fully_shard on each decoder layer, parameters resharded after the forward), on GPUs:
 
     torchrun --nproc_per_node 2 recipes/run_clm.py ... --fsdp --fsdp_config '{"fsdp_version": 2}'
 
@@ -1127,7 +1128,8 @@ def main(argv: list[str] | None = None) -> dict:
     stop_callbacks = stop_args.callbacks(training_args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
                         if training_args.should_log else logging.WARNING)
-    transformers.utils.logging.set_verbosity_warning()
+    # as the Trainer: --log_level (--log_level_replica on other processes), else TRANSFORMERS_VERBOSITY, else warnings
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     datasets.disable_progress_bars()  # the Trainer's bars are the ones to watch
     span = span_args.config()
     first = training_args.process_index == 0
@@ -1137,7 +1139,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(model_args, data_args, span_args, training_args, stop_args, output_args, span, stop_callbacks) -> dict:
     all_args = (model_args, data_args, span_args, training_args, stop_args)
-    config = run_config(all_args, training_args.world_size)
+    config = run_config(all_args, training_args.world_size, mixed_precision(training_args))
     with training_args.main_process_first(desc="checking the output dir"):  # only the first moves or writes
         first = training_args.local_process_index == 0
         resume = resume_point(training_args.output_dir, config, training_args.resume_from_checkpoint,
@@ -1252,10 +1254,10 @@ def summarize(trainer, train_result, span, all_args, seconds, resumed_from) -> d
         "resumed_from": resumed_from,
         "world_size": training_args.world_size,
         "device": device_name(training_args.device),
-        "backend": backend_for(training_args.device.type, torch.bfloat16 if training_args.bf16
-                               else torch.float16 if training_args.fp16 else torch.float32),
+        "backend": backend_for(training_args.device.type, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            mixed_precision(training_args), torch.float32)),
         "early_stopping": early_stopping(trainer, stop_args),
-        "config": run_config(all_args, training_args.world_size),
+        "config": run_config(all_args, training_args.world_size, mixed_precision(training_args)),
     }
 
 
@@ -1273,12 +1275,21 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({platform.machine()})"
 
 
-def run_config(all_args, world_size: int | None) -> dict:
+def mixed_precision(training: TrainingArguments) -> str:
+    """The mixed precision the Trainer trains in: --bf16/--fp16, else Accelerate's (`accelerate launch
+    --mixed_precision` or its config file's mixed_precision, which reach the Trainer as ACCELERATE_MIXED_PRECISION
+    and not through --bf16)."""
+    return "bf16" if training.bf16 else "fp16" if training.fp16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+def run_config(all_args, world_size: int | None, precision: str | None = None) -> dict:
     """Everything that configures a run (run_identity.py says which parts make its result), the contents of its
-    data files and tokenizer included: a file edited between a run and its rerun makes another run."""
+    data files and tokenizer included: a file edited between a run and its rerun makes another run. `world_size` and
+    `precision` (`mixed_precision`) are the launcher's, None where not known."""
     model_args, data_args, span_args, training_args, stop_args = all_args
     return {"model": asdict(model_args), "data": asdict(data_args), "span": asdict(span_args),
             "training": training_args.to_dict(), "stopping": asdict(stop_args), "world_size": world_size,
+            "mixed_precision": precision,
             "data_sha256": input_digests(data_args),
             "hf_spanattn": hf_spanattn.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__}

@@ -33,7 +33,7 @@ from hf_spanattn.training.diagnostics_file import process_start
 
 RUN_CONFIG = "run_config.json"
 # recorded by some runs only (earlier ones lack them): compared only where both runs hold them
-RECORDED_BY_SOME = ("world_size", "data_sha256")
+RECORDED_BY_SOME = ("world_size", "data_sha256", "mixed_precision")
 # TrainingArguments that do not change what a run computes
 NOT_IDENTITY = {
     "output_dir", "overwrite_output_dir", "run_name", "resume_from_checkpoint", "disable_tqdm", "report_to",
@@ -245,8 +245,8 @@ def identity(config: dict) -> dict:
 
 
 def differences(saved: dict, wanted: dict, limit: int = 6) -> list[str]:
-    """'group.key: saved → wanted' for each setting that differs (world_size and the data files' contents only
-    where both record them)."""
+    """'group.key: saved → wanted' for each setting that differs (world_size, mixed_precision and the data files'
+    contents only where both record them)."""
     a, b = identity(saved), identity(wanted)
     for key in RECORDED_BY_SOME:
         if key not in a or key not in b:

@@ -13,6 +13,10 @@ bash scripts/setup.sh
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package, not one a PYTHONPATH holds
 args=()
 if [ -n "${SPANATTN_DATA:-}" ]; then
+    for part in wikitext-2-v1/train.txt wikitext-2-v1/validation.txt gpt2-tokenizer; do
+        [ -e "$SPANATTN_DATA/$part" ] || { echo "compare.sh: SPANATTN_DATA=$SPANATTN_DATA holds no $part: give the" \
+            "folder that holds wikitext-2-v1/ and gpt2-tokenizer/ (../shared/data, see its README.md)" >&2; exit 2; }
+    done
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
     args+=(--train_file "$SPANATTN_DATA/wikitext-2-v1/train.txt"
            --validation_file "$SPANATTN_DATA/wikitext-2-v1/validation.txt"

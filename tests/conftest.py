@@ -16,6 +16,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)
+def environment_as_before():
+    """os.environ as it was before the test: Transformers 4's TrainingArguments writes ACCELERATE_USE_FSDP, FSDP_*
+    and ACCELERATE_MIXED_PRECISION into it, which every later Trainer of the process reads (an FSDP plugin that
+    cannot start on a CPU; bf16 autocast where a run asked for none)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
 def backward_parts_at_any_size(monkeypatch):
     """The backward pass in parts also at the tests' small batches, where it takes them whole
     (`tile_engine._MIN_PART`), so that its parts and their joining show there; `monkeypatch.undo()` in a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -1060,6 +1061,37 @@ def test_a_data_file_or_tokenizer_edited_since_a_run_makes_another_run(edited, t
         run_clm.main(args)
     assert run_clm.main([*args, "--overwrite_output_dir"])["config"]["data_sha256"] != first["config"]["data_sha256"]
     assert run_identity.differences(first["config"], {**first["config"], "data_sha256": None}) == []  # older records
+
+
+@pytest.mark.parametrize("flag,level", [([], "INFO"), (["--log_level", "error"], "ERROR")])
+def test_transformers_logs_at_the_verbosity_the_user_set(flag, level, tmp_path, monkeypatch):
+    """TRANSFORMERS_VERBOSITY=info (which sets Transformers' verbosity when it is imported) gave no info logs:
+    run_clm.py set warnings only; --log_level wins over it, as in the Trainer."""
+    import transformers
+
+    before = transformers.utils.logging.get_verbosity()
+    monkeypatch.setattr(run_clm, "run", lambda *args: transformers.utils.logging.get_verbosity())
+    transformers.utils.logging.set_verbosity_info()
+    try:
+        during = run_clm.main(["--output_dir", str(tmp_path / "out"), *flag])
+    finally:
+        transformers.utils.logging.set_verbosity(before)
+    assert during == getattr(logging, level)
+
+
+@needs_data
+def test_a_run_launched_in_accelerates_mixed_precision_is_another_run_than_one_without(tmp_path, monkeypatch):
+    """accelerate launch with mixed_precision bf16 (flag or config file) trains in bf16 autocast without --bf16, so
+    a rerun without it into the same folder returned the bf16 run's metrics as its own, or resumed its checkpoint."""
+    start = pretrained(tmp_path / "start", "gpt2")
+    args = flags({**SMALL, **data_files(tmp_path / "data", "txt"), "model_name_or_path": start,
+                  "output_dir": tmp_path / "out", "use_cpu": True})
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what accelerate launch gives the process
+    bf16 = run_clm.main(args)
+    assert bf16["config"]["mixed_precision"] == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(ValueError, match=r"holds a run made with other settings \(mixed_precision: 'bf16' → 'no'\)"):
+        run_clm.main(args)
 
 
 @pytest.mark.parametrize("group,value,message", [
@@ -2351,6 +2383,22 @@ def test_scripts_read_a_relative_data_folder_from_where_they_are_called(script, 
     else:
         assert (repo / ".data" / "wikitext-2-v1" / "train.txt").stat().st_size == (DATA / "wikitext-2-v1" /
                                                                                    "train.txt").stat().st_size
+
+
+@needs_data
+def test_compare_script_names_spanattn_data_where_it_holds_no_data(tmp_path):
+    """SPANATTN_DATA one folder off (../shared for ../shared/data) stopped in sweep.py with "--train_file
+    .../wikitext-2-v1/train.txt: no such file", naming a flag the user never gave."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "compare.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
+    for name in (".venv", "recipes"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "compare.sh"), "--dry_run"], capture_output=True,
+                          text=True, env={**os.environ, "SPANATTN_DATA": str(DATA.parent)})
+    assert done.returncode == 2 and done.stderr == (f"compare.sh: SPANATTN_DATA={DATA.parent} holds no wikitext-2-v1/"
+                                                    "train.txt: give the folder that holds wikitext-2-v1/ and "
+                                                    "gpt2-tokenizer/ (../shared/data, see its README.md)\n")
 
 
 @needs_data

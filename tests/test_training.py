@@ -241,6 +241,51 @@ def test_no_warning_from_the_package_under_trainer_torch_compile(tmp_path, caplo
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_a_model_patched_after_the_trainer_made_it_with_model_init_says_that_train_makes_it_anew(tmp_path):
+    """With model_init, `train` makes the model anew: the model the Trainer held, patched after the Trainer was made,
+    was dropped for an unpatched one without a word. A model_init that patches, and a search's trials (each with
+    settings of its own), train as they are."""
+    quick = args(tmp_path, max_steps=1, save_strategy="no", gradient_accumulation_steps=1)
+    trainer = Trainer(model_init=lambda: tiny("gpt2"), args=quick, train_dataset=Tokens(4))
+    patch_model(trainer.model, "score:1100", layers=[1])
+    with pytest.warns(UserWarning, match=r"makes its model anew with model_init .* trains with the standard gradient "
+                                         r"\(the model is not patched\), but the model it held trained with score:1100 "
+                                         r"on layers \[1\]: .* hf_spanattn.patch_model\(make_model\(\), 'score:1100', "
+                                         r"layers=\[1\]\)"):
+        trainer.train()
+    assert config_of(trainer.model.config) is None  # the stock Trainer's model: trained unpatched
+    assert len(trainer.callback_handler.callbacks) == len(Trainer(model=tiny("gpt2"), args=quick).callback_handler
+                                                         .callbacks)  # the check leaves no callback behind
+    trainer = Trainer(model_init=lambda: patch_model(tiny("gpt2"), "score:1000"), args=quick, train_dataset=Tokens(4))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*model_init")
+        trainer.train()
+    assert config_of(trainer.model.config) == SpanAttentionConfig.from_label("score:1000")
+
+
+def test_each_trial_of_a_hyperparameter_search_trains_with_the_settings_its_model_init_gives(tmp_path):
+    pytest.importorskip("optuna")
+    from transformers import TrainerCallback
+
+    labels = ["score:1000", "score:1100", "standard:QKV111"]
+    trained = []
+
+    class Settings(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            trained.append(config_of(model.config).label)
+
+    def model_init(trial):
+        return patch_model(tiny("gpt2"), labels[0] if trial is None else trial.suggest_categorical("span", labels))
+
+    trainer = Trainer(model_init=model_init, args=args(tmp_path, max_steps=1, save_strategy="no"),
+                      train_dataset=Tokens(4), eval_dataset=Tokens(2, seed=1), callbacks=[Settings()])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*model_init")  # the trials' settings differ by design
+        best = trainer.hyperparameter_search(direction="minimize", backend="optuna", n_trials=3,
+                                             hp_space=lambda trial: {})
+    assert len(trained) == 3 and set(trained) <= set(labels) and best.hyperparameters["span"] in labels
+
+
 @pytest.mark.slow
 def test_a_data_parallel_run_whose_ranks_differ_is_refused_on_every_rank(tmp_path):
     """2 gloo processes: a model patched on one rank only (the other imports hf_spanattn before the Trainer and

@@ -172,15 +172,20 @@ def from_rank_zero(subject: str, said: str) -> str:
     return store.get(key).decode()
 
 
-def _settings_of(trainer: Any) -> str:
-    """The description of the span settings `trainer`'s model trains with, for `same_on_every_rank`."""
+def _config_of(trainer: Any) -> SpanAttentionConfig | None:
+    """The span settings `trainer`'s model trains with (None: not patched)."""
     from hf_spanattn.integration.patch import base_model
 
     try:
         base = base_model(trainer.model, "Trainer.train")
     except TypeError:  # not a Transformers model: nothing patched
-        base = None
-    current = config_of(base.config) if base is not None and is_patched(base) else None
+        return None
+    return config_of(base.config) if is_patched(base) else None
+
+
+def _settings_of(trainer: Any) -> str:
+    """The description of the span settings `trainer`'s model trains with, for `same_on_every_rank`."""
+    current = _config_of(trainer)
     return _described(current) if current else _STOCK
 
 
@@ -205,6 +210,34 @@ def settings_not_in_force(trainer: Any) -> None:
                       "them.", stacklevel=user_stacklevel())
 
 
+def watch_model_init(trainer: Any) -> Any:
+    """Where the Trainer has a `model_init`, `train` replaces the model it holds by a new one from `model_init`: a
+    callback (added to `trainer`, to remove after training) that warns at the start of training where the new model
+    trains with other settings than the one held (patched after the Trainer was made, say); None without one."""
+    from transformers import TrainerCallback
+
+    if getattr(trainer, "model_init", None) is None:
+        return None
+    held = _config_of(trainer)
+
+    class ModelInitCheck(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            now = _config_of(trainer)
+            if now == held:
+                return
+            layers = f", layers={list(held.layers)}" if held and held.layers is not None else ""
+            how = (f"patch it inside model_init: model_init=lambda: hf_spanattn.patch_model(make_model(), "
+                   f"{held.label!r}{layers})" if held else "leave it unpatched in model_init")
+            warnings.warn(f"Trainer.train: the Trainer makes its model anew with model_init at the start of "
+                          f"training, and that model trains with {_described(now) if now else _STOCK}, but the "
+                          f"model it held trained with {_described(held) if held else _STOCK}: the new model's "
+                          f"settings win. To train with the held model's, {how}.", stacklevel=user_stacklevel())
+
+    callback = ModelInitCheck()
+    trainer.add_callback(callback)
+    return callback
+
+
 def install() -> None:
     """Wrap `Trainer.train` once, calling it through unchanged after the check."""
     from transformers import Trainer
@@ -217,14 +250,20 @@ def install() -> None:
     @functools.wraps(train)
     def checked_train(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            resume = signature.bind(self, *args, **kwargs).arguments.get("resume_from_checkpoint")
+            bound = signature.bind(self, *args, **kwargs).arguments
         except TypeError:  # the Trainer's own error for its arguments
-            resume = None
+            bound = {}
+        resume = bound.get("resume_from_checkpoint")
         same_on_every_rank("span attention settings", _settings_of(self), _STOCK)
         settings_not_in_force(self)
         if resume is not None and resume is not False:
             check(self, resume)
-        return train(self, *args, **kwargs)
+        watching = watch_model_init(self) if bound.get("trial") is None else None  # a search's trials differ
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            if watching is not None:
+                self.remove_callback(watching)
 
     setattr(checked_train, _WRAPPED, True)
     Trainer.train = checked_train
