@@ -665,6 +665,21 @@ def test_rows_of_left_padding_in_the_loss_give_the_stock_gradients_under_uniform
             assert rel(q.grad, p.grad) < 1e-6, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_standard_rule_under_a_padding_mask_gives_the_stock_gradients_bit_for_bit(dtype):
+    """Under a mask Transformers repeats the grouped-query heads of K and V for SDPA; the standard rule makes the
+    same call, so its gradients (and a half-precision run that follows them) are the stock model's exactly."""
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    stock = tiny("llama").to(dtype)
+    patched = patch_model(copy.deepcopy(stock), "standard:QKV111")
+    for model in (stock, patched):
+        model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    for (name, p), q in zip(stock.named_parameters(), patched.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neo"])
 def test_a_backward_pass_inside_bf16_autocast_gives_the_gradients_of_one_outside(family):
     """The span rule's work runs in float32 whether loss.backward() is called inside the autocast region (a

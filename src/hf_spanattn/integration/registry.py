@@ -27,6 +27,7 @@ from hf_spanattn.integration import packing
 from hf_spanattn.integration.model_layers import layer_index
 from hf_spanattn.integration.stored import CONFIG_KEY, check_once, config_of
 from hf_spanattn.ops.attention import requires_grad, span_attention
+from hf_spanattn.ops.backward import with_scaled_grads
 from hf_spanattn.ops.inputs import attended, shown, user_stacklevel
 
 ATTN_IMPLEMENTATION = "span_attention"
@@ -323,14 +324,21 @@ def span_attention_forward(
     if config is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    if kwargs.get("output_attentions", False):  # as Transformers' SDPA attention does
-        logger.warning_once(f"`{ATTN_IMPLEMENTATION}` attention does not support `output_attentions=True` "
-                            "(as `sdpa`); the attention weights are not returned.")
     for unsupported in ("softcap", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"span_attention does not support {unsupported!r} "
                                       f"(attention of {type(module).__name__})")
     q_length, k_length = query.shape[2], key.shape[2]
+    probe = getattr(module, PROBE_ATTR, None) if q_length == k_length else None  # diagnostics: self-attention
+    if config.method == "standard" and probe is None:
+        # the stock call itself (Transformers repeats grouped-query heads under a mask, where SDPA's enable_gqa
+        # would sum dK, dV in another order and leave CUDA's fused kernels), each gradient times its α
+        query, key, value = with_scaled_grads((query, key, value), config.qkv_alphas)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if kwargs.get("output_attentions", False):  # as Transformers' SDPA attention does
+        logger.warning_once(f"`{ATTN_IMPLEMENTATION}` attention does not support `output_attentions=True` "
+                            "(as `sdpa`); the attention weights are not returned.")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # a StaticCache's first forward under autograd (read only there: the mask's check waits for the device)
     if q_length < k_length and torch.is_grad_enabled() and unfilled_slots_only(attention_mask, q_length, is_causal):
@@ -341,7 +349,6 @@ def span_attention_forward(
         # SDPA's causal flag only without a mask (Transformers 4 passes a flag it is given to SDPA as it is)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=bool(q_length > 1 and attention_mask is None and is_causal), **kwargs)
-    probe = getattr(module, PROBE_ATTR, None) if q_length == k_length else None  # diagnostics: self-attention
     docs = documents_of(query, attention_mask, is_causal, kwargs) if splits_documents(config, probe, q_length,
                                                                                       k_length) else None
     if docs is not None:  # a packed batch: each document alone, in a padded batch of documents
