@@ -27,7 +27,6 @@ from hf_spanattn.integration import packing
 from hf_spanattn.integration.model_layers import layer_index
 from hf_spanattn.integration.stored import CONFIG_KEY, check_once, config_of
 from hf_spanattn.ops.attention import requires_grad, span_attention
-from hf_spanattn.ops.backward import with_scaled_grads
 from hf_spanattn.ops.inputs import attended, shown, user_stacklevel
 
 ATTN_IMPLEMENTATION = "span_attention"
@@ -330,10 +329,9 @@ def span_attention_forward(
                                       f"(attention of {type(module).__name__})")
     q_length, k_length = query.shape[2], key.shape[2]
     probe = getattr(module, PROBE_ATTR, None) if q_length == k_length else None  # diagnostics: self-attention
-    if config.method == "standard" and probe is None:
-        # the stock call itself (Transformers repeats grouped-query heads under a mask, where SDPA's enable_gqa
-        # would sum dK, dV in another order and leave CUDA's fused kernels), each gradient times its α
-        query, key, value = with_scaled_grads((query, key, value), config.qkv_alphas)
+    if config.method == "standard" and config.qkv_alphas == (1.0, 1.0, 1.0) and probe is None:
+        # the stock call itself: Transformers repeats grouped-query heads under a mask, where SDPA's enable_gqa
+        # would sum dK, dV in another order (and leave CUDA's fused kernels)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     if kwargs.get("output_attentions", False):  # as Transformers' SDPA attention does
