@@ -586,6 +586,23 @@ def test_float64_inside_autocast_runs_in_float64_as_sdpa(grad):
             span_attention(inputs[0], *(x.float().requires_grad_(grad) for x in inputs[1:]), config=EXACT)
 
 
+@pytest.mark.parametrize("backend", ["tiles", "fused"])
+def test_a_mask_in_the_other_half_dtype_inside_autocast_is_cast_as_sdpa_casts_it(backend):
+    """Autocast casts a float mask to its dtype for SDPA (float16 under bfloat16 autocast): the same result as the
+    mask given in that dtype; a float64 mask stays float64 there, and SDPA's refusal names the dtypes."""
+    inputs = [x.float() for x in qkv().values()]
+    mask = left_padding(-1e4).to(torch.float16)
+    d_out = torch.randn(2, 2, 6, 4, generator=torch.Generator().manual_seed(7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sdpa(dict(zip(QKV, inputs), attn_mask=mask))  # SDPA takes it
+        got, want = (_run(inputs, d_out, span_attention, attn_mask=m, config="score:1000", backend=backend)
+                     for m in (mask, mask.to(torch.bfloat16)))
+        for a, b in zip((got[0], *got[1]), (want[0], *want[1])):
+            assert torch.equal(a, b)
+        with pytest.raises(ValueError, match="attn_mask must be bool.*got torch.float64"):
+            span_attention(*inputs, attn_mask=mask.double(), config="score:1000")
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")  # torch's, from inside SDPA
 def test_nested_tensors_get_sdpas_result_or_say_span_gradients_need_dense_ones():
     """Ragged (jagged nested) batches: SDPA's output without autograd and under the standard rule (with its

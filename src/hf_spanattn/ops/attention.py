@@ -110,6 +110,8 @@ def span_attention(
     device, dtype = query.device.type, layout.dtype  # as SDPA under autocast: its dtype, float64 left as it is
     backend = _backend(backend, dtype, device, probe)  # checked with or without autograd
     dropout_p, scale = layout.dropout_p, layout.scale
+    if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype not in (torch.float32, dtype):
+        attn_mask = attn_mask.to(dtype)  # another half dtype, which autocast casts for SDPA
     if is_causal and scale is not None and not scale > 0:
         # SDPA's CPU flash kernel gives NaN rows for is_causal under a scale ≤ 0; its math kernel, and every
         # kernel with the causal mask given explicitly, the softmax of the scaled scores

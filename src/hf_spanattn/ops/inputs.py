@@ -227,7 +227,8 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             raise TypeError(f"span_attention: attn_mask must be a dense tensor (as in SDPA), got layout "
                             f"{attn_mask.layout}")
         allowed = {torch.bool, torch.float32, query.dtype, dtypes[0]}
-        if attn_mask.dtype not in allowed:
+        cast = attn_mask.is_floating_point() and run_dtype(attn_mask) == dtypes[0]  # by autocast, as for SDPA
+        if attn_mask.dtype not in allowed and not cast:
             raise ValueError(f"span_attention: attn_mask must be bool (True = attend) or an additive float mask in "
                              f"{' or '.join(sorted({str(d) for d in allowed - {torch.bool}}))}, "
                              f"got {attn_mask.dtype}")
