@@ -58,7 +58,8 @@ def span_attention(
     attention always works; `enable_gqa` is accepted for SDPA compatibility). As in SDPA, inputs
     may have other numbers of batch dimensions (2-D and 3-D included) and broadcast over them;
     a broadcast input's gradient sums over its copies. `attn_mask` is a bool mask (True = attend)
-    or an additive float mask (in float32 or the query's dtype), broadcastable to (B, H_q, T, S).
+    or an additive float mask (in float32 or the query's dtype; under autocast also a half dtype, cast to
+    autocast's as for SDPA), broadcastable to (B, H_q, T, S).
     Spans are per (batch, key/value head), over the key positions that at least one query may
     attend to; a float mask's entry counts as masked there at or below `MASKED_AT` = −1e4 (as
     the bool mask's False). The forward output is SDPA's in every row, also where a row attends
