@@ -384,7 +384,7 @@ def _not_a_backend(base: PreTrainedModel, holder: PreTrainedModel | None = None)
     holds = f" (it holds {', '.join(lacking)}, which does not)" if lacking else ""
     name = f"{type(holder).__name__} holds {type(base).__name__}, which" if holder is not None else type(base).__name__
     # a vision-language model whose language model is plain while its vision tower is not (Qwen3.5)
-    alone = [(path, m) for path, m in structure.tower_paths(base).values() if _declares_backend(m)]
+    alone = [(path, m) for path, m in structure.tower_paths(base).values() if holder is None and _declares_backend(m)]
     towers = "".join(f"; its tower {path} ({type(m).__name__}) can be patched alone: patch_model(model.{path}, ...)"
                      for path, m in alone)
     return (f"{name}{holds} does not declare Transformers' attention-backend support (its class leaves "
