@@ -306,3 +306,49 @@ def test_an_attention_module_serving_several_layers_is_refused():
     stock.model.layers[3].self_attn = stock.model.layers[1].self_attn
     with pytest.raises(ValueError, match=r"its attention module model\.layers\.3\.self_attn serves several layers"):
         patch_model(stock, "score:1000")
+
+
+def test_an_attention_passing_a_position_bias_is_refused_by_patch_model():
+    """Inkling's attention hands the attention function its learned relative position bias (`position_bias=`),
+    which span_attention does not take: the model was patched and failed at its first training step; patch_model
+    refuses it, naming the module and the argument."""
+    pytest.importorskip("transformers.models.inkling", reason="Inkling is not in this Transformers")
+    from transformers.models.inkling.configuration_inkling import InklingTextConfig
+    from transformers.models.inkling.modeling_inkling import InklingForCausalLM
+
+    config = InklingTextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                               head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+                               sliding_window_size=8, d_rel=4, rel_extent=16, intermediate_size=64,
+                               moe_intermediate_size=16, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+                               vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ValueError, match=r"InklingForCausalLM does not declare .* its attention module "
+                                         r"model\.layers\.0\.self_attn passes the attention function a relative "
+                                         r"position bias \('position_bias'\)"):
+        patch_model(InklingForCausalLM(config), "score:1000")
+
+
+def test_a_vision_language_model_refused_for_its_vision_tower_names_the_tower_to_patch_alone():
+    """Qwen3.5's vision blocks carry no layer index, so the whole model is refused; its language model is plain
+    self-attention, and the error says to patch that tower alone, which then trains as stock under standard:QKV111."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+                vocab_size=VOCAB, max_position_embeddings=64, head_dim=8, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=4,
+                  num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
+    torch.manual_seed(0)
+    stock = Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    model = copy.deepcopy(stock)
+    with pytest.raises(ValueError, match=r"model\.visual\.blocks\.0\.attn carries no layer index; its tower "
+                                         r"model\.language_model \(Qwen3_5TextModel\) can be patched alone: "
+                                         r"patch_model\(model\.model\.language_model, \.\.\.\)"):
+        patch_model(model, "standard:QKV111")
+    patch_model(model.model.language_model, "standard:QKV111")
+    ids = tokens()
+    logits, expected = grads(stock, ids)
+    patched_logits, got = grads(model, ids)
+    assert rel(patched_logits, logits) < 1e-12
+    assert all(rel(got[n], expected[n]) < 1e-10 for n in expected)

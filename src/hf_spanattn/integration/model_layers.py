@@ -78,6 +78,16 @@ def calls_the_registry(module: torch.nn.Module) -> bool:
     return _reaches_registry(inspect.unwrap(type(module).forward), type(module), helpers=True)
 
 
+def passes_argument(module: torch.nn.Module, name: str) -> bool:
+    """Whether the module's forward passes the keyword argument `name` to a call (Inkling's attention hands the
+    registered attention function its relative position bias as `position_bias=`)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    codes = [code] if code is not None else []
+    for inner in codes:
+        codes += [c for c in inner.co_consts if inspect.iscode(c)]
+    return any(isinstance(c, tuple) and name in c for inner in codes for c in inner.co_consts)
+
+
 @functools.cache
 def _reaches_registry(function: Any, owner: type, helpers: bool) -> bool:
     code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})

@@ -31,6 +31,7 @@ from hf_spanattn.integration.model_layers import (
     calls_the_registry,
     layer_count,
     layer_index,
+    passes_argument,
 )
 from hf_spanattn.integration.registry import (
     ATTN_IMPLEMENTATION,
@@ -351,7 +352,7 @@ def _not_plain(base: PreTrainedModel) -> str | None:
     """What keeps the attention of `base` from plain self-attention numbered by layer, which span_attention takes
     whatever the model's class declares: a module that calls the registry as cross-attention, or without a layer
     index (Zamba's attention, shared by several layers; a vision tower's) or serving several layers, or a learned
-    position bias (T5's); None where nothing does."""
+    position bias (T5's; Inkling's, handed to the attention function); None where nothing does."""
     calling = [(path, m) for path, m in base.named_modules(remove_duplicate=False) if calls_the_registry(m)]
     if not calling:
         return "none of its modules calls Transformers' attention registry"
@@ -367,6 +368,10 @@ def _not_plain(base: PreTrainedModel) -> str | None:
     if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind
         return ("its attention also adds a learned relative position bias ('position_bias'), which span_attention "
                 "does not take")
+    biased = next((path for path, module in calling if passes_argument(module, "position_bias")), None)
+    if biased is not None:  # Inkling's, computed in the forward; SDPA would drop it
+        return (f"its attention module {biased} passes the attention function a relative position bias "
+                "('position_bias'), which span_attention does not take")
     return None
 
 
@@ -378,10 +383,15 @@ def _not_a_backend(base: PreTrainedModel, holder: PreTrainedModel | None = None)
                any(m.config is part for part in parts) and not m._supports_attention_backend]  # a composite's model
     holds = f" (it holds {', '.join(lacking)}, which does not)" if lacking else ""
     name = f"{type(holder).__name__} holds {type(base).__name__}, which" if holder is not None else type(base).__name__
+    # a vision-language model whose language model is plain while its vision tower is not (Qwen3.5)
+    alone = [(path, m) for path, m in structure.tower_paths(base).values() if holder is None and _declares_backend(m)]
+    towers = "".join(f"; its tower {path} ({type(m).__name__}) can be patched alone: patch_model(model.{path}, ...)"
+                     for path, m in alone)
     return (f"{name}{holds} does not declare Transformers' attention-backend support (its class leaves "
             "_supports_attention_backend False, the mark of models that pass every attention argument through to "
             "the registered attention function), and span gradients are attached to such a model only where its "
-            f"attention is plain self-attention numbered by layer, but {_not_plain(base)}. Supported: {SUPPORTED}.")
+            f"attention is plain self-attention numbered by layer, but {_not_plain(base)}{towers}. "
+            f"Supported: {SUPPORTED}.")
 
 
 def _default_settings(model_config: Any) -> SpanAttentionConfig:
