@@ -81,20 +81,23 @@ def calls_the_registry(module: torch.nn.Module) -> bool:
 def passes_argument(module: torch.nn.Module, name: str) -> bool:
     """Whether the module's forward passes the keyword argument `name` to a call (Inkling's attention hands the
     registered attention function its relative position bias as `position_bias=`)."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    codes = _codes(inspect.unwrap(type(module).forward))
+    return any(isinstance(c, tuple) and name in c for inner in codes for c in inner.co_consts)
+
+
+def _codes(function: Any) -> list:
+    """The code of `function`, and of its lambdas, comprehensions and nested functions."""
+    code = getattr(function, "__code__", None)
     codes = [code] if code is not None else []
     for inner in codes:
         codes += [c for c in inner.co_consts if inspect.iscode(c)]
-    return any(isinstance(c, tuple) and name in c for inner in codes for c in inner.co_consts)
+    return codes
 
 
 @functools.cache
 def _reaches_registry(function: Any, owner: type, helpers: bool) -> bool:
-    code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})
-    codes = [code] if code is not None else []
-    for inner in codes:  # and the code of its lambdas, comprehensions and nested functions
-        codes += [c for c in inner.co_consts if inspect.iscode(c)]
-    names = {name for inner in codes for name in inner.co_names}
+    scope = getattr(function, "__globals__", {})
+    names = {name for inner in _codes(function) for name in inner.co_names}
     if "ALL_ATTENTION_FUNCTIONS" in names or any(scope.get(name) is ALL_ATTENTION_FUNCTIONS for name in names):
         return True
     called = (scope.get(name) or inspect.getattr_static(owner, name, None) for name in names) if helpers else ()
