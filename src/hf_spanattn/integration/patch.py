@@ -169,10 +169,10 @@ def _refuse_unpatchable(base: PreTrainedModel, config: SpanAttentionConfig, neo:
     selection it cannot apply, and modules that another patched model runs under other settings."""
     if not neo and not _declares_backend(base):
         raise ValueError(_not_a_backend(base))
-    # a composite's tower that does not declare it and whose attention adds T5's learned position bias (BLIP-2 around
-    # T5), which span_attention does not take: refused here, not at the first training step
+    # a composite's tower that does not declare it and whose attention adds a position bias (BLIP-2 around T5), which
+    # span_attention does not take: refused here, not at the first training step
     lacking = next((m for m in base.modules() if isinstance(m, PreTrainedModel) and not _declares_backend(m) and
-                    any(hasattr(part, "relative_attention_bias") for part in m.modules())), None)
+                    _position_bias(m) is not None), None)
     if lacking is not None:
         raise ValueError(_not_a_backend(lacking, holder=base))
     if not neo and getattr(base.config, "output_attentions", False) is True:
@@ -365,12 +365,18 @@ def _not_plain(base: PreTrainedModel) -> str | None:
         if id(module) in seen:
             return f"its attention module {path} serves several layers"
         seen.add(id(module))
+    return _position_bias(base)
+
+
+def _position_bias(base: PreTrainedModel) -> str | None:
+    """What in `base` adds a learned relative position bias to its attention, which span_attention does not take:
+    T5's modules, or an attention module handing it to the attention function (Inkling's); None where nothing does."""
     if any(hasattr(m, "relative_attention_bias") for m in base.modules()):  # T5 and its kind
         return ("its attention also adds a learned relative position bias ('position_bias'), which span_attention "
                 "does not take")
-    biased = next((path for path, module in calling if passes_argument(module, "position_bias")), None)
-    if biased is not None:  # Inkling's, computed in the forward; SDPA would drop it
-        return (f"its attention module {biased} passes the attention function a relative position bias "
+    biased = [path for path, m in base.named_modules() if calls_the_registry(m) and passes_argument(m, "position_bias")]
+    if biased:  # Inkling's, computed in the forward; SDPA would drop it
+        return (f"its attention module {biased[0]} passes the attention function a relative position bias "
                 "('position_bias'), which span_attention does not take")
     return None
 

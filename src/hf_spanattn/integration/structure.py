@@ -173,19 +173,18 @@ def refuse_layers_without_attention(base: PreTrainedModel, layers: Any, what: st
     a layer removed from the model (its config still counting it), or a hybrid model's convolution or state-space
     layer, which carries a layer index too."""
     present = attention_modules(base)
-    attending = set(present)
     cross = {m for path, m in base.named_modules() if under_cross_attention(path) or registry.is_cross_attention(m)}
-    calling = {i: [m for m in present.get(i, ()) if calls_the_registry(m)] for i in attending}
-    crossing = {i for i in attending if calling[i] and all(m in cross for m in calling[i])}  # SDPA's gradient
-    absent = [i for i in layers if i not in attending or i in crossing]
+    calling = {i: [m for m in modules if calls_the_registry(m)] for i, modules in present.items()}
+    crossing = {i for i in present if calling[i] and all(m in cross for m in calling[i])}  # SDPA's gradient
+    absent = [i for i in layers if i not in present or i in crossing]
     if absent if every else len(absent) == len(layers):
         only_cross = [i for i in absent if i in crossing]
         if only_cross:
             raise ValueError(f"{what}: layer {shown(only_cross)[1:-1]} of {type(base).__name__} holds cross-attention "
                              "only, which keeps SDPA's gradient (span rules need self-attention); its self-attention "
-                             f"modules carry the layer indices {shown(sorted(attending - crossing))[1:-1]}")
+                             f"modules carry the layer indices {shown(sorted(set(present) - crossing))[1:-1]}")
         raise ValueError(f"{what}: {type(base).__name__} has no attention module of layer {shown(absent)[1:-1]}; its "
-                         f"attention modules carry the layer indices {shown(sorted(attending))[1:-1]}")
+                         f"attention modules carry the layer indices {shown(sorted(present))[1:-1]}")
 
 
 def under_cross_attention(path: str) -> bool:
